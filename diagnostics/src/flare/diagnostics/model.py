@@ -1,0 +1,113 @@
+"""The diagnostics data model: what detectors read and what they return.
+
+Detectors are pure functions `detect(job: JobData, config: DiagnosisConfig) ->
+list[Anomaly]`: columnar spans in, anomalies out, no I/O. Backends (the embedded
+store, Jaeger, Tempo, a Kineto import) fill a `JobData`; reports render `Anomaly`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from flare.instrumentation import semconv
+
+KINDS = semconv.ANOMALY_KINDS
+CAUSES = semconv.CAUSES
+
+
+@dataclasses.dataclass
+class Anomaly:
+    """One labelled anomaly; `to_json()` is the ARCHITECTURE §5 contract."""
+
+    kind: str
+    ranks: list[int]
+    cause: str
+    first_step: int | None
+    last_step: int | None
+    impact: float  # share of job time lost, 0..1
+    confidence: float  # 0..1
+    summary: str
+    callsite: str | None = None
+    evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trace_ids: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown anomaly kind {self.kind!r}")
+        if self.cause not in CAUSES:
+            raise ValueError(f"unknown cause {self.cause!r}")
+
+    @property
+    def key(self) -> str:
+        """Stable identity: the same problem found twice (e.g. by --follow) has one key."""
+        raw = f"{self.kind}|{','.join(map(str, sorted(self.ranks)))}|{self.cause}|{self.first_step}"
+        return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "ranks": sorted(int(r) for r in self.ranks),
+            "cause": self.cause,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "impact": round(float(self.impact), 4),
+            "confidence": round(float(self.confidence), 4),
+            "callsite": self.callsite,
+            "summary": self.summary,
+            "evidence": json.loads(json.dumps(self.evidence, default=_jsonable)),
+            "trace_ids": list(self.trace_ids),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+class JobData(Protocol):
+    """Columnar access to one job's spans, whatever backend holds them.
+
+    Every table returned follows the store's span schema
+    (`flare.exporters.store.SPAN_SCHEMA`) plus, where asked, typed attribute
+    columns named after the attribute key (e.g. "flare.step.collective_wait_ms").
+    Implementations push filters (names, steps, ranks) down to the backend.
+    """
+
+    job: str
+    backend: str  # e.g. "store:/path/to/store.duckdb", "jaeger+http://host:16686"
+
+    def spans(
+        self,
+        names: Sequence[str],
+        attributes: Sequence[str] = (),
+        first_step: int | None = None,
+        last_step: int | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> pa.Table: ...
+
+    def world_size(self) -> int | None: ...
+
+
+@dataclasses.dataclass
+class DiagnosisConfig:
+    """Thresholds shared by detectors; defaults are documented in docs/diagnostics.md."""
+
+    # A rank is a straggler when the others wait for it at least this share of a step.
+    straggler_min_impact: float = 0.05
+    # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
+    min_persist_steps: int = 5
+    # Relative shift for a change point to count as fail-slow (Greyhound: >= 10%).
+    fail_slow_min_shift: float = 0.10
+    baseline: JobData | None = None
+
+
+Detector = Callable[[JobData, DiagnosisConfig], list[Anomaly]]

@@ -1,0 +1,225 @@
+"""The embedded span store: one DuckDB file with a documented columnar schema.
+
+Schema (version `SCHEMA_VERSION`; documented in docs/store-schema.md):
+
+    spans    one row per span; identity, timing and the columns diagnosis filters on
+             (job, rank, step, name, start_ns) promoted out of the attribute map;
+             the rest of the attributes, events and links as JSON text.
+    metrics  one row per metric data point (NVML, collector self-metrics).
+    flare_meta  key/value: schema version, writer, replay positions.
+
+Concurrency: DuckDB lets one process hold a file for writing, and a read-only opener
+fails while a writer holds it. The collector therefore opens the file only for the
+duration of a flush (`Store.writer()` as a context manager) and readers retry on the
+lock (`open_reader`). Data that arrives while a reader holds the file waits in the
+collector's write-ahead log, never in memory alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+SPAN_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
+    ("job", "VARCHAR", pa.string()),
+    ("service", "VARCHAR", pa.string()),
+    ("trace_id", "VARCHAR", pa.string()),  # 32 lowercase hex digits
+    ("span_id", "VARCHAR", pa.string()),  # 16 lowercase hex digits
+    ("parent_span_id", "VARCHAR", pa.string()),  # '' for a root span
+    ("name", "VARCHAR", pa.string()),
+    ("kind", "TINYINT", pa.int8()),  # OTLP SpanKind number
+    ("start_ns", "BIGINT", pa.int64()),  # unix epoch nanoseconds
+    ("end_ns", "BIGINT", pa.int64()),
+    ("duration_ns", "BIGINT", pa.int64()),
+    ("status_code", "TINYINT", pa.int8()),  # OTLP: 0 unset, 1 ok, 2 error
+    ("status_message", "VARCHAR", pa.string()),
+    ("rank", "INTEGER", pa.int32()),  # flare.rank of the resource; NULL if none
+    ("step", "BIGINT", pa.int64()),  # flare.step of the span; NULL if none
+    ("host", "VARCHAR", pa.string()),
+    ("pid", "INTEGER", pa.int32()),
+    ("attributes", "VARCHAR", pa.string()),  # JSON object of span attributes
+    ("resource", "VARCHAR", pa.string()),  # JSON object of resource attributes
+    ("events", "VARCHAR", pa.string()),  # JSON array [{name, time_ns, attributes}]
+    ("links", "VARCHAR", pa.string()),  # JSON array [{trace_id, span_id, attributes}]
+)
+
+METRIC_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
+    ("job", "VARCHAR", pa.string()),
+    ("rank", "INTEGER", pa.int32()),
+    ("name", "VARCHAR", pa.string()),
+    ("time_ns", "BIGINT", pa.int64()),
+    ("value", "DOUBLE", pa.float64()),
+    ("unit", "VARCHAR", pa.string()),
+    ("attributes", "VARCHAR", pa.string()),  # JSON object of point + resource attrs
+)
+
+SPAN_SCHEMA = pa.schema([(n, t) for n, _, t in SPAN_COLUMNS])
+METRIC_SCHEMA = pa.schema([(n, t) for n, _, t in METRIC_COLUMNS])
+
+# Zone maps (automatic min/max per row group) already prune by start_ns because spans
+# arrive roughly in time order; the explicit index serves the lookups diagnosis makes
+# by job and span name.
+_DDL = [
+    "CREATE TABLE IF NOT EXISTS flare_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+    "CREATE TABLE IF NOT EXISTS spans ("
+    + ", ".join(f"{n} {t}" for n, t, _ in SPAN_COLUMNS)
+    + ")",
+    "CREATE TABLE IF NOT EXISTS metrics ("
+    + ", ".join(f"{n} {t}" for n, t, _ in METRIC_COLUMNS)
+    + ")",
+    "CREATE INDEX IF NOT EXISTS spans_job_name ON spans (job, name)",
+]
+
+
+class StoreError(Exception):
+    """A store problem a user can act on; the message is one sentence."""
+
+
+class StoreLocked(StoreError):
+    pass
+
+
+def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
+    try:
+        return duckdb.connect(str(path), read_only=read_only)
+    except duckdb.IOException as exc:
+        text = str(exc)
+        if "lock" in text.lower():
+            raise StoreLocked(f"store {path} is held by another process") from exc
+        raise StoreError(f"cannot open store {path}: {text.splitlines()[0]}") from exc
+    except duckdb.Error as exc:
+        raise StoreError(f"{path} is not a Flare store: {str(exc).splitlines()[0]}") from exc
+
+
+def _check_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "spans" not in tables or "flare_meta" not in tables:
+        raise StoreError(f"{path} is not a Flare store (no spans table)")
+    row = con.execute("SELECT value FROM flare_meta WHERE key = 'schema_version'").fetchone()
+    version = int(row[0]) if row else 0
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"store {path} was written by a newer Flare (schema {version}, this one reads "
+            f"up to {SCHEMA_VERSION}); upgrade Flare to read it"
+        )
+
+
+def create_or_open(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
+    """Open `path` for writing, creating the file and schema when absent."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = _connect(path, read_only=False)
+    try:
+        tables = {
+            r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()
+        }
+        if tables and "spans" in tables:
+            _check_version(con, path)
+        elif tables - {"flare_meta"}:
+            raise StoreError(f"{path} is a DuckDB file but not a Flare store")
+        for ddl in _DDL:
+            con.execute(ddl)
+        con.execute(
+            "INSERT OR IGNORE INTO flare_meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)]
+        )
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def open_reader(
+    path: str | os.PathLike[str], timeout_s: float = 10.0
+) -> duckdb.DuckDBPyConnection:
+    """Open an existing store read-only, waiting out a writer's short flush."""
+    path = Path(path)
+    if not path.exists():
+        raise StoreError(f"store {path} does not exist")
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        try:
+            con = _connect(path, read_only=True)
+            break
+        except StoreLocked:
+            if time.monotonic() >= deadline:
+                raise StoreLocked(
+                    f"store {path} stayed locked by a writer for {timeout_s:.0f} s"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+    try:
+        _check_version(con, path)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+@contextlib.contextmanager
+def writer(path: str | os.PathLike[str], timeout_s: float = 10.0) -> Iterator[duckdb.DuckDBPyConnection]:
+    """Hold the store for writing for the duration of one flush."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        try:
+            con = create_or_open(path)
+            break
+        except StoreLocked:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def spans_table(columns: Mapping[str, Sequence[object]]) -> pa.Table:
+    """Build an Arrow table in the span schema; missing columns become NULL."""
+    n = len(next(iter(columns.values()))) if columns else 0
+    arrays = []
+    for name, _, typ in SPAN_COLUMNS:
+        values = columns.get(name)
+        arrays.append(pa.array(values if values is not None else [None] * n, type=typ))
+    return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA)
+
+
+def metrics_table(columns: Mapping[str, Sequence[object]]) -> pa.Table:
+    n = len(next(iter(columns.values()))) if columns else 0
+    arrays = []
+    for name, _, typ in METRIC_COLUMNS:
+        values = columns.get(name)
+        arrays.append(pa.array(values if values is not None else [None] * n, type=typ))
+    return pa.Table.from_arrays(arrays, schema=METRIC_SCHEMA)
+
+
+def insert_spans(con: duckdb.DuckDBPyConnection, table: pa.Table) -> int:
+    if table.num_rows == 0:
+        return 0
+    con.register("_flare_batch", table)
+    try:
+        con.execute("INSERT INTO spans SELECT * FROM _flare_batch")
+    finally:
+        con.unregister("_flare_batch")
+    return table.num_rows
+
+
+def insert_metrics(con: duckdb.DuckDBPyConnection, table: pa.Table) -> int:
+    if table.num_rows == 0:
+        return 0
+    con.register("_flare_mbatch", table)
+    try:
+        con.execute("INSERT INTO metrics SELECT * FROM _flare_mbatch")
+    finally:
+        con.unregister("_flare_mbatch")
+    return table.num_rows

@@ -1,0 +1,185 @@
+"""Flare semantic conventions: the one symbol table for span names and attribute keys.
+
+Every component (instrumentation, correlator, store, detectors) takes names from here
+rather than spelling strings; `docs/semantic-conventions.md` is the prose version.
+This module must stay import-light (stdlib only): it is loaded inside every training
+process and on collector hosts that have no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# ---------------------------------------------------------------- resource attributes
+SERVICE_NAME = "service.name"
+JOB_ID = "flare.job.id"
+RANK = "flare.rank"
+LOCAL_RANK = "flare.local_rank"
+WORLD_SIZE = "flare.world_size"
+NODE_RANK = "flare.node_rank"
+RESTART_COUNT = "flare.restart_count"
+HOST_NAME = "host.name"
+PROCESS_PID = "process.pid"
+GPU_INDEX = "flare.gpu.index"
+GPU_UUID = "flare.gpu.uuid"
+GPU_MODEL = "flare.gpu.model"
+
+# ---------------------------------------------------------------- span names
+SPAN_STEP = "train.step"
+SPAN_DATALOADER = "dataloader.next"
+SPAN_COLLECTIVE_PREFIX = "collective."  # collective.<op>, e.g. collective.all_reduce
+SPAN_KERNEL = "kernel"
+SPAN_GC = "gc.collect"
+SPAN_PYTHON_CALL = "python.call"
+SPAN_HANG = "flare.hang"
+SPAN_HEARTBEAT = "flare.heartbeat"
+SPAN_ERROR = "flare.error"  # an error outside any step (e.g. during init)
+SPAN_STEP_RANKS = "train.step.ranks"  # emitted by the correlator
+SPAN_COLLECTIVE_RANKS = "collective.ranks"  # emitted by the correlator per (pg, seq)
+SPAN_ANOMALY = "flare.anomaly"  # written back by diagnostics
+
+# ---------------------------------------------------------------- train.step
+STEP = "flare.step"
+STEP_DATALOADER_MS = "flare.step.dataloader_ms"
+STEP_DATALOADER_COUNT = "flare.step.dataloader_count"
+STEP_COLLECTIVE_WAIT_MS = "flare.step.collective_wait_ms"
+STEP_COLLECTIVE_COUNT = "flare.step.collective_count"
+STEP_COLLECTIVE_BYTES = "flare.step.collective_bytes"
+# Per process group breakdown: parallel arrays, one entry per PG seen in the step.
+STEP_PG_NAMES = "flare.step.pg.names"
+STEP_PG_WAIT_MS = "flare.step.pg.wait_ms"
+STEP_PG_COUNTS = "flare.step.pg.counts"
+STEP_PG_BYTES = "flare.step.pg.bytes"
+STEP_PG_LAST_SEQ = "flare.step.pg.last_seq"
+STEP_GC_MS = "flare.step.gc_ms"
+STEP_GC_COUNT = "flare.step.gc_count"
+STEP_PYCALL_MS = "flare.step.python_call_ms"
+STEP_PYCALL_COUNT = "flare.step.python_call_count"
+STEP_COMPUTE_MS = "flare.step.compute_ms"
+STEP_DETAIL = "flare.step.detail"  # bool: children were recorded for this step
+STEP_GPU_SM_CLOCK_MHZ = "flare.step.gpu.clock.sm"
+STEP_GPU_THROTTLE = "flare.step.gpu.throttle_reasons"
+
+# ---------------------------------------------------------------- dataloader.next
+DATALOADER_WAIT_MS = "flare.dataloader.wait_ms"
+DATALOADER_WORKERS = "flare.dataloader.workers"
+
+# ---------------------------------------------------------------- collective.<op>
+COLL_OP = "flare.collective.op"
+COLL_PG = "flare.collective.pg"
+COLL_PG_DESC = "flare.collective.pg_desc"
+COLL_SEQ = "flare.collective.seq"
+COLL_GROUP_SIZE = "flare.collective.group_size"
+COLL_GROUP_RANKS = "flare.collective.group_ranks"
+COLL_BYTES = "flare.collective.bytes"
+COLL_DTYPE = "flare.collective.dtype"
+COLL_BACKEND = "flare.collective.backend"
+COLL_SOURCE = "flare.collective.source"  # "python" | "flight_recorder"
+COLL_ASYNC = "flare.collective.async"
+COLL_DEVICE_START_NS = "flare.collective.device_start_ns"
+COLL_DEVICE_END_NS = "flare.collective.device_end_ns"
+COLL_BUSBW_GBPS = "flare.collective.busbw_gbps"
+COLL_WAIT_MS = "flare.collective.wait_ms"
+
+# ---------------------------------------------------------------- kernel
+KERNEL_NAME = "flare.kernel.name"
+KERNEL_CATEGORY = "flare.kernel.category"
+KERNEL_STREAM = "flare.kernel.stream"
+KERNEL_DEVICE = "flare.kernel.device"
+KERNEL_ISSUE_LATENCY_US = "flare.kernel.issue_latency_us"
+KERNEL_FLOPS = "flare.kernel.flops"
+KERNEL_BYTES = "flare.kernel.bytes"
+KERNEL_ACHIEVED_TFLOPS = "flare.kernel.achieved_tflops"
+KERNEL_ACHIEVED_GBPS = "flare.kernel.achieved_gbps"
+KERNEL_SHAPE = "flare.kernel.shape"
+KERNEL_DTYPE = "flare.kernel.dtype"
+KERNEL_CORRELATION = "flare.kernel.correlation"
+
+KERNEL_CATEGORIES = (
+    "gemm", "attention", "communication", "elementwise", "reduction",
+    "memcpy", "memset", "other",
+)
+
+# ---------------------------------------------------------------- gc.collect
+GC_GENERATION = "flare.gc.generation"
+GC_COLLECTED = "flare.gc.collected"
+GC_UNCOLLECTABLE = "flare.gc.uncollectable"
+
+# ---------------------------------------------------------------- python.call
+CODE_FUNCTION = "code.function"
+CODE_FILEPATH = "code.filepath"
+CODE_LINENO = "code.lineno"
+CODE_CALLSITE = "flare.callsite"  # "path:line in function" of the user's frame
+
+# ---------------------------------------------------------------- flare.hang
+HANG_OPERATION = "flare.hang.operation"  # "train.step" | "collective.all_reduce" | ...
+HANG_ELAPSED_S = "flare.hang.elapsed_s"
+HANG_TIMEOUT_S = "flare.hang.timeout_s"
+HANG_STACKS = "flare.hang.stacks"
+HANG_PG = "flare.hang.pg"
+HANG_SEQ = "flare.hang.seq"
+HANG_COLL_OP = "flare.hang.collective_op"
+
+# ---------------------------------------------------------------- heartbeat
+HEARTBEAT_LAST_STEP = "flare.heartbeat.last_step"
+HEARTBEAT_INTERVAL_S = "flare.heartbeat.interval_s"
+
+# ---------------------------------------------------------------- errors
+ERROR_SIGNAL = "flare.error.signal"
+ERROR_TYPE = "exception.type"
+ERROR_MESSAGE = "exception.message"
+ERROR_STACKTRACE = "exception.stacktrace"
+
+# ---------------------------------------------------------------- correlator output
+RANKS_COUNT = "flare.ranks.count"
+RANKS_EXPECTED = "flare.ranks.expected"
+RANKS_MISSING = "flare.ranks.missing"
+RANKS_SPREAD_MS = "flare.ranks.spread_ms"
+RANKS_SLOWEST = "flare.ranks.slowest"
+RANKS_CULPRIT = "flare.ranks.culprit"
+RANKS_ARRIVAL_SKEW_MS = "flare.ranks.arrival_skew_ms"
+RANKS_LAST_ARRIVAL = "flare.ranks.last_arrival"
+
+# ---------------------------------------------------------------- anomaly write-back
+ANOMALY_KIND = "flare.anomaly.kind"
+ANOMALY_RANKS = "flare.anomaly.ranks"
+ANOMALY_CAUSE = "flare.anomaly.cause"
+ANOMALY_FIRST_STEP = "flare.anomaly.first_step"
+ANOMALY_LAST_STEP = "flare.anomaly.last_step"
+ANOMALY_IMPACT = "flare.anomaly.impact"
+ANOMALY_CONFIDENCE = "flare.anomaly.confidence"
+ANOMALY_CALLSITE = "flare.anomaly.callsite"
+ANOMALY_SUMMARY = "flare.anomaly.summary"
+ANOMALY_EVIDENCE = "flare.anomaly.evidence"  # JSON text
+ANOMALY_ID = "flare.anomaly.id"
+
+ANOMALY_KINDS = (
+    "straggler", "fail_slow", "regression", "dataloader_stall", "gc_pause",
+    "collective_slow", "hang", "error", "rank_missing", "gpu_throttle",
+    "launch_bound", "gpu_idle", "kernel_slow",
+)
+CAUSES = ("compute", "input", "communication", "cpu", "gc", "hardware", "software", "unknown")
+
+# ---------------------------------------------------------------- configuration
+ENV_JOB_ID = "FLARE_JOB_ID"
+ENV_DETAIL_EVERY = "FLARE_DETAIL_EVERY"
+ENV_TRACED_FUNCTIONS = "FLARE_TRACED_FUNCTIONS"
+ENV_HANG_TIMEOUT_S = "FLARE_HANG_TIMEOUT_S"
+ENV_HEARTBEAT_S = "FLARE_HEARTBEAT_S"
+ENV_DETAIL_FLAG_FILE = "FLARE_DETAIL_FLAG_FILE"
+DEFAULT_DETAIL_EVERY = 100
+
+
+def step_trace_id(job_id: str, step: int) -> int:
+    """The trace id every rank uses for step `step` of job `job_id`.
+
+    Derived, not negotiated: each rank computes the same 128-bit id with no
+    communication, so one trace in Jaeger/Tempo shows a step across all ranks.
+    """
+    digest = hashlib.blake2b(f"{job_id}\x00{step}".encode(), digest_size=16).digest()
+    value = int.from_bytes(digest, "big")
+    return value or 1  # the all-zero id is invalid in OTel
+
+
+def collective_span_name(op: str) -> str:
+    return SPAN_COLLECTIVE_PREFIX + op
