@@ -90,9 +90,11 @@ class StoreLocked(StoreError):
 def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
     try:
         return duckdb.connect(str(path), read_only=read_only)
-    except duckdb.IOException as exc:
+    except (duckdb.IOException, duckdb.ConnectionException) as exc:
         text = str(exc)
-        if "lock" in text.lower():
+        # Another process holds the file ("lock"), or this process holds it with the
+        # other mode ("different configuration"): both clear once that flush ends.
+        if "lock" in text.lower() or "different configuration" in text:
             raise StoreLocked(f"store {path} is held by another process") from exc
         raise StoreError(f"cannot open store {path}: {text.splitlines()[0]}") from exc
     except duckdb.Error as exc:
