@@ -1,0 +1,228 @@
+"""A small DDP training job (gloo, CPU) with injectable faults.
+
+It knows nothing of Flare: it is the "user script" that Flare must diagnose with zero
+code change, e.g.
+
+    torchrun --nproc_per_node 4 examples/train_ddp.py --steps 200
+    torchrun --nproc_per_node 4 examples/train_ddp.py --fault compute --fault-rank 2
+
+Faults (rank --fault-rank from step --fault-from on, costing about --fault-ms per step):
+  compute       extra matmuls in the forward pass
+  input         the batch collate function sleeps (the dataloader is slow)
+  gc            a large live object graph makes every gc.collect() pause the rank
+  cpu           a background thread holds the GIL in a pure-Python busy loop
+  hang          the rank blocks forever in wait_for_shared_filesystem() before backward
+  hang_subgroup ranks 0 and 1 all-reduce in a sub-group every step; the faulty rank
+                skips it and blocks in wait_for_shared_filesystem(), so its peer waits
+  raise         the rank raises RuntimeError from load_shard()
+  extra_comm    every rank all-reduces an extra ~4 MB tensor every step
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+FAULTS = ("none", "compute", "input", "gc", "cpu", "hang", "hang_subgroup", "raise",
+          "extra_comm")
+FEATURES = 256
+CLASSES = 16
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--fault", choices=FAULTS, default="none")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-from", type=int, default=40,
+                        help="first step (0-based) at which the fault is active")
+    parser.add_argument("--fault-ms", type=float, default=60.0,
+                        help="added cost per step, in milliseconds")
+    return parser.parse_args(argv)
+
+
+class Fault:
+    """Which fault is active on this rank at a given step."""
+
+    def __init__(self, args: argparse.Namespace, rank: int):
+        self.kind = args.fault
+        self.on_this_rank = args.fault != "none" and rank == args.fault_rank
+        self.first_step = args.fault_from
+        self.seconds = args.fault_ms / 1000.0
+
+    def active(self, kind: str, step: int) -> bool:
+        return self.kind == kind and self.on_this_rank and step >= self.first_step
+
+
+class SyntheticDataset(Dataset):
+    """Deterministic random samples: sample i of rank r is the same in every run."""
+
+    def __init__(self, length: int, seed: int, rank: int):
+        self.length = length
+        self.seed = seed * 1_000_003 + rank
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        generator = torch.Generator().manual_seed(self.seed * 7919 + index)
+        features = torch.randn(FEATURES, generator=generator)
+        label = int(torch.randint(CLASSES, (1,), generator=generator))
+        return index, features, label
+
+
+class SlowableCollate:
+    """Batches samples; sleeps when the `input` fault is active for the batch's step.
+
+    A class (not a closure) so that it pickles into DataLoader worker processes.
+    """
+
+    def __init__(self, fault: Fault, batch_size: int):
+        self.fault = fault
+        self.batch_size = batch_size
+
+    def __call__(self, samples):
+        step = samples[0][0] // self.batch_size
+        if self.fault.active("input", step):
+            time.sleep(self.fault.seconds)
+        features = torch.stack([sample[1] for sample in samples])
+        labels = torch.tensor([sample[2] for sample in samples])
+        return features, labels
+
+
+def build_model(hidden: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(FEATURES, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, CLASSES),
+    )
+
+
+def burn_compute(seconds: float) -> None:
+    """Real matrix work for about `seconds` of wall time."""
+    a = torch.randn(256, 256)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        a = torch.tanh(a @ a)
+
+
+class GcPressure:
+    """A live graph of container objects big enough that a full gc.collect() pauses
+    the process for about the fault's cost: the collector must traverse live objects
+    too, so the pause happens inside the gc machinery (and `gc.callbacks` sees it)."""
+
+    def __init__(self, seconds: float):
+        self.live: list = []
+        chunk = 20_000
+        while True:
+            self.live.extend([[i] for i in range(chunk)])
+            if self._collect_seconds() >= seconds or len(self.live) > 20_000_000:
+                break
+            chunk *= 2
+
+    @staticmethod
+    def _collect_seconds() -> float:
+        start = time.perf_counter()
+        gc.collect()
+        return time.perf_counter() - start
+
+    def pause(self) -> None:
+        cycle: list = []
+        cycle.append(cycle)  # one real cycle, so each collection finds garbage
+        del cycle
+        gc.collect()
+
+
+def hold_the_gil() -> None:
+    """Pure-Python busy loop: never releases the GIL voluntarily."""
+    counter = 0
+    while True:
+        counter += 1
+
+
+def wait_for_shared_filesystem() -> None:
+    """Stands in for a rank stuck on I/O: it never returns."""
+    while True:
+        time.sleep(0.5)
+
+
+def load_shard(step: int, fault: Fault) -> None:
+    """Stands in for reading the next data shard; the `raise` fault corrupts it."""
+    if fault.active("raise", step):
+        raise RuntimeError(f"corrupt shard {step:05d}: checksum mismatch")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    fault = Fault(args, rank)
+
+    subgroup = None
+    if args.fault == "hang_subgroup":
+        if args.fault_rank not in (0, 1) or world_size < 2:
+            raise SystemExit("--fault hang_subgroup needs --fault-rank 0 or 1 and >= 2 ranks")
+        subgroup = dist.new_group([0, 1])  # every rank must take part in creating it
+
+    model = DistributedDataParallel(build_model(args.hidden), bucket_cap_mb=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    dataset = SyntheticDataset(args.steps * args.batch_size, args.seed, rank)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False,
+                        num_workers=args.num_workers,
+                        collate_fn=SlowableCollate(fault, args.batch_size),
+                        persistent_workers=args.num_workers > 0)
+    extra_comm = torch.zeros(1024 * 1024) if args.fault == "extra_comm" else None
+    gc_pressure = None
+
+    started = time.perf_counter()
+    for step, (features, labels) in enumerate(loader):
+        load_shard(step, fault)
+        if fault.active("gc", step):
+            gc_pressure = gc_pressure or GcPressure(fault.seconds)
+            gc_pressure.pause()
+        if fault.active("cpu", step) and step == fault.first_step:
+            threading.Thread(target=hold_the_gil, name="gil-hog", daemon=True).start()
+        if subgroup is not None and rank in (0, 1):
+            if fault.active("hang_subgroup", step):
+                wait_for_shared_filesystem()
+            dist.all_reduce(torch.ones(4), group=subgroup)
+
+        loss = loss_fn(model(features), labels)
+        if fault.active("compute", step):
+            burn_compute(fault.seconds)
+        if fault.active("hang", step):
+            wait_for_shared_filesystem()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if extra_comm is not None:
+            dist.all_reduce(extra_comm)
+        optimizer.step()
+        if rank == 0 and (step % 50 == 0 or step == args.steps - 1):
+            print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+    elapsed = time.perf_counter() - started
+    if rank == 0:
+        print(f"done: {args.steps} steps in {elapsed:.2f} s "
+              f"({1000 * elapsed / max(args.steps, 1):.1f} ms/step)", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
