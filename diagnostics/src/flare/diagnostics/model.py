@@ -92,9 +92,32 @@ class JobData(Protocol):
         first_step: int | None = None,
         last_step: int | None = None,
         ranks: Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,  # added: a subset of the span columns
+        limit: int | None = None,  # added: first N spans by start time
     ) -> pa.Table: ...
 
     def world_size(self) -> int | None: ...
+
+    # Added for diagnosis at scale: aggregation the backend pushes down (SQL for the
+    # store; Arrow for adapters built on backends.arrow.ArrowJobData). Span names in
+    # `names` may end in '*' to mean a prefix (e.g. "collective.*").
+
+    def step_summary(
+        self,
+        attributes: Sequence[str] = (),
+        step_bucket: int = 1,
+        first_step: int | None = None,
+        last_step: int | None = None,
+    ) -> pa.Table:
+        """Per (rank, bucket of `step_bucket` steps): rank, step, steps, start_ns,
+        end_ns, duration_ms and the mean of each attribute, over train.step spans."""
+        ...
+
+    def steps_range(self) -> tuple[int, int] | None: ...
+
+    def ranks(self) -> list[int]: ...
+
+    def count(self, names: Sequence[str]) -> int: ...
 
 
 @dataclasses.dataclass

@@ -1,0 +1,59 @@
+"""Trace backends diagnosis reads from: the embedded store, Jaeger, Tempo.
+
+`open_backend(spec)` turns a user's `--store`/`--backend` value into a `Backend`;
+each backend hands out one `JobData` per job, and detectors never see which backend
+filled it. Jaeger and Tempo adapters are imported lazily so the store path needs no
+HTTP stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from flare.diagnostics.model import JobData
+
+
+class BackendError(Exception):
+    """A backend problem a user can act on; the message is one sentence."""
+
+
+class Backend(Protocol):
+    name: str  # e.g. "store:/path/to/store.duckdb"
+
+    def jobs(self) -> list[str]: ...
+
+    def job_data(self, job: str) -> JobData: ...
+
+    def close(self) -> None: ...
+
+
+_HTTP_SCHEMES = {
+    "jaeger": ("flare.diagnostics.backends.jaeger", "JaegerBackend"),
+    "tempo": ("flare.diagnostics.backends.tempo", "TempoBackend"),
+}
+
+
+def open_backend(spec: str, **opts: Any) -> Backend:
+    """`store:PATH` or a bare path → the DuckDB store; `jaeger+http(s)://…`,
+    `tempo+http(s)://…` → the HTTP adapters (options passed through)."""
+    if not spec:
+        raise BackendError("no backend given (use --store PATH or --backend URL)")
+    prefix, sep, rest = spec.partition("+")
+    if sep and prefix in _HTTP_SCHEMES and rest.startswith(("http://", "https://")):
+        module_name, class_name = _HTTP_SCHEMES[prefix]
+        import importlib
+
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise BackendError(f"the {prefix} backend is not available: {exc}") from exc
+        return getattr(module, class_name)(rest, **opts)
+    if "://" in spec:
+        raise BackendError(
+            f"unknown backend {spec!r}: use store:PATH, jaeger+http(s)://HOST:PORT "
+            "or tempo+http(s)://HOST:PORT"
+        )
+    from flare.diagnostics.backends.store import StoreBackend
+
+    path = spec[len("store:"):] if spec.startswith("store:") else spec
+    return StoreBackend(path, **opts)

@@ -1,0 +1,145 @@
+"""`JobData` for backends that can only hand over raw spans (Jaeger, Tempo, Kineto).
+
+An adapter supplies one function, `fetch(names, first_step, last_step, ranks)`,
+returning spans in the store's `SPAN_SCHEMA` (filters pushed down as far as its API
+allows; names ending in '*' are prefixes). Everything else — exact filtering,
+attribute extraction, the per-step summary — is done here in Arrow, so every backend
+gives detectors the same tables as the store does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flare.diagnostics.backends.attributes import python_values
+from flare.exporters.store import SPAN_SCHEMA
+from flare.instrumentation import semconv as sc
+
+Fetch = Callable[[Sequence[str], "int | None", "int | None", "Sequence[int] | None"], pa.Table]
+
+
+class ArrowJobData:
+    def __init__(self, job: str, backend_name: str, fetch: Fetch) -> None:
+        self.job = job
+        self.backend = backend_name
+        self._fetch = fetch
+
+    def spans(
+        self,
+        names: Sequence[str],
+        attributes: Sequence[str] = (),
+        first_step: int | None = None,
+        last_step: int | None = None,
+        ranks: Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        limit: int | None = None,
+    ) -> pa.Table:
+        table = self._fetch(list(names), first_step, last_step, ranks)
+        table = _conform(table)
+        mask = _name_mask(table, names)
+        if first_step is not None:
+            mask = pc.and_(mask, pc.fill_null(pc.greater_equal(table["step"], first_step), False))
+        if last_step is not None:
+            mask = pc.and_(mask, pc.fill_null(pc.less_equal(table["step"], last_step), False))
+        if ranks is not None:
+            mask = pc.and_(mask, pc.fill_null(pc.is_in(table["rank"], pa.array(list(ranks), pa.int32())), False))
+        table = table.filter(mask).sort_by([("start_ns", "ascending")])
+        if limit is not None:
+            table = table.slice(0, int(limit))
+        texts = table.column("attributes").to_pylist()
+        if columns is not None:
+            table = table.select(list(columns))
+        for key in attributes:
+            table = table.append_column(key, python_values(texts, key))
+        return table
+
+    def step_summary(
+        self,
+        attributes: Sequence[str] = (),
+        step_bucket: int = 1,
+        first_step: int | None = None,
+        last_step: int | None = None,
+    ) -> pa.Table:
+        steps = self.spans([sc.SPAN_STEP], attributes, first_step, last_step)
+        steps = steps.filter(pc.and_(pc.is_valid(steps["rank"]), pc.is_valid(steps["step"])))
+        bucket = max(1, int(step_bucket))
+        duration_ms = pc.divide(pc.cast(steps["duration_ns"], pa.float64()), 1e6)
+        base = pa.table({
+            "rank": steps["rank"],
+            "raw_step": steps["step"],
+            "start_ns": steps["start_ns"],
+            "end_ns": steps["end_ns"],
+            "duration_ms": duration_ms,
+            **{a: pc.cast(steps[a], pa.float64()) for a in attributes},
+        })
+        # Collapse duplicate deliveries of one (rank, step) first, as the store does.
+        per_step = base.group_by(["rank", "raw_step"]).aggregate(
+            [("start_ns", "min"), ("end_ns", "max"), ("duration_ms", "mean")]
+            + [(a, "mean") for a in attributes]
+        )
+        bucketed = pc.multiply(pc.divide(per_step["raw_step"], bucket), bucket)
+        per_step = per_step.append_column("step", bucketed)
+        out = per_step.group_by(["rank", "step"]).aggregate(
+            [("raw_step", "count"), ("start_ns_min", "min"), ("end_ns_max", "max"),
+             ("duration_ms_mean", "mean")]
+            + [(f"{a}_mean", "mean") for a in attributes]
+        )
+        table = pa.table({
+            "rank": pc.cast(out["rank"], pa.int32()),
+            "step": pc.cast(out["step"], pa.int64()),
+            "steps": pc.cast(out["raw_step_count"], pa.int64()),
+            "start_ns": out["start_ns_min_min"],
+            "end_ns": out["end_ns_max_max"],
+            "duration_ms": out["duration_ms_mean_mean"],
+            **{a: out[f"{a}_mean_mean"] for a in attributes},
+        })
+        return table.sort_by([("step", "ascending"), ("rank", "ascending")])
+
+    def steps_range(self) -> tuple[int, int] | None:
+        steps = self.spans([sc.SPAN_STEP], columns=["step"])
+        if steps.num_rows == 0 or steps["step"].null_count == steps.num_rows:
+            return None
+        lo, hi = pc.min_max(steps["step"]).values()
+        return int(lo.as_py()), int(hi.as_py())
+
+    def ranks(self) -> list[int]:
+        steps = self.spans([sc.SPAN_STEP], columns=["rank"])
+        return sorted(int(r) for r in pc.unique(steps["rank"]).to_pylist() if r is not None)
+
+    def world_size(self) -> int | None:
+        steps = self.spans([sc.SPAN_STEP], columns=["rank", "resource"], limit=10000)
+        sizes = [
+            json.loads(text).get(sc.WORLD_SIZE) for text in steps["resource"].to_pylist() if text
+        ]
+        sizes = [int(s) for s in sizes if s is not None]
+        if sizes:
+            return max(sizes)
+        ranks = [r for r in steps["rank"].to_pylist() if r is not None]
+        return max(ranks) + 1 if ranks else None
+
+    def count(self, names: Sequence[str]) -> int:
+        return self.spans(names, columns=["span_id"]).num_rows
+
+
+def _conform(table: pa.Table) -> pa.Table:
+    """Reorder/cast to SPAN_SCHEMA; an adapter that omits a column gets NULLs."""
+    arrays = []
+    for field in SPAN_SCHEMA:
+        if field.name in table.column_names:
+            arrays.append(table[field.name].cast(field.type))
+        else:
+            arrays.append(pa.nulls(table.num_rows, field.type))
+    return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA)
+
+
+def _name_mask(table: pa.Table, names: Sequence[str]) -> pa.ChunkedArray:
+    exact = [n for n in names if not n.endswith("*")]
+    mask = pc.is_in(table["name"], pa.array(exact, pa.string()))
+    for name in names:
+        if name.endswith("*"):
+            mask = pc.or_(mask, pc.starts_with(table["name"], name[:-1]))
+    return pc.fill_null(mask, False)

@@ -1,0 +1,196 @@
+"""The embedded DuckDB store as a diagnosis backend, with filters and aggregation
+pushed down to SQL so a thousand-rank hour never has to fit in Python memory.
+
+The collector writes the file in short flushes; every query here opens the file
+read-only, runs, and closes it again, so the collector is never locked out for long.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+
+from flare.diagnostics.backends import BackendError
+from flare.diagnostics.backends.attributes import arrow_type, sql_extract
+from flare.exporters import store as flare_store
+from flare.instrumentation import semconv as sc
+
+_SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
+
+
+class StoreBackend:
+    def __init__(self, path: str | os.PathLike[str], open_timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        self.name = f"store:{self.path}"
+        self.open_timeout_s = open_timeout_s
+        # Fail now, with the store's own one-line reason, rather than at first query.
+        self.query("SELECT 1")
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> pa.Table:
+        try:
+            con = flare_store.open_reader(self.path, timeout_s=self.open_timeout_s)
+        except flare_store.StoreError as exc:
+            raise BackendError(str(exc)) from None
+        try:
+            # A cursor of its own: open_reader leaves its version check result on `con`.
+            return con.cursor().sql(sql, params=list(params)).to_arrow_table()
+        finally:
+            con.close()
+
+    def jobs(self) -> list[str]:
+        rows = self.query("SELECT DISTINCT job FROM spans WHERE job IS NOT NULL ORDER BY job")
+        return [j for j in rows.column("job").to_pylist() if j]
+
+    def job_data(self, job: str) -> StoreJobData:
+        return StoreJobData(self, job)
+
+    def close(self) -> None:
+        """Nothing is held between queries."""
+
+
+def _name_filter(names: Sequence[str]) -> tuple[str, list[object]]:
+    """`names` are exact span names, or prefixes ending in '*' (e.g. 'collective.*')."""
+    exact = [n for n in names if not n.endswith("*")]
+    prefixes = [n[:-1] for n in names if n.endswith("*")]
+    parts: list[str] = []
+    params: list[object] = []
+    if exact:
+        parts.append("name IN (" + ", ".join("?" for _ in exact) + ")")
+        params.extend(exact)
+    for prefix in prefixes:
+        parts.append("starts_with(name, ?)")
+        params.append(prefix)
+    return "(" + " OR ".join(parts or ["FALSE"]) + ")", params
+
+
+def _range_filter(
+    first_step: int | None, last_step: int | None, ranks: Sequence[int] | None
+) -> tuple[str, list[object]]:
+    parts: list[str] = []
+    params: list[object] = []
+    if first_step is not None:
+        parts.append("step >= ?")
+        params.append(int(first_step))
+    if last_step is not None:
+        parts.append("step <= ?")
+        params.append(int(last_step))
+    if ranks is not None:
+        parts.append("rank IN (" + ", ".join(str(int(r)) for r in ranks) + ")" if ranks else "FALSE")
+    return " AND ".join(parts or ["TRUE"]), params
+
+
+class StoreJobData:
+    """`JobData` over one job in the store."""
+
+    def __init__(self, backend: StoreBackend, job: str) -> None:
+        self._backend = backend
+        self.job = job
+        self.backend = backend.name
+
+    def spans(
+        self,
+        names: Sequence[str],
+        attributes: Sequence[str] = (),
+        first_step: int | None = None,
+        last_step: int | None = None,
+        ranks: Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        limit: int | None = None,
+    ) -> pa.Table:
+        name_sql, params = _name_filter(names)
+        range_sql, range_params = _range_filter(first_step, last_step, ranks)
+        cols = list(columns) if columns is not None else list(_SPAN_COLUMN_NAMES)
+        select = ", ".join(cols + [f'{sql_extract(a)} AS "{a}"' for a in attributes])
+        sql = (
+            f"SELECT {select} FROM spans WHERE job = ? AND {name_sql} AND {range_sql} "
+            "ORDER BY start_ns"
+        )
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        table = self._backend.query(sql, [self.job, *params, *range_params])
+        return _typed(table, attributes)
+
+    def step_summary(
+        self,
+        attributes: Sequence[str] = (),
+        step_bucket: int = 1,
+        first_step: int | None = None,
+        last_step: int | None = None,
+    ) -> pa.Table:
+        """Per (rank, step bucket) means of train.step duration and `attributes`.
+
+        Columns: rank, step (first step of the bucket), steps (how many steps),
+        start_ns (min), end_ns (max), duration_ms (mean), then one mean per attribute.
+        Duplicated deliveries of one span collapse first, then buckets average.
+        """
+        bucket = max(1, int(step_bucket))
+        range_sql, range_params = _range_filter(first_step, last_step, None)
+        extracts = ", ".join(f'avg({sql_extract(a)}) AS "{a}"' for a in attributes)
+        means = ", ".join(f'avg("{a}") AS "{a}"' for a in attributes)
+        inner = (
+            "SELECT rank, step, min(start_ns) AS start_ns, max(end_ns) AS end_ns, "
+            "avg(duration_ns) / 1e6 AS duration_ms"
+            + (", " + extracts if extracts else "")
+            + f" FROM spans WHERE job = ? AND name = ? AND rank IS NOT NULL AND step IS NOT NULL"
+            f" AND {range_sql} GROUP BY rank, step"
+        )
+        sql = (
+            f"SELECT rank, (step // {bucket}) * {bucket} AS step, count(*) AS steps, "
+            "min(start_ns) AS start_ns, max(end_ns) AS end_ns, avg(duration_ms) AS duration_ms"
+            + (", " + means if means else "")
+            + f" FROM ({inner}) GROUP BY 1, 2 ORDER BY 2, 1"
+        )
+        table = self._backend.query(sql, [self.job, sc.SPAN_STEP, *range_params])
+        return _cast(table, {"rank": pa.int32(), "step": pa.int64(), "steps": pa.int64()}
+                     | {a: pa.float64() for a in attributes} | {"duration_ms": pa.float64()})
+
+    def steps_range(self) -> tuple[int, int] | None:
+        row = self._backend.query(
+            "SELECT min(step) AS lo, max(step) AS hi FROM spans WHERE job = ? AND name = ?",
+            [self.job, sc.SPAN_STEP],
+        ).to_pylist()[0]
+        if row["lo"] is None:
+            return None
+        return int(row["lo"]), int(row["hi"])
+
+    def ranks(self) -> list[int]:
+        rows = self._backend.query(
+            "SELECT DISTINCT rank FROM spans WHERE job = ? AND rank IS NOT NULL ORDER BY rank",
+            [self.job],
+        )
+        return [int(r) for r in rows.column("rank").to_pylist()]
+
+    def world_size(self) -> int | None:
+        row = self._backend.query(
+            f"SELECT max({sql_extract(sc.WORLD_SIZE, 'resource')}::BIGINT) AS ws, max(rank) AS hi "
+            "FROM (SELECT resource, rank FROM spans WHERE job = ? AND name = ? LIMIT 100000)",
+            [self.job, sc.SPAN_STEP],
+        ).to_pylist()[0]
+        if row["ws"] is not None:
+            return int(row["ws"])
+        if row["hi"] is not None:
+            return int(row["hi"]) + 1
+        return None
+
+    def count(self, names: Sequence[str]) -> int:
+        name_sql, params = _name_filter(names)
+        return int(self._backend.query(
+            f"SELECT count(*) AS n FROM spans WHERE job = ? AND {name_sql}", [self.job, *params]
+        ).column("n")[0].as_py())
+
+
+def _typed(table: pa.Table, attributes: Sequence[str]) -> pa.Table:
+    return _cast(table, {a: arrow_type(a) for a in attributes})
+
+
+def _cast(table: pa.Table, types: dict[str, pa.DataType]) -> pa.Table:
+    for name, typ in types.items():
+        idx = table.schema.get_field_index(name)
+        if idx >= 0 and table.schema.field(idx).type != typ:
+            table = table.set_column(idx, name, table.column(idx).cast(typ))
+    return table
+
+

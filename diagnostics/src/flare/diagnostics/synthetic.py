@@ -1,0 +1,121 @@
+"""Synthetic span tables with known faults, for detector tests and benchmarks.
+
+Models what the instrumentation reports from a data-parallel job: each step every
+rank does its own work (input, compute, gc, Python calls), then all ranks meet in a
+collective; a rank that arrives early waits for the last one. So the culprit of a
+slow step has the *least* collective wait, and every rank's step lasts about as long
+as the slowest rank's work — the trap BACKGROUND.md warns about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow as pa
+
+from flare.exporters.store import spans_table
+from flare.instrumentation import semconv as sc
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str  # compute | input | gc | cpu | communication | hang | error | silent
+    rank: int
+    from_step: int
+    extra_ms: float = 30.0
+    to_step: int | None = None
+
+
+def job_spans(
+    job: str = "job",
+    world: int = 4,
+    steps: int = 60,
+    faults: tuple[Fault, ...] = (),
+    base_ms: float = 40.0,
+    seed: int = 0,
+    start_ns: int = 1_700_000_000_000_000_000,
+    comm_ms: float = 5.0,
+) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    cols: dict[str, list[object]] = {k: [] for k in (
+        "job", "service", "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns",
+        "end_ns", "duration_ns", "status_code", "status_message", "rank", "step", "host", "pid",
+        "attributes", "resource", "events", "links")}
+    now = start_ns
+    stopped: dict[int, int] = {}  # rank → the step it never finished
+    for f in faults:
+        if f.kind in ("hang", "error", "silent"):
+            stopped[f.rank] = f.from_step
+    span_counter = 0
+    for step in range(steps):
+        parts = {}
+        for rank in range(world):
+            jitter = rng.normal(1.0, 0.02)
+            part = {"dataloader": 2.0 * jitter, "compute": base_ms * jitter, "gc": 0.0,
+                    "pycall": 1.0 * jitter}
+            for f in faults:
+                active = f.rank == rank and step >= f.from_step and (f.to_step is None or step < f.to_step)
+                if not active:
+                    continue
+                if f.kind == "compute":
+                    part["compute"] += f.extra_ms
+                elif f.kind == "input":
+                    part["dataloader"] += f.extra_ms
+                elif f.kind == "gc":
+                    part["gc"] += f.extra_ms
+                elif f.kind == "cpu":
+                    for key in part:
+                        part[key] *= 1.0 + f.extra_ms / base_ms
+            parts[rank] = part
+        ready = {r: sum(p.values()) for r, p in parts.items()}
+        live = [r for r in range(world) if stopped.get(r, 1 << 60) > step]
+        if not live:
+            break
+        barrier = max(ready[r] for r in live)
+        comm = comm_ms * (1.0 + sum(1.0 for f in faults if f.kind == "communication" and step >= f.from_step))
+        trace_id = f"{sc.step_trace_id(job, step):032x}"
+        for rank in live:
+            wait = barrier - ready[rank] + comm
+            duration_ms = ready[rank] + wait
+            attrs = {
+                sc.STEP: step,
+                sc.STEP_DATALOADER_MS: round(parts[rank]["dataloader"], 3),
+                sc.STEP_COMPUTE_MS: round(parts[rank]["compute"], 3),
+                sc.STEP_GC_MS: round(parts[rank]["gc"], 3),
+                sc.STEP_PYCALL_MS: round(parts[rank]["pycall"], 3),
+                sc.STEP_COLLECTIVE_WAIT_MS: round(wait, 3),
+                sc.STEP_COLLECTIVE_COUNT: 1,
+                sc.STEP_PG_NAMES: ["0"],
+                sc.STEP_PG_WAIT_MS: [round(wait, 3)],
+            }
+            span_counter += 1
+            _append(cols, job, trace_id, f"{span_counter:016x}", sc.SPAN_STEP, now,
+                     int(duration_ms * 1e6), rank, step, attrs, world)
+        for f in faults:
+            if f.from_step == step and f.kind == "error":
+                span_counter += 1
+                _append(cols, job, trace_id, f"{span_counter:016x}", sc.SPAN_STEP, now,
+                        int(ready[f.rank] * 1e6), f.rank, step,
+                        {sc.STEP: step, sc.CODE_CALLSITE: "train.py:42 in load_shard"}, world,
+                        status=2, events=[{"name": "exception", "time_ns": now, "attributes": {
+                            sc.ERROR_TYPE: "RuntimeError", sc.ERROR_MESSAGE: "shard missing",
+                            sc.ERROR_STACKTRACE: 'File "train.py", line 42, in load_shard'}}])
+        now += int((barrier + comm) * 1e6) + 1_000_000
+    return spans_table(cols)
+
+
+def _append(cols, job, trace_id, span_id, name, start, duration, rank, step, attrs, world,
+            status=0, events=()) -> None:
+    row = {
+        "job": job, "service": job, "trace_id": trace_id, "span_id": span_id,
+        "parent_span_id": "", "name": name, "kind": 1, "start_ns": start,
+        "end_ns": start + duration, "duration_ns": duration, "status_code": status,
+        "status_message": "", "rank": rank, "step": step, "host": "node0", "pid": 1000 + rank,
+        "attributes": json.dumps(attrs),
+        "resource": json.dumps({sc.RANK: rank, sc.WORLD_SIZE: world, sc.JOB_ID: job}),
+        "events": json.dumps(list(events)), "links": "[]",
+    }
+    for key, values in cols.items():
+        values.append(row[key])
