@@ -59,6 +59,28 @@ STEP_COMPUTE_MS = "flare.step.compute_ms"
 STEP_DETAIL = "flare.step.detail"  # bool: children were recorded for this step
 STEP_GPU_SM_CLOCK_MHZ = "flare.step.gpu.clock.sm"
 STEP_GPU_THROTTLE = "flare.step.gpu.throttle_reasons"
+STEP_GPU_TEMPERATURE_C = "flare.step.gpu.temperature"
+STEP_GPU_POWER_W = "flare.step.gpu.power"
+
+# ---------------------------------------------------------------- NVML metrics
+# OTel hardware semantic conventions (hw.gpu.*) plus Flare's own; every data point
+# carries flare.rank (the rank owning the GPU) and hw.id / flare.gpu.index.
+METRIC_GPU_UTILIZATION = "hw.gpu.utilization"  # ratio 0..1, attr hw.gpu.task=general
+METRIC_GPU_MEMORY_USAGE = "hw.gpu.memory.usage"  # By
+METRIC_GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"  # By
+METRIC_GPU_MEMORY_UTILIZATION = "hw.gpu.memory.utilization"  # ratio
+METRIC_GPU_POWER = "hw.power"  # W, hw.type=gpu
+METRIC_GPU_TEMPERATURE = "hw.temperature"  # Cel, hw.type=gpu
+METRIC_GPU_ERRORS = "hw.errors"  # {error}, attr error.type (ecc_corrected, xid, nvlink_crc...)
+METRIC_GPU_CLOCK_SM = "flare.gpu.clock.sm"  # MHz
+METRIC_GPU_CLOCK_SM_MAX = "flare.gpu.clock.sm.max"  # MHz
+METRIC_GPU_THROTTLE = "flare.gpu.throttle_reasons"  # NVML clocks-event bitmask
+METRIC_GPU_XID = "flare.gpu.xid"  # last XID event code seen
+METRIC_GPU_PCIE_REPLAY = "flare.gpu.pcie.replay_errors"
+HW_ID = "hw.id"
+HW_TYPE = "hw.type"
+HW_GPU_TASK = "hw.gpu.task"
+ERROR_TYPE_ATTR = "error.type"
 
 # ---------------------------------------------------------------- dataloader.next
 DATALOADER_WAIT_MS = "flare.dataloader.wait_ms"
@@ -94,6 +116,11 @@ KERNEL_ACHIEVED_GBPS = "flare.kernel.achieved_gbps"
 KERNEL_SHAPE = "flare.kernel.shape"
 KERNEL_DTYPE = "flare.kernel.dtype"
 KERNEL_CORRELATION = "flare.kernel.correlation"
+KERNEL_LAUNCH_NS = "flare.kernel.launch_ns"  # CPU launch (cudaLaunchKernel start), epoch ns
+KERNEL_LAUNCH_DUR_US = "flare.kernel.launch_dur_us"  # how long the launch call took
+KERNEL_SOURCE = "flare.kernel.source"  # "profiler" (live sampled window) | "kineto" (import)
+
+KERNEL_DEVICE_HOST = -1  # flare.kernel.device of a CPU operator (CPU-only windows/traces)
 
 KERNEL_CATEGORIES = (
     "gemm", "attention", "communication", "elementwise", "reduction",
@@ -139,6 +166,20 @@ RANKS_SLOWEST = "flare.ranks.slowest"
 RANKS_CULPRIT = "flare.ranks.culprit"
 RANKS_ARRIVAL_SKEW_MS = "flare.ranks.arrival_skew_ms"
 RANKS_LAST_ARRIVAL = "flare.ranks.last_arrival"
+RANKS_END_SPREAD_MS = "flare.ranks.end_spread_ms"  # spread of step end times
+RANKS_CULPRIT_BASIS = "flare.ranks.culprit_basis"  # "collective_wait" | "arrival" | "duration"
+RANKS_CULPRIT_WAIT_MS = "flare.ranks.culprit_wait_ms"  # the culprit's own collective wait
+RANKS_MEDIAN_WAIT_MS = "flare.ranks.median_wait_ms"  # median collective wait of all ranks
+RANKS_CLOSED_BY = "flare.ranks.closed_by"  # "complete" | "grace" | "budget" | "shutdown"
+RANKS_HANGING = "flare.ranks.hanging"  # ranks whose watchdog reports a hang (int array)
+RANKS_HANG_OPERATIONS = "flare.ranks.hang_operations"  # parallel to RANKS_HANGING
+RANKS_PG_COUNT = "flare.ranks.pg.count"  # process groups seen in the step
+# Per-PG parallel arrays on train.step.ranks: the PGs with the largest skew or missing ranks.
+RANKS_PG_NAMES = "flare.ranks.pg.names"
+RANKS_PG_ARRIVAL_SKEW_MS = "flare.ranks.pg.arrival_skew_ms"
+RANKS_PG_LAST_ARRIVAL = "flare.ranks.pg.last_arrival"
+RANKS_PG_LAST_SEQ = "flare.ranks.pg.last_seq"
+RANKS_PG_MISSING_COUNT = "flare.ranks.pg.missing_count"
 
 # ---------------------------------------------------------------- anomaly write-back
 ANOMALY_KIND = "flare.anomaly.kind"
@@ -167,6 +208,8 @@ ENV_TRACED_FUNCTIONS = "FLARE_TRACED_FUNCTIONS"
 ENV_HANG_TIMEOUT_S = "FLARE_HANG_TIMEOUT_S"
 ENV_HEARTBEAT_S = "FLARE_HEARTBEAT_S"
 ENV_DETAIL_FLAG_FILE = "FLARE_DETAIL_FLAG_FILE"
+ENV_KERNEL_WINDOWS = "FLARE_KERNEL_WINDOWS"  # "0" turns the sampled kernel windows off
+ENV_NVML_INTERVAL_S = "FLARE_NVML_INTERVAL_S"  # NVML poll period; "0" turns NVML off
 DEFAULT_DETAIL_EVERY = 100
 
 
