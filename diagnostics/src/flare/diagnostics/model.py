@@ -94,6 +94,7 @@ class JobData(Protocol):
         ranks: Sequence[int] | None = None,
         columns: Sequence[str] | None = None,  # added: a subset of the span columns
         limit: int | None = None,  # added: first N spans by start time
+        status_code: int | None = None,  # added: only spans with this OTLP status (2 = error)
     ) -> pa.Table: ...
 
     def world_size(self) -> int | None: ...
@@ -130,6 +131,16 @@ class DiagnosisConfig:
     min_persist_steps: int = 5
     # Relative shift for a change point to count as fail-slow (Greyhound: >= 10%).
     fail_slow_min_shift: float = 0.10
+    # Added: a change point must also stand this many noise units (MAD) above the noise.
+    fail_slow_min_score: float = 6.0
+    # Added: steps at the start of a job that are warm-up, not steady state.
+    warmup_steps: int = 3
+    # Added: longer jobs are bucketed so rank × step matrices stay this wide at most.
+    max_step_columns: int = 1200
+    # Added: a component names the cause only if it explains this share of the excess.
+    cause_min_share: float = 0.5
+    # Added: a rank is silent when unheard-of for this many heartbeat intervals.
+    silent_heartbeats: float = 3.0
     baseline: JobData | None = None
 
 

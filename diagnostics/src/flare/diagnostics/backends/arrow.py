@@ -37,6 +37,7 @@ class ArrowJobData:
         ranks: Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
         limit: int | None = None,
+        status_code: int | None = None,
     ) -> pa.Table:
         table = self._fetch(list(names), first_step, last_step, ranks)
         table = _conform(table)
@@ -47,6 +48,8 @@ class ArrowJobData:
             mask = pc.and_(mask, pc.fill_null(pc.less_equal(table["step"], last_step), False))
         if ranks is not None:
             mask = pc.and_(mask, pc.fill_null(pc.is_in(table["rank"], pa.array(list(ranks), pa.int32())), False))
+        if status_code is not None:
+            mask = pc.and_(mask, pc.fill_null(pc.equal(table["status_code"], status_code), False))
         table = table.filter(mask).sort_by([("start_ns", "ascending")])
         if limit is not None:
             table = table.slice(0, int(limit))

@@ -99,9 +99,12 @@ class StoreJobData:
         ranks: Sequence[int] | None = None,
         columns: Sequence[str] | None = None,
         limit: int | None = None,
+        status_code: int | None = None,
     ) -> pa.Table:
         name_sql, params = _name_filter(names)
         range_sql, range_params = _range_filter(first_step, last_step, ranks)
+        if status_code is not None:
+            range_sql += f" AND status_code = {int(status_code)}"
         cols = list(columns) if columns is not None else list(_SPAN_COLUMN_NAMES)
         select = ", ".join(cols + [f'{sql_extract(a)} AS "{a}"' for a in attributes])
         sql = (

@@ -1,0 +1,80 @@
+"""Error: a rank failed; name the first failure, not its echoes.
+
+When one rank raises, its peers fail moments later (a closed connection, a signal
+from the launcher): those are consequences. The root cause is the earliest error
+that is not such a consequence; its exception and call site are reported, and the
+other ranks' failures are listed as evidence, not as separate anomalies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from flare.diagnostics.callsite import user_callsite, user_frames
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.instrumentation import semconv as sc
+
+# Failures that a peer's death causes (gloo/NCCL transport errors, launcher signals).
+_CONSEQUENCE = re.compile(
+    r"Connection (closed|reset)|connection reset|Broken pipe|DistBackendError|NCCL communicator"
+    r"|ProcessGroup.*(abort|timeout|shutdown)|SIGTERM|SIGKILL|Signals\.SIG|received signal"
+    r"|Terminated|KeyboardInterrupt|SystemExit|Socket Timeout|Timed out|peer", re.I)
+
+
+def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    failed = job.spans([sc.SPAN_STEP, sc.SPAN_ERROR, "python.*", "dataloader.*"],
+                       [sc.CODE_CALLSITE, sc.ERROR_SIGNAL, sc.ERROR_TYPE, sc.ERROR_MESSAGE,
+                        sc.ERROR_STACKTRACE], status_code=2)
+    if failed.num_rows == 0:
+        return []
+    errors = [_describe(row) for row in failed.to_pylist() if row["rank"] is not None]
+    if not errors:
+        return []
+    errors.sort(key=lambda e: e["time_ns"])
+    primary = [e for e in errors if not e["consequence"]] or errors
+    root = primary[0]
+    others = [e for e in errors if e["rank"] != root["rank"]]
+    others_text = ""
+    if others:
+        ranks = sorted({e["rank"] for e in others})
+        others_text = f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed after it"
+    where = f" at {root['callsite']}" if root["callsite"] else ""
+    return [Anomaly(
+        kind="error", ranks=[root["rank"]], cause="software", first_step=root["step"],
+        last_step=root["step"], impact=1.0, confidence=0.95 if not root["consequence"] else 0.6,
+        summary=f"rank {root['rank']} failed first at step {root['step']}: "
+                f"{root['type']}: {root['message']}{where}{others_text}",
+        callsite=root["callsite"],
+        evidence={
+            "exception_type": root["type"], "exception_message": root["message"],
+            "frames": root["frames"],
+            "consequences": [{"rank": e["rank"], "step": e["step"], "type": e["type"],
+                              "message": e["message"][:200]} for e in others][:32],
+        },
+        trace_ids=[root["trace_id"]] if root["trace_id"] else [],
+    )]
+
+
+def _describe(row: dict) -> dict:
+    exception = {}
+    try:
+        for event in json.loads(row.get("events") or "[]"):
+            if event.get("name") == "exception":
+                exception = event.get("attributes") or {}
+                break
+    except ValueError:
+        exception = {}
+    exc_type = exception.get(sc.ERROR_TYPE) or row.get(sc.ERROR_TYPE) or "error"
+    message = exception.get(sc.ERROR_MESSAGE) or row.get(sc.ERROR_MESSAGE) or row.get("status_message") or ""
+    stack = exception.get(sc.ERROR_STACKTRACE) or row.get(sc.ERROR_STACKTRACE)
+    signal = row.get(sc.ERROR_SIGNAL)
+    callsite = row.get(sc.CODE_CALLSITE) or user_callsite(stack)
+    text = f"{exc_type}: {message}"
+    return {
+        "rank": int(row["rank"]), "step": row["step"], "time_ns": row["end_ns"] or row["start_ns"] or 0,
+        "type": exc_type, "message": str(message).strip().splitlines()[0] if message else "",
+        "callsite": callsite, "frames": user_frames(stack),
+        "consequence": signal is not None or bool(_CONSEQUENCE.search(text)),
+        "trace_id": row.get("trace_id"),
+    }

@@ -1,0 +1,95 @@
+"""Fail-slow: the job got slower within the run — a change point, with its onset.
+
+The job's step time (median across ranks) is split at its single most significant
+mean shift; a slowdown of at least `fail_slow_min_shift` that stands well above the
+noise and persists is labelled. The ranks are those whose *own* time (step minus
+collective wait) shifted at the same place; when none did, the slowdown is
+job-wide and the pure communication time (the least wait of any rank) is checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flare.diagnostics import frame as frames
+from flare.diagnostics.causes import attribute, medians
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.diagnostics.stats import change_point, nanmedian
+
+_ONSET_TOLERANCE = 3  # a rank's own change point may sit this many columns off the job's
+
+
+def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    frame = frames.load(job, config)
+    if frame is None:
+        return []
+    return find(frame, config)
+
+
+def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
+    warm = np.flatnonzero(frame.steps >= frame.steps[0] + config.warmup_steps)
+    persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
+    if warm.size < 2 * persist:
+        return []
+    job_time = nanmedian(frame.duration[:, warm].astype(np.float64), axis=0)
+    point = change_point(job_time, persist)
+    if point is None or point.shift < config.fail_slow_min_shift or point.score < config.fail_slow_min_score:
+        return []
+    onset = int(warm[point.index])
+    before, after = warm[warm < onset], warm[warm >= onset]
+    ranks = _ranks_that_changed(frame, config, warm, point.index, persist)
+    rows = [frame.row(r) for r in ranks] if ranks else list(range(len(frame.ranks)))
+    now, now_work = medians(frame, rows, after)
+    past, past_work = medians(frame, rows, before)
+    if not ranks:  # job-wide: everyone's own time is unchanged, look at communication
+        now["wait"] = _comm_ms(frame, after)
+        past["wait"] = _comm_ms(frame, before)
+        now_work += now["wait"]
+        past_work += past["wait"]
+    why = attribute(now, past, config.cause_min_share, now_work, past_work)
+    first = frame.step_of(onset)
+    last = frame.last_step_of(int(warm[-1]))
+    who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
+           else "all ranks")
+    grew = max(why.deltas_ms, key=lambda k: why.deltas_ms[k])
+    summary = (
+        f"the job slowed down by {point.shift:.0%} from step {first} "
+        f"({point.before:.1f} → {point.after:.1f} ms/step), driven by {who}"
+        + (f": {grew} time grew by {why.deltas_ms[grew]:.1f} ms/step" if why.cause != "unknown" else "")
+    )
+    confidence = min(0.99, (1 - math.exp(-point.score / config.fail_slow_min_score)) *
+                     min(1.0, len(after) / (2 * persist)) * (1.0 if why.cause != "unknown" else 0.8))
+    return [Anomaly(
+        kind="fail_slow", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
+        impact=point.shift / (1 + point.shift), confidence=confidence, summary=summary,
+        evidence={
+            "onset_step": first,
+            "step_ms_before": round(point.before, 3), "step_ms_after": round(point.after, 3),
+            "shift": round(point.shift, 4), "noise_units": round(point.score, 2),
+            "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
+            "cause_share": round(why.share, 3),
+        },
+    )]
+
+
+def _ranks_that_changed(frame: frames.StepFrame, config: DiagnosisConfig, warm: np.ndarray,
+                        job_index: int, persist: int) -> list[int]:
+    changed = []
+    work = frame.work[:, warm].astype(np.float64)
+    for row in range(len(frame.ranks)):
+        point = change_point(work[row], persist)
+        if (point is not None and point.shift >= config.fail_slow_min_shift
+                and point.score >= config.fail_slow_min_score
+                and abs(point.index - job_index) <= _ONSET_TOLERANCE):
+            changed.append(int(frame.ranks[row]))
+    # A slowdown every rank shares is the job's, not a few ranks'.
+    return [] if len(changed) > len(frame.ranks) / 2 else changed
+
+
+def _comm_ms(frame: frames.StepFrame, cols: np.ndarray) -> float:
+    wait = frame.wait[:, cols].astype(np.float64)
+    least = np.nanmin(np.where(np.isnan(wait), np.inf, wait), axis=0)
+    least = least[np.isfinite(least)]
+    return float(np.median(least)) if least.size else 0.0

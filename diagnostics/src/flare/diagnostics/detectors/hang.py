@@ -1,0 +1,110 @@
+"""Hang: ranks stopped making progress; name the one the others are waiting for.
+
+The watchdog on each rank emits `flare.hang` when an operation runs past its limit,
+with what was in flight and every thread's stack. Ranks stuck *inside a collective*
+are victims; the culprit is the rank that is not where the others are — stuck in
+its own code (no collective in flight), behind on the group's sequence number, or
+silent altogether (no dump from it while its peers wait). Its call site comes from
+its own stack.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow.compute as pc
+
+from flare.diagnostics.callsite import user_callsite, user_frames
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.instrumentation import semconv as sc
+
+_ATTRS = (sc.HANG_OPERATION, sc.HANG_STACKS, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP,
+          sc.HANG_ELAPSED_S, sc.HANG_TIMEOUT_S, sc.CODE_CALLSITE)
+
+
+def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    dumps = job.spans([sc.SPAN_HANG], _ATTRS)
+    dumps = dumps.filter(pc.is_valid(dumps["rank"]))
+    if dumps.num_rows == 0:
+        return []
+    latest: dict[int, dict] = {}  # rank → its latest dump
+    for row in dumps.to_pylist():
+        if row["rank"] not in latest or row["start_ns"] >= latest[row["rank"]]["start_ns"]:
+            latest[row["rank"]] = row
+    in_collective = {r for r, d in latest.items() if _collective_of(d) is not None}
+    stuck_in_own_code = sorted(set(latest) - in_collective)
+    world = set(job.ranks())
+    size = job.world_size()
+    if size:
+        world |= set(range(size))
+    if stuck_in_own_code:
+        culprits, cause = stuck_in_own_code, "software"
+    else:
+        culprits = _behind_on_sequence(latest) or sorted(world - set(latest))
+        cause = "communication" if not culprits else "software"
+        if not culprits:  # everyone is inside the same collective: the fabric, not a rank
+            culprits = sorted(latest)
+    victims = sorted(set(latest) - set(culprits))
+    culprit_dump = next((latest[r] for r in culprits if r in latest), None)
+    callsite = None
+    frames: list[str] = []
+    if culprit_dump is not None:
+        callsite = culprit_dump.get(sc.CODE_CALLSITE) or user_callsite(culprit_dump.get(sc.HANG_STACKS))
+        frames = user_frames(culprit_dump.get(sc.HANG_STACKS))
+    steps = [d["step"] for d in latest.values() if d["step"] is not None]
+    first_step = (culprit_dump or {}).get("step")
+    if first_step is None and steps:
+        first_step = min(steps)
+    waiting_on = Counter(_collective_of(latest[r]) for r in victims if r in in_collective)
+    where = ""
+    if waiting_on:
+        (op, pg, seq), _ = waiting_on.most_common(1)[0]
+        where = f" in {op} (process group {pg}, seq {seq})"
+    function = callsite.rsplit(" in ", 1)[-1] if callsite else None
+    culprit_text = ", ".join(map(str, culprits))
+    if culprit_dump is not None and culprit_dump["rank"] in stuck_in_own_code:
+        what = f"rank {culprit_text} is stuck in {function or 'its own code'}" + (
+            f" ({callsite})" if callsite else "")
+    elif culprits and set(culprits) != set(latest):
+        what = f"rank{'s' if len(culprits) > 1 else ''} {culprit_text} never joined"
+    else:
+        what = f"ranks {culprit_text} are all stuck in the same collective"
+    if victims:
+        what += f"; rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} wait for it{where}"
+    elapsed = max((d.get(sc.HANG_ELAPSED_S) or 0.0) for d in latest.values())
+    return [Anomaly(
+        kind="hang", ranks=culprits, cause=cause, first_step=first_step, last_step=None,
+        impact=1.0, confidence=0.95 if stuck_in_own_code else 0.8,
+        summary=f"hang at step {first_step}: {what}", callsite=callsite,
+        evidence={
+            "stuck_ranks": sorted(latest), "victims": victims,
+            "operations": {str(r): d.get(sc.HANG_OPERATION) for r, d in sorted(latest.items())},
+            "culprit_frames": frames, "elapsed_s": elapsed,
+        },
+    )]
+
+
+def _collective_of(dump: dict) -> tuple[str, str, int] | None:
+    operation = dump.get(sc.HANG_OPERATION) or ""
+    op = dump.get(sc.HANG_COLL_OP)
+    if op is None and operation.startswith(sc.SPAN_COLLECTIVE_PREFIX):
+        op = operation[len(sc.SPAN_COLLECTIVE_PREFIX):]
+    if op is None:
+        return None
+    return str(op), str(dump.get(sc.HANG_PG)), dump.get(sc.HANG_SEQ)
+
+
+def _behind_on_sequence(latest: dict[int, dict]) -> list[int]:
+    """Within one process group, a rank waiting at a lower seq than its peers is the
+    one that fell behind (the others already passed that collective)."""
+    by_pg: dict[str, dict[int, int]] = {}
+    for rank, dump in latest.items():
+        where = _collective_of(dump)
+        if where and where[2] is not None:
+            by_pg.setdefault(where[1], {})[rank] = int(where[2])
+    behind: set[int] = set()
+    for seqs in by_pg.values():
+        if len(set(seqs.values())) > 1:
+            low = min(seqs.values())
+            behind |= {r for r, s in seqs.items() if s == low}
+    return sorted(behind)

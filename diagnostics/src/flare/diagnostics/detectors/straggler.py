@@ -1,0 +1,107 @@
+"""Straggler: the rank the others wait for — the culprit, not its victims.
+
+Collectives equalise step durations, so duration cannot tell culprit from victim.
+The culprit of a step is the rank with the *least* collective wait (it arrived
+last); the time lost is how much longer the typical rank waited than the culprit.
+A rank is labelled when it is the culprit of most steps over a persistent run and
+the loss is a real share of the step. Scores are scale-free: the culprit's own time
+against the best peers (relative) and against its own past (individual), as in
+NVIDIA's resiliency straggler detector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flare.diagnostics import frame as frames
+from flare.diagnostics.causes import attribute, medians
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.diagnostics.stats import nanmedian, runs
+
+_MIN_DENSITY = 0.6  # culprit in at least this share of the run's steps
+
+
+def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    frame = frames.load(job, config)
+    if frame is None or len(frame.ranks) < 2:
+        return []
+    return find(frame, config)
+
+
+def step_losses(frame: frames.StepFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step: the culprit row, the ms lost by the typical rank, the median duration."""
+    wait = frame.wait.astype(np.float64)
+    filled = np.where(np.isnan(wait), np.inf, wait)
+    culprit_row = np.argmin(filled, axis=0)
+    least = filled[culprit_row, np.arange(wait.shape[1])]
+    lost = nanmedian(wait, axis=0) - least
+    lost = np.where(np.isfinite(lost), lost, 0.0)
+    duration = nanmedian(frame.duration.astype(np.float64), axis=0)
+    return culprit_row, lost, duration
+
+
+def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
+    culprit_row, lost, duration = step_losses(frame)
+    warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
+    share = np.where(duration > 0, lost / duration, 0.0)
+    significant = warm & (share >= config.straggler_min_impact)
+    persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
+    anomalies = []
+    for row in np.unique(culprit_row[significant]):
+        mask = significant & (culprit_row == row)
+        spans = [(a, b) for a, b in runs(mask, max_gap=2)
+                 if b - a + 1 >= persist and mask[a:b + 1].mean() >= _MIN_DENSITY]
+        if not spans:
+            continue
+        cols = np.concatenate([np.arange(a, b + 1) for a, b in spans])
+        anomalies.append(_label(frame, config, int(row), cols, mask, share))
+    return anomalies
+
+
+def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.ndarray,
+           mask: np.ndarray, share: np.ndarray) -> Anomaly:
+    rank = int(frame.ranks[row])
+    peers = [r for r in range(len(frame.ranks)) if r != row]
+    mine, my_work = medians(frame, [row], cols)
+    theirs, their_work = medians(frame, peers, cols)
+    why = attribute(mine, theirs, config.cause_min_share, my_work, their_work)
+    density = float(mask[cols].mean())
+    impact = float(np.mean(share[cols]))
+    first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))
+    before = np.arange(0, int(cols[0]))
+    before = before[frame.steps[before] >= frame.steps[0] + config.warmup_steps]
+    individual = None
+    if before.size >= 2:
+        _, past_work = medians(frame, [row], before)
+        individual = past_work / my_work if my_work > 0 else None
+    relative = their_work / my_work if my_work > 0 else None
+    persist_factor = min(1.0, len(cols) / (2 * max(1, config.min_persist_steps / frame.bucket)))
+    confidence = density * (0.5 + 0.5 * persist_factor) * (1.0 if why.cause != "unknown" else 0.8)
+    others = len(frame.ranks) - 1
+    cause_text = {
+        "compute": "its compute is slower", "input": "its data loading is slower",
+        "gc": "it pauses in garbage collection", "cpu": "its Python side is starved of CPU "
+        "(every part of its step is slower, as with a GIL-holding thread)",
+        "communication": "its communication is slower", "unknown": "the cause is unclear",
+    }.get(why.cause, why.cause)
+    summary = (
+        f"rank {rank} makes the other {others} rank{'s' if others != 1 else ''} wait "
+        f"{impact:.0%} of each step from step {first} to {last}: {cause_text} "
+        f"(+{why.excess_ms:.1f} ms/step over its peers)"
+    )
+    return Anomaly(
+        kind="straggler", ranks=[rank], cause=why.cause, first_step=first, last_step=last,
+        impact=impact, confidence=min(confidence, 0.99), summary=summary,
+        evidence={
+            "culprit_steps": int(mask[cols].sum() * frame.bucket),
+            "steps_in_run": int(len(cols) * frame.bucket),
+            "excess_ms_per_step": round(why.excess_ms, 3),
+            "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
+            "component_ratio": {k: round(v, 3) for k, v in why.ratios.items()},
+            "cause_share": round(why.share, 3),
+            "relative_score": None if relative is None else round(relative, 3),
+            "individual_score": None if individual is None else round(individual, 3),
+        },
+    )

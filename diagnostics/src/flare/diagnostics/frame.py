@@ -1,0 +1,100 @@
+"""The rank × step matrices most detectors read, built from one pushed-down query.
+
+A long job is bucketed (means over `bucket` consecutive steps) so that the matrices
+never exceed `max_step_columns` columns: memory is bounded by ranks × that cap, not
+by the number of spans, and a thousand-rank hour costs one SQL aggregation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pyarrow as pa
+
+from flare.diagnostics.model import DiagnosisConfig, JobData
+from flare.instrumentation import semconv as sc
+
+# What a rank's step is made of; `wait` is time blocked in collectives (for others).
+COMPONENTS = {
+    "dataloader": sc.STEP_DATALOADER_MS,
+    "compute": sc.STEP_COMPUTE_MS,
+    "gc": sc.STEP_GC_MS,
+    "pycall": sc.STEP_PYCALL_MS,
+}
+WAIT = sc.STEP_COLLECTIVE_WAIT_MS
+BYTES = sc.STEP_COLLECTIVE_BYTES
+STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES)
+
+# Which cause a component's growth points to.
+COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
+                   "wait": "communication"}
+
+
+@dataclasses.dataclass
+class StepFrame:
+    ranks: np.ndarray  # (R,) rank numbers
+    steps: np.ndarray  # (S,) first step of each bucket
+    bucket: int
+    duration: np.ndarray  # (R, S) ms, NaN where the rank reported nothing
+    wait: np.ndarray
+    parts: dict[str, np.ndarray]  # component name → (R, S) ms
+    bytes: np.ndarray
+    start_ns: np.ndarray  # (R, S) float64
+    end_ns: np.ndarray
+
+    @property
+    def work(self) -> np.ndarray:
+        """A rank's own time in the step: everything but waiting for the others."""
+        return self.duration - np.nan_to_num(self.wait)
+
+    def step_of(self, column: int) -> int:
+        return int(self.steps[column])
+
+    def last_step_of(self, column: int) -> int:
+        return int(self.steps[column]) + self.bucket - 1
+
+    def row(self, rank: int) -> int:
+        return int(np.searchsorted(self.ranks, rank))
+
+    def column(self, step: int) -> int:
+        return int(np.clip(np.searchsorted(self.steps, step, side="right") - 1, 0, len(self.steps) - 1))
+
+
+def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig) -> int:
+    if steps_range is None:
+        return 1
+    count = steps_range[1] - steps_range[0] + 1
+    return max(1, math.ceil(count / config.max_step_columns))
+
+
+def load(job: JobData, config: DiagnosisConfig) -> StepFrame | None:
+    bucket = bucket_for(job.steps_range(), config)
+    table = job.step_summary(STEP_ATTRIBUTES, step_bucket=bucket)
+    if table.num_rows == 0:
+        return None
+    return from_summary(table, bucket)
+
+
+def from_summary(table: pa.Table, bucket: int) -> StepFrame:
+    rank_values = table["rank"].to_numpy()
+    step_values = table["step"].to_numpy()
+    ranks = np.unique(rank_values)
+    steps = np.unique(step_values)
+    rows = np.searchsorted(ranks, rank_values)
+    cols = np.searchsorted(steps, step_values)
+
+    def matrix(name: str, dtype=np.float32) -> np.ndarray:
+        out = np.full((len(ranks), len(steps)), np.nan, dtype=dtype)
+        values = table[name].to_numpy(zero_copy_only=False)
+        out[rows, cols] = np.asarray(values, dtype=np.float64)
+        return out
+
+    return StepFrame(
+        ranks=ranks, steps=steps, bucket=bucket,
+        duration=matrix("duration_ms"), wait=matrix(WAIT),
+        parts={name: matrix(key) for name, key in COMPONENTS.items()},
+        bytes=matrix(BYTES), start_ns=matrix("start_ns", np.float64),
+        end_ns=matrix("end_ns", np.float64),
+    )

@@ -1,0 +1,157 @@
+"""One diagnosis: run every detector over one job, merge, order, attach evidence.
+
+Detectors ask the backend for the same aggregates (the step summary above all);
+`CachedJobData` answers repeated questions once, so a diagnosis costs one pass
+over the job's step spans whatever the number of detectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+
+import pyarrow as pa
+
+from flare.diagnostics import registry
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.instrumentation import semconv as sc
+
+# Labels that, on the same ranks and cause as a straggler, describe the same problem.
+_SUBSUMED_BY_STRAGGLER = {"dataloader_stall": "input", "gc_pause": "gc"}
+_KIND_ORDER = {k: i for i, k in enumerate(
+    ("hang", "error", "rank_missing", "straggler", "fail_slow", "regression", "collective_slow",
+     "dataloader_stall", "gc_pause", "gpu_throttle", "kernel_slow", "launch_bound", "gpu_idle"))}
+
+
+class CachedJobData:
+    """A JobData that remembers answers (keyed by the call's arguments)."""
+
+    def __init__(self, inner: JobData) -> None:
+        self._inner = inner
+        self.job = inner.job
+        self.backend = inner.backend
+        self._cache: dict[tuple, object] = {}
+
+    def _cached(self, name: str, *args: object) -> object:
+        key = (name, *(tuple(a) if isinstance(a, (list, tuple)) else a for a in args))
+        if key not in self._cache:
+            self._cache[key] = getattr(self._inner, name)(*args)
+        return self._cache[key]
+
+    def spans(self, names: Sequence[str], attributes: Sequence[str] = (),
+              first_step: int | None = None, last_step: int | None = None,
+              ranks: Sequence[int] | None = None, columns: Sequence[str] | None = None,
+              limit: int | None = None, status_code: int | None = None) -> pa.Table:
+        return self._cached("spans", tuple(names), tuple(attributes), first_step, last_step,
+                            None if ranks is None else tuple(ranks),
+                            None if columns is None else tuple(columns), limit, status_code)
+
+    def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
+                     first_step: int | None = None, last_step: int | None = None) -> pa.Table:
+        return self._cached("step_summary", tuple(attributes), step_bucket, first_step, last_step)
+
+    def steps_range(self) -> tuple[int, int] | None:
+        return self._cached("steps_range")
+
+    def ranks(self) -> list[int]:
+        return self._cached("ranks")
+
+    def world_size(self) -> int | None:
+        return self._cached("world_size")
+
+    def count(self, names: Sequence[str]) -> int:
+        return self._cached("count", tuple(names))
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    job: str
+    backend: str
+    steps: tuple[int, int] | None
+    anomalies: list[Anomaly]
+    evidence_links: dict[str, list[tuple[str, str]]]
+    detector_errors: dict[str, str]
+
+    def to_json(self) -> dict:
+        return {
+            "job": self.job,
+            "backend": self.backend,
+            "steps": None if self.steps is None else {"first": self.steps[0], "last": self.steps[1]},
+            "anomalies": [a.to_json() for a in self.anomalies],
+        }
+
+
+def diagnose(
+    job: JobData,
+    config: DiagnosisConfig | None = None,
+    detectors: dict[str, Callable[[JobData, DiagnosisConfig], list[Anomaly]]] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Diagnosis:
+    config = config or DiagnosisConfig()
+    cached = CachedJobData(job)
+    if config.baseline is not None and not isinstance(config.baseline, CachedJobData):
+        config = dataclasses.replace(config, baseline=CachedJobData(config.baseline))
+    errors: dict[str, str] = {}
+    found: list[Anomaly] = []
+    for name, detect in (detectors or registry.discover()).items():
+        try:
+            found.extend(detect(cached, config))
+        except Exception as exc:  # one broken detector must not hide the others' findings
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
+    anomalies = order(merge(found))
+    links = {a.key: evidence_spans(cached, a) for a in anomalies}
+    for anomaly in anomalies:
+        if not anomaly.trace_ids:
+            anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
+    return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors)
+
+
+def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
+    """Fold rank-level symptoms into the straggler label that already explains them."""
+    stragglers = [a for a in anomalies if a.kind == "straggler"]
+    kept = []
+    for anomaly in anomalies:
+        cause = _SUBSUMED_BY_STRAGGLER.get(anomaly.kind)
+        owner = next((s for s in stragglers if cause == s.cause == anomaly.cause
+                      and set(anomaly.ranks) <= set(s.ranks) and _overlap(s, anomaly)), None)
+        if owner is None:
+            kept.append(anomaly)
+        else:
+            owner.evidence.setdefault("also", []).append(anomaly.summary)
+    return kept
+
+
+def _overlap(a: Anomaly, b: Anomaly) -> bool:
+    lo_a, hi_a = a.first_step or 0, a.last_step if a.last_step is not None else 1 << 62
+    lo_b, hi_b = b.first_step or 0, b.last_step if b.last_step is not None else 1 << 62
+    return lo_a <= hi_b and lo_b <= hi_a
+
+
+def order(anomalies: list[Anomaly]) -> list[Anomaly]:
+    return sorted(anomalies, key=lambda a: (_KIND_ORDER.get(a.kind, 99), -a.impact, a.ranks))
+
+
+def evidence_spans(job: JobData, anomaly: Anomaly, limit: int = 8) -> list[tuple[str, str]]:
+    """Spans a person should open to see the anomaly: the kind's own spans on its
+    ranks (hang dumps, failed steps) else the ranks' first affected step spans."""
+    names = {"hang": [sc.SPAN_HANG], "error": [sc.SPAN_STEP, sc.SPAN_ERROR],
+             "rank_missing": [sc.SPAN_HEARTBEAT, sc.SPAN_STEP]}.get(anomaly.kind, [sc.SPAN_STEP])
+    first = anomaly.first_step
+    table = job.spans(
+        names, first_step=None if anomaly.kind in ("hang", "rank_missing", "error") else first,
+        last_step=None if first is None or anomaly.kind in ("hang", "rank_missing", "error")
+        else first + 2,
+        ranks=anomaly.ranks or None, columns=["trace_id", "span_id", "start_ns"],
+        status_code=2 if anomaly.kind == "error" else None,
+    )
+    if anomaly.kind == "rank_missing":
+        table = table.slice(max(0, table.num_rows - limit))
+    rows = table.slice(0, limit)
+    return [(t, s) for t, s in zip(rows["trace_id"].to_pylist(), rows["span_id"].to_pylist(), strict=False)
+            if t and s]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)

@@ -1,0 +1,80 @@
+"""Small robust statistics shared by detectors (NaN-tolerant, numpy only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+
+
+def nanmedian(values: np.ndarray, axis: int | None = None) -> np.ndarray | float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices are expected
+        return np.nanmedian(values, axis=axis)
+
+
+def mad(values: np.ndarray) -> float:
+    """Median absolute deviation scaled to a standard deviation."""
+    values = values[~np.isnan(values)]
+    if values.size == 0:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(values - np.median(values))))
+
+
+@dataclasses.dataclass
+class ChangePoint:
+    index: int  # first index of the new regime
+    before: float  # median before
+    after: float  # median after
+    shift: float  # after / before - 1
+    score: float  # shift in noise units
+
+
+def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
+    """The single best mean-shift split of `series` (Greyhound-style, robust medians).
+
+    Scans every split leaving `min_segment` points each side and keeps the one with
+    the largest between-segment difference relative to the in-segment noise.
+    """
+    values = np.asarray(series, dtype=np.float64)
+    valid = ~np.isnan(values)
+    index_of = np.flatnonzero(valid)
+    values = values[valid]
+    n = values.size
+    if n < 2 * min_segment:
+        return None
+    # Prefix sums give every split's means in O(n); medians confirm the best one.
+    csum = np.concatenate([[0.0], np.cumsum(values)])
+    csq = np.concatenate([[0.0], np.cumsum(values * values)])
+    ks = np.arange(min_segment, n - min_segment + 1)
+    left_mean = csum[ks] / ks
+    right_mean = (csum[n] - csum[ks]) / (n - ks)
+    left_var = np.maximum(csq[ks] / ks - left_mean**2, 0)
+    right_var = np.maximum((csq[n] - csq[ks]) / (n - ks) - right_mean**2, 0)
+    pooled = np.sqrt((left_var * ks + right_var * (n - ks)) / n) + 1e-9
+    t = np.abs(right_mean - left_mean) / pooled * np.sqrt(ks * (n - ks) / n)
+    k = int(ks[int(np.argmax(t))])
+    before = float(np.median(values[:k]))
+    after = float(np.median(values[k:]))
+    noise = max(mad(values[:k]), mad(values[k:]), 1e-6 * max(abs(before), 1e-9))
+    shift = after / before - 1 if before > 0 else 0.0
+    return ChangePoint(index=int(index_of[k]), before=before, after=after, shift=shift,
+                       score=abs(after - before) / noise)
+
+
+def runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
+    """Maximal [start, end] index runs where `mask` holds, bridging gaps ≤ max_gap."""
+    out: list[tuple[int, int]] = []
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return out
+    start = prev = int(idx[0])
+    for i in idx[1:]:
+        i = int(i)
+        if i - prev - 1 > max_gap:
+            out.append((start, prev))
+            start = i
+        prev = i
+    out.append((start, prev))
+    return out
