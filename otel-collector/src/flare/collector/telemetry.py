@@ -1,0 +1,138 @@
+"""The collector's own metrics, rendered in the Prometheus text exposition format.
+
+Counters are plain attributes bumped under the GIL by the thread that owns them
+(receivers, the pipeline worker); a scrape reads them without locking, which can be
+one increment stale and never torn. Components add themselves as *sources*:
+callables returning either `{name: value}` or `[(name, {label: value}, value)]`, read
+at scrape time, so nothing is computed unless someone looks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+Sample = tuple[str, Mapping[str, str], float]
+SourceResult = Mapping[str, float] | Iterable[Sample]
+Source = Callable[[], SourceResult]
+
+PREFIX = "flare_collector_"
+_INVALID = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+def metric_name(name: str) -> str:
+    """A Prometheus-safe name: dots and dashes become underscores."""
+    cleaned = _INVALID.sub("_", name)
+    return cleaned if not cleaned[:1].isdigit() else "_" + cleaned
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _format_value(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 1 << 53:
+        return str(int(value))
+    return repr(float(value))
+
+
+class Counters:
+    """Monotonic counters keyed by (name, labels) with a one-line description each."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._help: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def describe(self, name: str, text: str) -> None:
+        self._help[name] = text
+
+    def add(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + value
+
+    def get(self, name: str, **labels: str) -> float:
+        return self._values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def total(self, name: str) -> float:
+        return sum(v for (n, _), v in list(self._values.items()) if n == name)
+
+    def samples(self) -> list[Sample]:
+        with self._lock:
+            items = list(self._values.items())
+        return [(name, dict(labels), value) for (name, labels), value in items]
+
+    def help_text(self, name: str) -> str | None:
+        return self._help.get(name)
+
+
+class Registry:
+    """Counters plus gauge sources, exposed as one Prometheus text page."""
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self._sources: list[tuple[str, Source]] = []
+        self._lock = threading.Lock()
+        self.source_errors = 0
+
+    def register_gauge_source(self, source: Source, prefix: str = "") -> None:
+        with self._lock:
+            self._sources.append((prefix, source))
+
+    def unregister_gauge_source(self, source: Source) -> None:
+        with self._lock:
+            self._sources = [(p, s) for p, s in self._sources if s is not source]
+
+    def gauges(self) -> list[Sample]:
+        out: list[Sample] = []
+        with self._lock:
+            sources = list(self._sources)
+        for prefix, source in sources:
+            try:
+                result = source()
+            except Exception as exc:  # one broken source must not break the scrape
+                self.source_errors += 1
+                log.warning("metrics source %r failed: %s", source, exc)
+                continue
+            if isinstance(result, Mapping):
+                out.extend((prefix + name, {}, float(v)) for name, v in result.items())
+            else:
+                out.extend((prefix + name, labels, float(v)) for name, labels, v in result)
+        return out
+
+    def render(self) -> str:
+        lines: list[str] = []
+        by_name: dict[str, tuple[str, list[tuple[Mapping[str, str], float]]]] = {}
+        for name, labels, value in self.counters.samples():
+            by_name.setdefault(PREFIX + metric_name(name) + "_total", ("counter", []))[1].append(
+                (labels, value)
+            )
+        for name, labels, value in self.gauges():
+            full = name if name.startswith("flare_") else PREFIX + metric_name(name)
+            by_name.setdefault(metric_name(full), ("gauge", []))[1].append((labels, value))
+        for name in sorted(by_name):
+            kind, points = by_name[name]
+            base = name[: -len("_total")] if kind == "counter" else name
+            text = self.counters.help_text(base[len(PREFIX):]) if kind == "counter" else None
+            if text:
+                lines.append(f"# HELP {name} {text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in points:
+                if labels:
+                    rendered = ",".join(
+                        f'{metric_name(k)}="{_escape(str(v))}"' for k, v in sorted(labels.items())
+                    )
+                    lines.append(f"{name}{{{rendered}}} {_format_value(value)}")
+                else:
+                    lines.append(f"{name} {_format_value(value)}")
+        return "\n".join(lines) + "\n"

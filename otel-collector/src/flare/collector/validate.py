@@ -1,0 +1,81 @@
+"""Per-item checks that turn a request into accepted items plus a partial-success note.
+
+OTLP partial success: a receiver may accept a request while rejecting some of its
+items, reporting how many and why. Here a span is rejected when its ids cannot
+identify it (a trace id that is not 16 non-zero bytes, a span id that is not 8
+non-zero bytes, a parent id of the wrong length); a metric when it has no name.
+Rejected items are removed before the request is logged or processed, so nothing
+unusable reaches the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+_ZERO_TRACE = bytes(16)
+_ZERO_SPAN = bytes(8)
+
+
+@dataclass
+class Checked:
+    accepted: int  # spans or data points kept
+    rejected: int
+    message: str  # why items were rejected ('' when none were)
+
+
+def _span_problem(span) -> str | None:
+    trace_id = span.trace_id
+    if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
+        return "trace_id must be 16 bytes and not all zero"
+    span_id = span.span_id
+    if len(span_id) != 8 or span_id == _ZERO_SPAN:
+        return "span_id must be 8 bytes and not all zero"
+    if len(span.parent_span_id) not in (0, 8):
+        return "parent_span_id must be empty or 8 bytes"
+    return None
+
+
+def check_traces(req: ExportTraceServiceRequest) -> Checked:
+    """Drop unusable spans from `req` in place and count what is left."""
+    accepted = rejected = 0
+    reason = ""
+    for rs in req.resource_spans:
+        for ss in rs.scope_spans:
+            spans = ss.spans
+            bad = []
+            for index, span in enumerate(spans):
+                problem = _span_problem(span)
+                if problem is not None:
+                    bad.append(index)
+                    reason = reason or problem
+            for index in reversed(bad):
+                del spans[index]
+            accepted += len(spans)
+            rejected += len(bad)
+    message = f"{rejected} span(s) rejected: {reason}" if rejected else ""
+    return Checked(accepted, rejected, message)
+
+
+def _points(metric) -> int:
+    kind = metric.WhichOneof("data")
+    return len(getattr(metric, kind).data_points) if kind else 0
+
+
+def check_metrics(req: ExportMetricsServiceRequest) -> Checked:
+    accepted = rejected = 0
+    for rm in req.resource_metrics:
+        for sm in rm.scope_metrics:
+            metrics = sm.metrics
+            bad = [i for i, metric in enumerate(metrics) if not metric.name]
+            for index in bad:
+                rejected += _points(metrics[index]) or 1
+            for index in reversed(bad):
+                del metrics[index]
+            accepted += sum(_points(metric) for metric in metrics)
+    message = f"{rejected} data point(s) rejected: metric name is empty" if rejected else ""
+    return Checked(accepted, rejected, message)
