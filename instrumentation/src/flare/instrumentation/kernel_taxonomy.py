@@ -261,3 +261,34 @@ def dtype_bytes(dtype: str | None) -> int | None:
     if not dtype:
         return None
     return _DTYPE_BYTES.get(dtype.strip().lower())
+
+
+_TF32_KERNEL = re.compile(r"tf32|s1688|s16816|s16832|xmma.*f32", re.IGNORECASE)
+
+
+def compute_dtype(kernel_name: str, tensor_dtype: str | None) -> str | None:
+    """The dtype the tensor cores ran at: fp32 tensors on TF32 kernels run at TF32 peak."""
+    key = normalize_dtype(tensor_dtype)
+    if key == "fp32" and _TF32_KERNEL.search(kernel_name):
+        return "tf32"
+    return key
+
+
+# NVML clocks-event (throttle) reasons, nvmlClocksEventReason*/nvmlClocksThrottleReason*.
+THROTTLE_REASONS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+# Reasons that slow a busy GPU below what it was asked to run at.
+HARMFUL_THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def throttle_reason_names(mask: int) -> list[str]:
+    return [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
