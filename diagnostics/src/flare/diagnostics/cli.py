@@ -1,0 +1,201 @@
+"""The `flare` command: run, diagnose, collector, import-kineto.
+
+Every error a user can cause (a bad flag, a missing store, an unknown job, an
+unreachable backend) ends as one line on stderr and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from flare.diagnostics.backends import Backend, BackendError, open_backend
+from flare.diagnostics.model import DiagnosisConfig
+
+DEFAULT_STORE = os.path.join(".flare", "store.duckdb")
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except UserError as exc:
+        print(f"flare: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("flare: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `flare diagnose | head`
+        return 0
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] == "collector":
+        from flare.collector.__main__ import main as collector_main
+
+        return collector_main(argv[1:])
+    if argv and argv[0] == "run":
+        from flare.diagnostics import run
+
+        return run.main(argv[1:])
+    args = _parser().parse_args(argv)
+    return args.handler(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flare", description="Flare: anomaly diagnosis for distributed PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("run", help="run CMD with an embedded collector, then diagnose it "
+                   "(flare run [--store PATH] [--job NAME] [--otlp-forward URL] [--no-diagnose] -- CMD …)")
+    sub.add_parser("collector", help="run the OTLP collector (flare collector --config FILE)")
+
+    diagnose = sub.add_parser("diagnose", help="diagnose a job held in a store or trace backend")
+    add_diagnose_options(diagnose)
+    diagnose.set_defaults(handler=diagnose_command)
+
+    kineto = sub.add_parser("import-kineto", help="import PyTorch profiler (Kineto) traces into a store")
+    kineto.add_argument("directory", metavar="DIR", help="a trace file or a folder of them")
+    kineto.add_argument("--store", default=DEFAULT_STORE, metavar="PATH")
+    kineto.add_argument("--job", metavar="NAME", help="job name (default: the folder's name)")
+    kineto.set_defaults(handler=import_kineto_command)
+    return parser
+
+
+def add_diagnose_options(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
+    source.add_argument("--backend", metavar="SPEC",
+                        help="store:PATH, jaeger+http(s)://HOST:PORT or tempo+http(s)://HOST:PORT")
+    parser.add_argument("--job", metavar="ID", help="job to diagnose (default: the only job)")
+    parser.add_argument("--baseline-job", metavar="ID", help="compare against this earlier job")
+    parser.add_argument("--format", choices=("text", "json", "html"), default="text")
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the report here, not stdout")
+    parser.add_argument("--write-back", action="store_true",
+                        help="also store each anomaly as a flare.anomaly span (store backend), "
+                             "and send it to --otlp-endpoint when given")
+    parser.add_argument("--otlp-endpoint", metavar="URL",
+                        help="OTLP endpoint anomaly spans are sent to (with --write-back or --follow)")
+    parser.add_argument("--follow", action="store_true",
+                        help="keep diagnosing as new spans arrive (always-on service)")
+    parser.add_argument("--interval", type=float, default=10.0, metavar="S",
+                        help="seconds between passes with --follow (default 10)")
+
+
+def backend_spec(args: argparse.Namespace) -> str:
+    return args.backend or f"store:{args.store or DEFAULT_STORE}"
+
+
+def open_user_backend(spec: str) -> Backend:
+    try:
+        return open_backend(spec)
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
+
+
+def pick_job(backend: Backend, job: str | None) -> str:
+    try:
+        jobs = backend.jobs()
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
+    if job is not None:
+        if job not in jobs:
+            known = ", ".join(jobs[:20]) or "none"
+            raise UserError(f"job {job!r} is not in {backend.name} (jobs: {known})")
+        return job
+    if not jobs:
+        raise UserError(f"{backend.name} holds no jobs yet")
+    if len(jobs) > 1:
+        raise UserError(f"{backend.name} holds {len(jobs)} jobs; choose one with --job: {', '.join(jobs[:20])}")
+    return jobs[0]
+
+
+def diagnose_command(args: argparse.Namespace) -> int:
+    from flare.diagnostics import pipeline, writeback
+
+    if args.interval <= 0:
+        raise UserError("--interval must be positive")
+    spec = backend_spec(args)
+    backend = open_user_backend(spec)
+    try:
+        job = pick_job(backend, args.job)
+        config = DiagnosisConfig()
+        if args.baseline_job:
+            config.baseline = backend.job_data(pick_job(backend, args.baseline_job))
+        if args.follow:
+            from flare.diagnostics import follow
+
+            if not args.output:
+                return follow.main(spec, job, config, args.interval, args.otlp_endpoint, sys.stdout)
+            with open(args.output, "w", encoding="utf-8") as out:
+                return follow.main(spec, job, config, args.interval, args.otlp_endpoint, out)
+        job_data = backend.job_data(job)
+        try:
+            diagnosis = pipeline.diagnose(job_data, config)
+        except BackendError as exc:
+            raise UserError(str(exc)) from None
+        emit(diagnosis, job_data, config, args.format, args.output)
+        if args.write_back:
+            try:
+                store_path = getattr(backend, "path", None)
+                if store_path is not None:
+                    writeback.write_to_store(str(store_path), job, diagnosis.anomalies, diagnosis.evidence_links)
+                if args.otlp_endpoint:
+                    writeback.send_otlp(args.otlp_endpoint, writeback.anomaly_spans(
+                        job, diagnosis.anomalies, diagnosis.evidence_links))
+            except writeback.WritebackError as exc:
+                raise UserError(str(exc)) from None
+        return 0
+    finally:
+        backend.close()
+
+
+def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | None) -> None:
+    from flare.diagnostics import report_html, report_text
+
+    if fmt == "json":
+        text = json.dumps(diagnosis.to_json(), indent=2) + "\n"
+    elif fmt == "html":
+        text = report_html.render(diagnosis, job_data, config)
+    else:
+        colour = output is None and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        text = report_text.render(diagnosis, colour=colour)
+    if output:
+        try:
+            with open(output, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        except OSError as exc:
+            raise UserError(f"cannot write {output}: {exc.strerror}") from None
+        if fmt != "text":
+            print(f"flare: wrote {fmt} report to {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def import_kineto_command(args: argparse.Namespace) -> int:
+    from flare.exporters import kineto
+
+    try:
+        result = kineto.import_directory(args.directory, args.store, job=args.job)
+    except kineto.TraceError as exc:
+        raise UserError(str(exc)) from None
+    except Exception as exc:  # a store that is locked, newer or not a store
+        raise UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    for error in result.errors:
+        print(f"flare: skipped {error}", file=sys.stderr)
+    print(f"imported {result.files_imported} trace file(s), {result.spans} spans, "
+          f"into job {result.job} of {result.store_path}")
+    return 0 if result.files_imported else EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

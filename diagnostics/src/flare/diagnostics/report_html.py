@@ -1,0 +1,162 @@
+"""The HTML report: one self-contained file (inline CSS, SVG and PNG data URIs).
+
+Heat maps are drawn as tiny PNGs (one pixel per rank-group × step-bucket, scaled by
+the browser), so a thousand ranks by an hour of steps stays a few hundred kilobytes;
+the timeline of the worst steps is SVG.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import struct
+import zlib
+
+import numpy as np
+
+from flare.diagnostics import frame as frames
+from flare.diagnostics.model import DiagnosisConfig, JobData
+from flare.diagnostics.pipeline import Diagnosis
+from flare.diagnostics.stats import nanmedian
+
+_MAX_ROWS = 256
+_MAX_COLS = 600
+_TIMELINE_RANKS = 32
+_CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
+h1{font-size:20px}h2{font-size:16px;margin-top:28px}
+table{border-collapse:collapse}td,th{padding:4px 8px;border-bottom:1px solid #ddd;text-align:left;vertical-align:top}
+.k-hang,.k-error,.k-rank_missing{color:#b00020;font-weight:600}.k-straggler,.k-fail_slow{color:#a15c00;font-weight:600}
+.heat{image-rendering:pixelated;width:100%;height:260px;border:1px solid #ccc}
+.legend{font-size:12px;color:#555}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
+details{margin:4px 0}.ok{color:#1b7f3b;font-weight:600}
+"""
+
+
+def render(diagnosis: Diagnosis, job: JobData, config: DiagnosisConfig) -> str:
+    frame = frames.load(job, config)
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>Flare: {_e(diagnosis.job)}</title>",
+             f"<style>{_CSS}</style></head><body>",
+             f"<h1>Flare diagnosis of job {_e(diagnosis.job)}</h1>",
+             f"<p>Backend {_e(diagnosis.backend)}; "
+             + (f"steps {diagnosis.steps[0]}–{diagnosis.steps[1]}" if diagnosis.steps else "no steps")
+             + (f"; {len(frame.ranks)} ranks" if frame is not None else "") + "</p>",
+             "<h2>Anomalies</h2>", _anomalies(diagnosis)]
+    if frame is not None:
+        parts += ["<h2>Step time, rank × step</h2>", _heat(frame.duration, frame, "ms per step"),
+                  "<h2>Collective wait, rank × step</h2>",
+                  "<p class='legend'>Dark = long wait. The culprit of a straggling step is the rank with the "
+                  "<em>least</em> wait: the light row among dark ones.</p>",
+                  _heat(frame.wait, frame, "ms waiting in collectives"),
+                  "<h2>Worst steps across ranks</h2>", _timelines(job, frame)]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text))
+
+
+def _anomalies(diagnosis: Diagnosis) -> str:
+    if not diagnosis.anomalies:
+        return "<p class='ok'>No anomalies found.</p>"
+    rows = ["<table><tr><th>kind</th><th>ranks</th><th>cause</th><th>steps</th><th>impact</th>"
+            "<th>confidence</th><th>what happened</th></tr>"]
+    for a in diagnosis.anomalies:
+        steps = "" if a.first_step is None else f"{a.first_step}–{'' if a.last_step is None else a.last_step}"
+        evidence = json.dumps(a.to_json()["evidence"], indent=2)
+        extra = f"<br>at <code>{_e(a.callsite)}</code>" if a.callsite else ""
+        traces = "".join(f"<li><code>{_e(t)}</code></li>" for t in a.trace_ids)
+        rows.append(
+            f"<tr><td class='k-{_e(a.kind)}'>{_e(a.kind)}</td><td>{_e(', '.join(map(str, a.ranks)) or 'all')}</td>"
+            f"<td>{_e(a.cause)}</td><td>{_e(steps)}</td><td>{a.impact:.0%}</td><td>{a.confidence:.2f}</td>"
+            f"<td>{_e(a.summary)}{extra}<details><summary>evidence</summary><pre>{_e(evidence)}</pre>"
+            + (f"<p>traces:</p><ul>{traces}</ul>" if traces else "") + "</details></td></tr>")
+    rows.append("</table>")
+    return "".join(rows)
+
+
+def _downsample(matrix: np.ndarray) -> np.ndarray:
+    rows, cols = matrix.shape
+    row_group = max(1, -(-rows // _MAX_ROWS))
+    col_group = max(1, -(-cols // _MAX_COLS))
+    padded = np.full((-(-rows // row_group) * row_group, -(-cols // col_group) * col_group), np.nan)
+    padded[:rows, :cols] = matrix
+    shaped = padded.reshape(padded.shape[0] // row_group, row_group, padded.shape[1] // col_group, col_group)
+    # The max keeps one slow rank visible inside a group of healthy ones.
+    with np.errstate(all="ignore"):
+        return np.where(np.all(np.isnan(shaped), axis=(1, 3)), np.nan, np.nanmax(shaped, axis=(1, 3)))
+
+
+def _heat(matrix: np.ndarray, frame: frames.StepFrame, unit: str) -> str:
+    small = _downsample(matrix.astype(np.float64))
+    finite = small[np.isfinite(small)]
+    lo, hi = (float(np.percentile(finite, 1)), float(np.percentile(finite, 99))) if finite.size else (0.0, 1.0)
+    hi = hi if hi > lo else lo + 1.0
+    norm = np.clip((small - lo) / (hi - lo), 0, 1)
+    # White → orange → dark red; missing = light grey.
+    r = np.where(np.isnan(norm), 235, 255 - 120 * np.nan_to_num(norm))
+    g = np.where(np.isnan(norm), 235, 250 - 220 * np.nan_to_num(norm))
+    b = np.where(np.isnan(norm), 235, 240 - 230 * np.nan_to_num(norm))
+    pixels = np.stack([r, g, b], axis=-1).astype(np.uint8)
+    ranks = f"ranks {int(frame.ranks[0])}–{int(frame.ranks[-1])} (top to bottom)"
+    steps = f"steps {int(frame.steps[0])}–{frame.last_step_of(len(frame.steps) - 1)} (left to right)"
+    return (f"<img class='heat' alt='heat map' src='data:image/png;base64,{_png(pixels)}'>"
+            f"<p class='legend'>{_e(ranks)}; {_e(steps)}; colour scale {lo:.1f} (white) to "
+            f"{hi:.1f} (dark) {_e(unit)}.</p>")
+
+
+def _png(pixels: np.ndarray) -> str:
+    height, width, _ = pixels.shape
+    raw = b"".join(b"\x00" + pixels[y].tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    return base64.b64encode(png).decode()
+
+
+def _timelines(job: JobData, frame: frames.StepFrame, count: int = 3) -> str:
+    if frame.bucket != 1:
+        worst_cols = np.argsort(-np.nan_to_num(nanmedian(frame.duration.astype(np.float64), axis=0)))[:count]
+    else:
+        spread = np.nanmax(frame.duration, axis=0) if frame.duration.size else np.array([])
+        worst_cols = np.argsort(-np.nan_to_num(spread.astype(np.float64)))[:count]
+    out = []
+    for col in sorted(int(c) for c in worst_cols):
+        step = frame.step_of(col)
+        rows = job.spans(["train.step"], ["flare.step.collective_wait_ms"], first_step=step,
+                         last_step=step, columns=["rank", "start_ns", "end_ns"])
+        out.append(_timeline_svg(step, rows.to_pylist()))
+    return "".join(out) or "<p>No step spans.</p>"
+
+
+def _timeline_svg(step: int, rows: list[dict]) -> str:
+    rows = [r for r in rows if r["rank"] is not None and r["start_ns"] is not None][: 4 * _TIMELINE_RANKS]
+    by_rank: dict[int, dict] = {}
+    for row in rows:
+        by_rank.setdefault(row["rank"], row)
+    ordered = [by_rank[r] for r in sorted(by_rank)][:_TIMELINE_RANKS]
+    if not ordered:
+        return ""
+    t0 = min(r["start_ns"] for r in ordered)
+    t1 = max(r["end_ns"] for r in ordered)
+    span = max(t1 - t0, 1)
+    width, bar, left = 900, 14, 60
+    height = bar * len(ordered) + 30
+    items = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width + left + 10}' height='{height}'>"]
+    for i, r in enumerate(ordered):
+        y = 10 + i * bar
+        x0 = left + width * (r["start_ns"] - t0) / span
+        x1 = left + width * (r["end_ns"] - t0) / span
+        wait_ms = r.get("flare.step.collective_wait_ms") or 0.0
+        xw = max(x0, x1 - width * wait_ms * 1e6 / span)
+        items.append(f"<text x='0' y='{y + 10}' font-size='11'>rank {r['rank']}</text>")
+        items.append(f"<rect x='{x0:.1f}' y='{y}' width='{max(xw - x0, 0.5):.1f}' height='{bar - 3}' fill='#3b73b9'/>")
+        items.append(f"<rect x='{xw:.1f}' y='{y}' width='{max(x1 - xw, 0):.1f}' height='{bar - 3}' fill='#e8a33d'/>")
+    items.append(f"<text x='{left}' y='{height - 4}' font-size='11'>step {step}: {span / 1e6:.1f} ms across ranks; "
+                 "blue = own work, orange = waiting in collectives</text></svg>")
+    return "<div>" + "".join(items) + "</div>"

@@ -1,0 +1,59 @@
+"""The plain-text report: a table a person reads in a terminal (colour only on a TTY)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from flare.diagnostics.pipeline import Diagnosis
+
+_COLOURS = {"hang": "31", "error": "31", "rank_missing": "31", "straggler": "33",
+            "fail_slow": "33", "regression": "35"}
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "all"
+    text = ",".join(map(str, ranks[:8]))
+    return text + (f",+{len(ranks) - 8}" if len(ranks) > 8 else "")
+
+
+def _steps(first: int | None, last: int | None) -> str:
+    if first is None:
+        return "-"
+    return f"{first}-" if last is None else (f"{first}" if first == last else f"{first}-{last}")
+
+
+def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
+    steps = diagnosis.steps
+    head = (f"Flare diagnosis of job {diagnosis.job} ({diagnosis.backend}), "
+            + (f"steps {steps[0]}-{steps[1]}" if steps else "no steps recorded"))
+    lines = [head]
+    if not diagnosis.anomalies:
+        lines.append("No anomalies found.")
+        return "\n".join(lines) + "\n"
+    lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
+    lines.append("")
+    header = f"{'#':>2}  {'KIND':<16} {'RANKS':<12} {'CAUSE':<13} {'STEPS':<11} {'IMPACT':>6} {'CONF':>5}"
+    lines.append(_bold(header, colour))
+    for i, a in enumerate(diagnosis.anomalies, 1):
+        kind = f"{a.kind:<16}"
+        if colour and a.kind in _COLOURS:
+            kind = f"\x1b[{_COLOURS[a.kind]}m{kind}\x1b[0m"
+        lines.append(f"{i:>2}  {kind} {_ranks(a.ranks):<12} {a.cause:<13} "
+                     f"{_steps(a.first_step, a.last_step):<11} {a.impact:>6.0%} {a.confidence:>5.2f}")
+        for line in textwrap.wrap(a.summary, width=width - 6):
+            lines.append("      " + line)
+        if a.callsite:
+            lines.append(f"      at {a.callsite}")
+    return "\n".join(lines) + "\n"
+
+
+def _bold(text: str, colour: bool) -> str:
+    return f"\x1b[1m{text}\x1b[0m" if colour else text
+
+
+def alert_line(job: str, anomaly) -> str:
+    """One line for a live alert while the job runs."""
+    where = f" at {anomaly.callsite}" if anomaly.callsite else ""
+    return (f"flare: [{anomaly.kind}] ranks {_ranks(anomaly.ranks)} cause {anomaly.cause} "
+            f"from step {anomaly.first_step}{where}: {anomaly.summary}")

@@ -1,0 +1,270 @@
+"""`flare run [options] -- CMD …`: run a training command under Flare and diagnose it.
+
+An embedded collector listens on free loopback ports and writes the store; CMD runs
+under `opentelemetry-instrument` with the OTLP environment pointing at it (every
+rank torchrun starts inherits that environment and is instrumented too). While CMD
+runs, the detectors re-read the store every couple of seconds and print a one-line
+alert for each new anomaly; when CMD ends (or on Ctrl-C) the collector drains, the
+anomalies are written back as `flare.anomaly` spans (into the store and the forward
+path) and the report is printed. The exit status is CMD's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+from flare.diagnostics import pipeline, report_text, writeback
+from flare.diagnostics.backends import BackendError
+from flare.diagnostics.cli import DEFAULT_STORE, UserError, emit
+from flare.diagnostics.model import DiagnosisConfig
+from flare.instrumentation import semconv as sc
+
+LIVE_INTERVAL_S = 2.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.print_usage(sys.stderr)
+        raise SystemExit(_usage_error(message))
+
+
+def _usage_error(message: str) -> int:
+    print(f"flare run: error: {message}", file=sys.stderr)
+    return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="flare run", description="Run CMD under Flare and print its diagnosis.",
+                usage="flare run [--store PATH] [--job NAME] [--otlp-forward URL] [--no-diagnose] "
+                      "[--format text|json|html] [-o FILE] -- CMD …")
+    p.add_argument("--store", default=DEFAULT_STORE, metavar="PATH")
+    p.add_argument("--job", metavar="NAME", help="job id (default: a generated one)")
+    p.add_argument("--otlp-forward", metavar="URL",
+                   help="also forward everything to this OTLP endpoint (Jaeger, Tempo, a collector)")
+    p.add_argument("--otlp-forward-protocol", choices=("grpc", "http"),
+                   help="protocol of --otlp-forward (default: http for port 4318, else grpc)")
+    p.add_argument("--no-diagnose", action="store_true", help="collect only; no alerts, no report")
+    p.add_argument("--format", choices=("text", "json", "html"), default="text")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the final report here")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1:]
+    else:
+        own, command = argv, []
+    args = parser().parse_args(own)
+    if not command:
+        return _usage_error("no command to run (put it after --)")
+    job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    forward_protocol = None
+    if args.otlp_forward:
+        forward_protocol = args.otlp_forward_protocol or _guess_protocol(args.otlp_forward)
+        _check_reachable(args.otlp_forward)
+    collector = _start_collector(args.store, args.otlp_forward, forward_protocol)
+    endpoint = collector.grpc_endpoint or ""
+    if "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    print(f"flare: job {job}: collecting into {args.store} (OTLP {endpoint})", file=sys.stderr)
+    monitor = None if args.no_diagnose else LiveMonitor(args.store, job)
+    child = None
+    try:
+        child = _launch(command, job, endpoint)
+        if monitor:
+            monitor.start()
+        status = _wait(child)
+    finally:
+        if monitor:
+            monitor.stop()
+        if child is not None and child.poll() is None:
+            child.kill()
+    collector.flush()
+    if not args.no_diagnose:
+        _final_report(args, collector, job, endpoint)
+    if not collector.stop(30.0):
+        print("flare: the collector could not drain everything in time; the rest is kept "
+              "in its write-ahead log for the next start", file=sys.stderr)
+    return status
+
+
+def _guess_protocol(url: str) -> str:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    return "http" if parsed.port == 4318 or parsed.path.rstrip("/").endswith("/v1/traces") else "grpc"
+
+
+def _check_reachable(url: str) -> None:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if not parsed.hostname:
+        raise UserError(f"--otlp-forward {url!r} is not a URL")
+    port = parsed.port or (443 if parsed.scheme == "https" else 4317)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=3).close()
+    except OSError as exc:
+        raise UserError(f"forward target {url} is unreachable: {exc.strerror or exc}") from None
+
+
+def _start_collector(store_path: str, forward: str | None, protocol: str | None):
+    from flare.collector.config import embedded_config
+    from flare.collector.service import Collector
+
+    try:
+        config = embedded_config(store_path, forward_endpoint=forward, forward_protocol=protocol or "grpc")
+        collector = Collector(config)
+        collector.start()
+    except Exception as exc:  # config, port, store problems: all one line for the user
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cannot start the embedded collector: {text}") from None
+    return collector
+
+
+def _instrument_command() -> list[str]:
+    local = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
+    found = local if os.access(local, os.X_OK) else shutil.which("opentelemetry-instrument")
+    if not found:
+        raise UserError("opentelemetry-instrument is not installed (pip install opentelemetry-distro)")
+    return [found]
+
+
+def child_environment(job: str, endpoint: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update({
+        "OTEL_SERVICE_NAME": env.get("OTEL_SERVICE_NAME") or job,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": "otlp",
+        "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
+        sc.ENV_JOB_ID: job,
+    })
+    # Alerts are only as fresh as the batches ranks send: a second, not the default five.
+    env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
+    env.setdefault("OTEL_METRIC_EXPORT_INTERVAL", "5000")
+    return env
+
+
+def _launch(command: list[str], job: str, endpoint: str) -> subprocess.Popen:
+    try:
+        # Its own process group: Ctrl-C reaches Flare, which passes it on and still
+        # gets to drain the collector and print the report.
+        return subprocess.Popen(_instrument_command() + command, env=child_environment(job, endpoint),
+                                process_group=0)
+    except OSError as exc:
+        raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+
+
+def _wait(child: subprocess.Popen) -> int:
+    interrupts = [0]
+
+    def forward(signum: int, _frame) -> None:
+        interrupts[0] += 1
+        sig = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)[min(interrupts[0], 3) - 1]
+        if interrupts[0] == 1:
+            print("\nflare: interrupted; stopping the job (Ctrl-C again to force)", file=sys.stderr)
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except InterruptedError:
+                continue
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) -> None:
+    from flare.diagnostics.backends.store import StoreBackend
+
+    try:
+        backend = StoreBackend(args.store)
+        if job not in backend.jobs():
+            print(f"flare: job {job} sent no spans; nothing to diagnose (is the instrumentation "
+                  "installed in the command's Python?)", file=sys.stderr)
+            return
+        job_data = backend.job_data(job)
+        config = DiagnosisConfig()
+        diagnosis = pipeline.diagnose(job_data, config)
+    except BackendError as exc:
+        print(f"flare: cannot diagnose: {exc}", file=sys.stderr)
+        return
+    if diagnosis.anomalies:
+        try:
+            writeback.send_otlp(endpoint, writeback.anomaly_spans(job, diagnosis.anomalies,
+                                                                   diagnosis.evidence_links))
+            collector.flush()
+        except writeback.WritebackError as exc:
+            print(f"flare: anomalies not written back: {exc}", file=sys.stderr)
+    emit(diagnosis, job_data, config, args.format, args.output)
+
+
+class LiveMonitor:
+    """Re-diagnoses what has been stored so far and prints each new anomaly once."""
+
+    def __init__(self, store_path: str, job: str, interval_s: float = LIVE_INTERVAL_S,
+                 out=None) -> None:
+        self.store_path = store_path
+        self.job = job
+        self.interval_s = interval_s
+        self.out = out or sys.stderr
+        self.seen: set[tuple] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="flare-live", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception as exc:  # the job must run on even if a pass fails
+                print(f"flare: live diagnosis pass failed: {type(exc).__name__}: {exc}", file=self.out)
+
+    def check_once(self) -> list:
+        from flare.diagnostics.backends.store import StoreBackend
+
+        if not os.path.exists(self.store_path):
+            return []
+        try:
+            backend = StoreBackend(self.store_path, open_timeout_s=5.0)
+            if self.job not in backend.jobs():
+                return []
+            diagnosis = pipeline.diagnose(backend.job_data(self.job), DiagnosisConfig(),
+                                          warn=lambda _line: None)
+        except BackendError:
+            return []  # the collector is mid-flush; the next pass will see it
+        fresh = []
+        for anomaly in diagnosis.anomalies:
+            identity = (anomaly.kind, tuple(anomaly.ranks), anomaly.cause)
+            if identity not in self.seen:
+                self.seen.add(identity)
+                fresh.append(anomaly)
+                print(f"{time.strftime('%H:%M:%S')} {report_text.alert_line(self.job, anomaly)}",
+                      file=self.out, flush=True)
+        return fresh

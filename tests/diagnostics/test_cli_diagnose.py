@@ -1,0 +1,126 @@
+"""`flare diagnose` over real DuckDB stores filled with synthetic spans of known faults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flare.diagnostics.cli import main
+from flare.diagnostics.synthetic import Fault, job_spans
+from flare.exporters import store as flare_store
+
+
+def _store(path, *tables):
+    with flare_store.writer(path) as con:
+        for table in tables:
+            flare_store.insert_spans(con, table)
+    return path
+
+
+@pytest.fixture
+def straggler_store(tmp_path):
+    return _store(tmp_path / "s.duckdb", job_spans("slow", 4, 60, (Fault("compute", 2, 20),)))
+
+
+def test_json_contract(straggler_store, capsys):
+    assert main(["diagnose", "--store", str(straggler_store), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["job"] == "slow"
+    assert report["backend"] == f"store:{straggler_store}"
+    assert report["steps"] == {"first": 0, "last": 59}
+    kinds = {a["kind"]: a for a in report["anomalies"]}
+    straggler = kinds["straggler"]
+    assert straggler["ranks"] == [2] and straggler["cause"] == "compute"
+    assert straggler["first_step"] == 20
+    assert set(straggler) >= {"kind", "ranks", "cause", "first_step", "last_step", "impact",
+                              "confidence", "callsite", "summary", "evidence", "trace_ids"}
+    assert straggler["trace_ids"] and len(straggler["trace_ids"][0]) == 32
+
+
+def test_healthy_job_has_empty_list(tmp_path, capsys):
+    path = _store(tmp_path / "h.duckdb", job_spans("ok", 4, 60))
+    assert main(["diagnose", "--store", str(path), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["anomalies"] == []
+    assert main(["diagnose", "--store", str(path)]) == 0
+    assert "No anomalies found." in capsys.readouterr().out
+
+
+def test_text_is_plain_when_not_a_tty(straggler_store, capsys):
+    assert main(["diagnose", "--store", str(straggler_store)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" not in out
+    assert "straggler" in out and "compute" in out and "rank 2" in out
+
+
+def test_html_is_self_contained(straggler_store, tmp_path):
+    out = tmp_path / "report.html"
+    assert main(["diagnose", "--store", str(straggler_store), "--format", "html", "-o", str(out)]) == 0
+    page = out.read_text()
+    assert page.startswith("<!doctype html>")
+    assert "data:image/png;base64," in page and "<svg" in page
+    assert "straggler" in page
+    for outside in ("http://", "https://", "<link", "<script src"):
+        assert outside not in page.replace("http://www.w3.org/2000/svg", "")
+
+
+def test_write_back_is_idempotent(straggler_store, capsys):
+    for _ in range(2):
+        assert main(["diagnose", "--store", str(straggler_store), "--write-back", "--format", "json"]) == 0
+    count = len(json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")["anomalies"])
+    con = flare_store.open_reader(straggler_store)
+    try:
+        rows = con.execute("SELECT attributes, links, trace_id FROM spans WHERE name = 'flare.anomaly'").fetchall()
+    finally:
+        con.close()
+    assert len(rows) == count
+    attributes = json.loads(rows[0][0])
+    assert attributes["flare.anomaly.kind"] in ("straggler", "fail_slow")
+    assert json.loads(rows[0][1])  # linked to evidence spans
+
+
+def test_regression_against_baseline(tmp_path, capsys):
+    path = _store(tmp_path / "r.duckdb", job_spans("base", 4, 60),
+                  job_spans("new", 4, 60, (Fault("communication", 0, 0),), comm_ms=10))
+    assert main(["diagnose", "--store", str(path), "--job", "new", "--baseline-job", "base",
+                 "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    regression = [a for a in report["anomalies"] if a["kind"] == "regression"]
+    assert regression and regression[0]["cause"] == "communication"
+    assert "communication" in regression[0]["summary"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--store", "{tmp}/missing.duckdb"], "does not exist"),
+    (["--store", "{tmp}/two.duckdb"], "holds 2 jobs; choose one with --job: a, b"),
+    (["--store", "{tmp}/two.duckdb", "--job", "zzz"], "job 'zzz' is not in"),
+    (["--store", "{tmp}/empty.duckdb"], "holds no jobs"),
+    (["--store", "{tmp}/newer.duckdb"], "newer Flare"),
+    (["--store", "{tmp}/junk.duckdb"], "store"),
+    (["--backend", "jaeger+http://127.0.0.1:9"], ""),
+])
+def test_bad_input_is_one_line(tmp_path, args, message):
+    _store(tmp_path / "two.duckdb", job_spans("a", 2, 8), job_spans("b", 2, 8))
+    _store(tmp_path / "empty.duckdb")
+    _store(tmp_path / "newer.duckdb", job_spans("a", 2, 8))
+    with flare_store.writer(tmp_path / "newer.duckdb") as con:
+        con.execute("UPDATE flare_meta SET value = '99' WHERE key = 'schema_version'")
+    (tmp_path / "junk.duckdb").write_bytes(b"garbage" * 1000)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", *argv],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert message in lines[0]
+
+
+def test_unknown_flag_is_a_usage_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--bogus"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in result.stderr
+    assert "Traceback" not in result.stderr
