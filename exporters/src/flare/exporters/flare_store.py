@@ -1,0 +1,138 @@
+"""The `flare_store` exporter: OTLP requests into the embedded DuckDB store.
+
+`export_*` only converts into in-memory columns (cheap, never touches the file);
+`flush` writes everything buffered in ONE DuckDB transaction, opening the file for
+that flush only (`store.writer`) so readers can get in between flushes. A caller that
+keeps a write-ahead log passes `commit_marker=(key, value)`: the marker lands in
+`flare_meta` in the same transaction as the rows, so after a crash the store says
+exactly which log position it already holds (replay is exactly-once).
+
+A flush that fails (store held by a reader past the timeout, disk full) keeps every
+buffered row for the next flush and raises `store.StoreError`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from flare.exporters import store
+from flare.exporters.otlp_columns import MetricColumns, SpanColumns
+
+
+class FlareStoreExporter:
+    def __init__(self, path: str | os.PathLike[str], timeout_s: float = 10.0) -> None:
+        if not str(path):
+            raise ValueError("flare_store needs a non-empty `path`")
+        self.path = os.fspath(path)
+        self.timeout_s = float(timeout_s)
+        self._lock = threading.Lock()  # guards the buffers, not the file
+        self._flush_lock = threading.Lock()  # one flush at a time keeps row order
+        self._spans = SpanColumns()
+        self._metrics = MetricColumns()
+        # Tables of a failed flush, written first by the next one.
+        self._unwritten_spans: list[pa.Table] = []
+        self._unwritten_metrics: list[pa.Table] = []
+        self._counters = {
+            "spans_written": 0.0,
+            "metric_points_written": 0.0,
+            "flushes": 0.0,
+            "flush_errors": 0.0,
+            "last_flush_ms": 0.0,
+        }
+
+    # ------------------------------------------------------------ pipeline side
+    def export_traces(self, request: Any) -> None:
+        with self._lock:
+            self._spans.add_request(request)
+
+    def export_metrics(self, request: Any) -> None:
+        with self._lock:
+            self._metrics.add_request(request)
+
+    def buffered(self) -> int:
+        """Spans and metric points not yet durable in the store."""
+        with self._lock:
+            pending = len(self._spans) + len(self._metrics)
+            pending += sum(t.num_rows for t in self._unwritten_spans)
+            pending += sum(t.num_rows for t in self._unwritten_metrics)
+        return pending
+
+    def flush(self, commit_marker: tuple[str, str] | None = None) -> None:
+        """Durably write everything buffered (and the marker) in one transaction."""
+        with self._flush_lock:
+            with self._lock:
+                spans, self._spans = self._spans, SpanColumns()
+                points, self._metrics = self._metrics, MetricColumns()
+                span_tables = [*self._unwritten_spans, spans.table()] if len(spans) else list(self._unwritten_spans)
+                metric_tables = [*self._unwritten_metrics, points.table()] if len(points) else list(self._unwritten_metrics)
+                self._unwritten_spans, self._unwritten_metrics = [], []
+            if not span_tables and not metric_tables and commit_marker is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                written_spans, written_points = self._write(span_tables, metric_tables, commit_marker)
+            except BaseException:
+                with self._lock:
+                    self._unwritten_spans[:0] = span_tables
+                    self._unwritten_metrics[:0] = metric_tables
+                    self._counters["flush_errors"] += 1
+                raise
+            with self._lock:
+                self._counters["spans_written"] += written_spans
+                self._counters["metric_points_written"] += written_points
+                self._counters["flushes"] += 1
+                self._counters["last_flush_ms"] = (time.perf_counter() - t0) * 1e3
+
+    def _write(
+        self,
+        span_tables: list[pa.Table],
+        metric_tables: list[pa.Table],
+        commit_marker: tuple[str, str] | None,
+    ) -> tuple[int, int]:
+        written_spans = written_points = 0
+        try:
+            with store.writer(self.path, timeout_s=self.timeout_s) as con:
+                con.begin()
+                try:
+                    for table in span_tables:
+                        written_spans += store.insert_spans(con, table)
+                    for table in metric_tables:
+                        written_points += store.insert_metrics(con, table)
+                    if commit_marker is not None:
+                        key, value = commit_marker
+                        con.execute(
+                            "INSERT OR REPLACE INTO flare_meta VALUES (?, ?)", [str(key), str(value)]
+                        )
+                    con.commit()
+                except BaseException:
+                    con.rollback()
+                    raise
+        except store.StoreError:
+            raise
+        except Exception as exc:  # duckdb errors (disk full, I/O) become one sentence
+            raise store.StoreError(
+                f"cannot write store {self.path}: {str(exc).splitlines()[0]}"
+            ) from exc
+        return written_spans, written_points
+
+    def read_meta(self, key: str) -> str | None:
+        """A `flare_meta` value (e.g. the last committed WAL position), None if absent."""
+        if not os.path.exists(self.path):
+            return None
+        with self._flush_lock, store.writer(self.path, timeout_s=self.timeout_s) as con:
+            row = con.execute("SELECT value FROM flare_meta WHERE key = ?", [key]).fetchone()
+        return None if row is None else row[0]
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self._counters)
+        out["buffered"] = float(self.buffered())
+        return out
+
+    def shutdown(self) -> None:
+        self.flush()

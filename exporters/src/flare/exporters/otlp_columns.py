@@ -1,0 +1,298 @@
+"""OTLP protobuf requests → columns of the store schema.
+
+This is the hot path of ingest: every span the collector stores passes through
+`SpanColumns.add_request` once. It is written for CPython speed, which is why it looks
+less tidy than the rest of the code:
+- values that belong to a resource (job, service, rank, host, pid, resource JSON) are
+  computed once per `ResourceSpans` and repeated with `list.extend([x] * n)`;
+- per span, only the fields the schema keeps are touched, each exactly once (every
+  protobuf field access through upb allocates), and attribute maps go straight to
+  JSON text through the C JSON encoder;
+- empty events/links (nearly every span) share one constant string.
+`benchmarks/ingest.py` measures it against the protobuf parse-only ceiling.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from typing import Any
+
+import pyarrow as pa
+
+from flare.exporters import store
+from flare.instrumentation import semconv
+
+_SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
+_EMPTY_LIST_JSON = "[]"
+_EMPTY_OBJECT_JSON = "{}"
+
+# Compact separators keep the store small; allow_nan=False so a NaN/Inf double (not
+# valid JSON, rejected by DuckDB's JSON functions) takes the slow sanitising path.
+_encode_json = json.JSONEncoder(
+    ensure_ascii=False, separators=(",", ":"), allow_nan=False
+).encode
+
+
+def any_value(value: Any) -> Any:
+    """An OTLP `AnyValue` as the plain Python value JSON will carry (int stays int)."""
+    kind = value.WhichOneof("value")
+    if kind in _SCALAR_KINDS:
+        return getattr(value, kind)
+    if kind == "array_value":
+        return [any_value(item) for item in value.array_value.values]
+    if kind == "kvlist_value":
+        return {kv.key: any_value(kv.value) for kv in value.kvlist_value.values}
+    if kind == "bytes_value":
+        return base64.b64encode(value.bytes_value).decode("ascii")
+    return None
+
+
+def attributes_dict(attributes: Any) -> dict[str, Any]:
+    out = {}
+    for kv in attributes:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        out[kv.key] = getattr(value, kind) if kind in _SCALAR_KINDS else any_value(value)
+    return out
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def to_json(value: Any) -> str:
+    """JSON text that DuckDB's JSON functions accept (non-finite doubles sanitised)."""
+    try:
+        return _encode_json(value)
+    except ValueError:
+        return _encode_json(_finite(value))
+
+
+def _as_int(value: Any) -> int | None:
+    """An attribute that should be an integer, tolerating senders that typed it badly."""
+    if value is None or type(value) is int:
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _events_json(events: Any) -> str:
+    return to_json(
+        [
+            {"name": e.name, "time_ns": e.time_unix_nano, "attributes": attributes_dict(e.attributes)}
+            for e in events
+        ]
+    )
+
+
+def _links_json(links: Any) -> str:
+    return to_json(
+        [
+            {
+                "trace_id": link.trace_id.hex(),
+                "span_id": link.span_id.hex(),
+                "attributes": attributes_dict(link.attributes),
+            }
+            for link in links
+        ]
+    )
+
+
+def resource_identity(resource_attrs: dict[str, Any]) -> tuple[str, str, int | None]:
+    """(job, service, rank) of a resource: job is flare.job.id, else service.name."""
+    service = resource_attrs.get(semconv.SERVICE_NAME)
+    service = "" if service is None else str(service)
+    job = resource_attrs.get(semconv.JOB_ID)
+    job = service if job in (None, "") else str(job)
+    return job, service, _as_int(resource_attrs.get(semconv.RANK))
+
+
+class SpanColumns:
+    """Accumulates spans of many requests as Python columns; `table()` makes Arrow."""
+
+    __slots__ = (
+        "attributes", "duration_ns", "end_ns", "events", "host", "job", "kind", "links",
+        "name", "parent_span_id", "pid", "rank", "resource", "service", "span_id",
+        "start_ns", "status_code", "status_message", "step", "trace_id",
+    )
+
+    def __init__(self) -> None:
+        for column in self.__slots__:
+            setattr(self, column, [])
+
+    def __len__(self) -> int:
+        return len(self.span_id)
+
+    def add_request(self, request: Any) -> int:
+        """Append every span of an `ExportTraceServiceRequest`; returns the count."""
+        added = 0
+        step_key = semconv.STEP
+        rank_key = semconv.RANK
+        trace_id, span_id, parent_id = self.trace_id, self.span_id, self.parent_span_id
+        name, kind, start, end, duration = (
+            self.name, self.kind, self.start_ns, self.end_ns, self.duration_ns,
+        )
+        status_code, status_message = self.status_code, self.status_message
+        rank_col, step_col, attrs_col = self.rank, self.step, self.attributes
+        events_col, links_col = self.events, self.links
+        scalar_kinds = _SCALAR_KINDS
+        for resource_spans in request.resource_spans:
+            resource_attrs = attributes_dict(resource_spans.resource.attributes)
+            job, service, resource_rank = resource_identity(resource_attrs)
+            host = resource_attrs.get(semconv.HOST_NAME)
+            pid = _as_int(resource_attrs.get(semconv.PROCESS_PID))
+            resource_json = to_json(resource_attrs)
+            count = 0
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    attrs = {}
+                    for kv in span.attributes:
+                        value = kv.value
+                        which = value.WhichOneof("value")
+                        attrs[kv.key] = (
+                            getattr(value, which) if which in scalar_kinds else any_value(value)
+                        )
+                    trace_id.append(span.trace_id.hex())
+                    span_id.append(span.span_id.hex())
+                    parent_id.append(span.parent_span_id.hex())
+                    name.append(span.name)
+                    kind.append(span.kind)
+                    t0 = span.start_time_unix_nano
+                    t1 = span.end_time_unix_nano
+                    start.append(t0)
+                    end.append(t1)
+                    duration.append(t1 - t0)
+                    status = span.status
+                    status_code.append(status.code)
+                    status_message.append(status.message)
+                    step = attrs.get(step_key)
+                    step_col.append(step if step is None or type(step) is int else _as_int(step))
+                    rank = attrs.get(rank_key)
+                    rank_col.append(resource_rank if rank is None else _as_int(rank))
+                    try:
+                        attrs_col.append(_encode_json(attrs) if attrs else _EMPTY_OBJECT_JSON)
+                    except ValueError:
+                        attrs_col.append(to_json(attrs))
+                    events_col.append(_events_json(span.events) if span.events else _EMPTY_LIST_JSON)
+                    links_col.append(_links_json(span.links) if span.links else _EMPTY_LIST_JSON)
+                    count += 1
+            self.job.extend([job] * count)
+            self.service.extend([service] * count)
+            self.host.extend([host] * count)
+            self.pid.extend([pid] * count)
+            self.resource.extend([resource_json] * count)
+            added += count
+        return added
+
+    def table(self) -> pa.Table:
+        arrays = [
+            pa.array(getattr(self, column), type=typ) for column, _, typ in store.SPAN_COLUMNS
+        ]
+        return pa.Table.from_arrays(arrays, schema=store.SPAN_SCHEMA)
+
+
+class MetricColumns:
+    """One row per metric data point.
+
+    Gauges and sums give `value` (the point's double or int); histograms and
+    exponential histograms give one row per point with `value` = sum and the count,
+    min, max, bucket bounds and counts in `attributes` under `flare.histogram.*`;
+    summaries give value = sum plus count and quantiles the same way.
+    """
+
+    __slots__ = ("attributes", "job", "name", "rank", "time_ns", "unit", "value")
+
+    def __init__(self) -> None:
+        for column in self.__slots__:
+            setattr(self, column, [])
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def _row(
+        self, job: str, rank: int | None, name: str, unit: str, point: Any,
+        value: float | None, extra: dict[str, Any], resource_attrs: dict[str, Any],
+    ) -> None:
+        attrs = dict(resource_attrs)
+        attrs.update(attributes_dict(point.attributes))
+        attrs.update(extra)
+        point_rank = _as_int(attrs.get(semconv.RANK))
+        self.job.append(job)
+        self.rank.append(rank if point_rank is None else point_rank)
+        self.name.append(name)
+        self.time_ns.append(point.time_unix_nano)
+        self.value.append(value)
+        self.unit.append(unit)
+        self.attributes.append(to_json(attrs))
+
+    def add_request(self, request: Any) -> int:
+        before = len(self)
+        for resource_metrics in request.resource_metrics:
+            resource_attrs = attributes_dict(resource_metrics.resource.attributes)
+            job, _, rank = resource_identity(resource_attrs)
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    self._add_metric(job, rank, metric, resource_attrs)
+        return len(self) - before
+
+    def _add_metric(
+        self, job: str, rank: int | None, metric: Any, resource_attrs: dict[str, Any]
+    ) -> None:
+        data = metric.WhichOneof("data")
+        name, unit = metric.name, metric.unit
+        if data in ("gauge", "sum"):
+            for point in getattr(metric, data).data_points:
+                which = point.WhichOneof("value")
+                value = float(getattr(point, which)) if which else None
+                self._row(job, rank, name, unit, point, value, {}, resource_attrs)
+        elif data == "histogram":
+            for point in metric.histogram.data_points:
+                extra = {
+                    "flare.histogram.count": point.count,
+                    "flare.histogram.bounds": list(point.explicit_bounds),
+                    "flare.histogram.bucket_counts": list(point.bucket_counts),
+                }
+                if point.HasField("min"):
+                    extra["flare.histogram.min"] = point.min
+                if point.HasField("max"):
+                    extra["flare.histogram.max"] = point.max
+                value = point.sum if point.HasField("sum") else None
+                self._row(job, rank, name, unit, point, value, extra, resource_attrs)
+        elif data == "exponential_histogram":
+            for point in metric.exponential_histogram.data_points:
+                extra = {
+                    "flare.histogram.count": point.count,
+                    "flare.histogram.scale": point.scale,
+                    "flare.histogram.zero_count": point.zero_count,
+                    "flare.histogram.positive_offset": point.positive.offset,
+                    "flare.histogram.positive_counts": list(point.positive.bucket_counts),
+                    "flare.histogram.negative_offset": point.negative.offset,
+                    "flare.histogram.negative_counts": list(point.negative.bucket_counts),
+                }
+                value = point.sum if point.HasField("sum") else None
+                self._row(job, rank, name, unit, point, value, extra, resource_attrs)
+        elif data == "summary":
+            for point in metric.summary.data_points:
+                extra = {
+                    "flare.histogram.count": point.count,
+                    "flare.summary.quantiles": [
+                        [q.quantile, q.value] for q in point.quantile_values
+                    ],
+                }
+                self._row(job, rank, name, unit, point, point.sum, extra, resource_attrs)
+
+    def table(self) -> pa.Table:
+        arrays = [
+            pa.array(getattr(self, column), type=typ) for column, _, typ in store.METRIC_COLUMNS
+        ]
+        return pa.Table.from_arrays(arrays, schema=store.METRIC_SCHEMA)

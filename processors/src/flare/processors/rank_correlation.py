@@ -1,0 +1,568 @@
+"""`rank_correlation`: line spans up across ranks (ARCHITECTURE §4).
+
+Input is every trace request the collector receives, from many ranks, in any order,
+possibly late or duplicated. Output, added to the pipeline as spans of their own:
+- per (job, step) one `train.step.ranks` span, in the step's trace, linked to every
+  rank's `train.step` span: ranks present/expected/missing, cross-rank spread, the
+  slowest rank and the culprit (least collective wait; see `correlation_windows`),
+  per-PG arrival skew, and the ranks currently reporting hangs;
+- per (job, pg, seq) a `collective.ranks` span (child of the step's `train.step.ranks`)
+  from the `collective.<op>` spans of detail steps: arrival skew, last rank to arrive,
+  missing ranks; and from the per-PG step summaries whenever a PG's members did not all
+  reach its last collective of the step;
+- per rank, when it was last heard from and whether its watchdog reports a hang
+  (`snapshot()`, and counters in `metrics()`).
+
+A window closes, and its span is emitted, as soon as every expected rank reported
+(expected = `flare.world_size` of the resource, or the collective's group size), else
+`grace_period` after its first span arrived. A window closed early by the byte budget
+says so in `flare.ranks.closed_by`. After closing, the window's ranks are remembered
+(a bitmap) for `window` so that later copies count as late or duplicate rather than
+opening a new window. Jobs silent for `window` are forgotten.
+
+Spans emitted when a window completes are appended to the request being processed
+(latency is the processing time of that request); those closed by time come out of
+`tick`. Emitted spans have ids derived from (job, step) / (job, pg, seq), so a replay
+re-emits identical spans.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
+
+from flare.instrumentation import semconv as sc
+from flare.processors import options
+from flare.processors.base import Processor
+from flare.processors.correlation_windows import (
+    ARRIVAL_ENTRY_BYTES,
+    CollectiveWindow,
+    PgSummary,
+    RankArrival,
+    RankStep,
+    StepWindow,
+    Window,
+    collective_attributes,
+    pg_summaries,
+    step_attributes,
+    summary_collective_attributes,
+)
+from flare.processors.otlp_values import as_float, as_int, derived_span_id, key_values, pick
+
+SCOPE_NAME = "flare.processors.rank_correlation"
+
+_RESOURCE_KEYS = frozenset((sc.SERVICE_NAME, sc.JOB_ID, sc.RANK, sc.WORLD_SIZE))
+_STEP_KEYS = frozenset((
+    sc.STEP, sc.RANK, sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_PG_NAMES, sc.STEP_PG_WAIT_MS,
+    sc.STEP_PG_LAST_SEQ,
+))
+_COLLECTIVE_KEYS = frozenset((
+    sc.STEP, sc.RANK, sc.COLL_OP, sc.COLL_PG, sc.COLL_SEQ, sc.COLL_GROUP_SIZE,
+    sc.COLL_GROUP_RANKS,
+))
+_HANG_KEYS = frozenset((sc.RANK, sc.HANG_OPERATION, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP))
+_HEARTBEAT_KEYS = frozenset((sc.RANK, sc.HEARTBEAT_LAST_STEP))
+_CLOSED_MEMORY_PER_JOB = 4096  # closed windows remembered per job, besides the time bound
+_PG_MEMBER_LIMIT = 65536  # distinct (pg, rank) memberships remembered per job
+
+
+@dataclass
+class RankHealth:
+    last_heard_ns: int  # collector clock, when its latest data arrived
+    last_span_end_ns: int = 0  # sender clock, latest end of a span the correlator read
+    last_step: int | None = None
+    hang: str | None = None  # where the watchdog says it is stuck
+    hang_since_ns: int = 0
+
+
+@dataclass
+class JobState:
+    job: str
+    service: str
+    world_size: int | None = None
+    last_arrival_ns: int = 0
+    steps: dict[int, StepWindow] = field(default_factory=dict)
+    collectives: dict[tuple[str, int], CollectiveWindow] = field(default_factory=dict)
+    # key -> (closed at, bitmap of the ranks it held)
+    closed_steps: OrderedDict[int, tuple[int, bytearray]] = field(default_factory=OrderedDict)
+    closed_collectives: OrderedDict[tuple[str, int], tuple[int, bytearray]] = field(
+        default_factory=OrderedDict
+    )
+    ranks: dict[int, RankHealth] = field(default_factory=dict)
+    pg_members: dict[str, set[int]] = field(default_factory=dict)
+    pg_member_count: int = 0
+
+
+def _bitmap(ranks: Iterable[int]) -> bytearray:
+    ranks = list(ranks)
+    bits = bytearray((max(ranks, default=0) >> 3) + 1)
+    for rank in ranks:
+        if rank >= 0:
+            bits[rank >> 3] |= 1 << (rank & 7)
+    return bits
+
+
+def _in_bitmap(bits: bytearray, rank: int) -> bool:
+    return rank >= 0 and (rank >> 3) < len(bits) and bool(bits[rank >> 3] & (1 << (rank & 7)))
+
+
+class RankCorrelation(Processor):
+    def __init__(
+        self,
+        grace_period: object = "5s",
+        window: object = "120s",
+        max_state_mib: float = 256,
+        max_pg_detail: int = 16,
+        expected_ranks: int | None = None,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.grace_ns = int(options.duration_s(grace_period, "rank_correlation.grace_period") * 1e9)
+        self.window_ns = int(options.duration_s(window, "rank_correlation.window") * 1e9)
+        if self.window_ns < self.grace_ns:
+            raise ValueError("rank_correlation.window must be at least grace_period")
+        self.max_state_bytes = options.mib_bytes(max_state_mib, "rank_correlation.max_state_mib")
+        if self.max_state_bytes <= 0:
+            raise ValueError("rank_correlation.max_state_mib must be positive")
+        self.max_pg_detail = options.count(max_pg_detail, "rank_correlation.max_pg_detail")
+        self.expected_ranks = (
+            None if expected_ranks is None
+            else options.count(expected_ranks, "rank_correlation.expected_ranks", minimum=1)
+        )
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._jobs: dict[str, JobState] = {}
+        self._state_bytes = 0
+        self._counters: dict[str, float] = dict.fromkeys((
+            "step_spans", "collective_spans", "hang_spans", "heartbeat_spans",
+            "duplicate_spans", "late_spans", "replaced_reports", "spans_without_rank",
+            "spans_without_step", "steps_emitted", "steps_complete", "steps_grace",
+            "steps_budget", "steps_shutdown", "collectives_emitted", "collectives_budget",
+            "windows_evicted", "jobs_evicted",
+        ), 0.0)
+
+    # ------------------------------------------------------------ pipeline interface
+    def process_traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
+        now = self._clock()
+        with self._lock:
+            completed: list[tuple[JobState, Window, str]] = []
+            for resource_spans in request.resource_spans:
+                self._ingest_resource(resource_spans, now, completed)
+            if self._state_bytes > self.max_state_bytes:
+                completed.extend(self._over_budget())
+            emitted = self._emit(completed)
+        request.resource_spans.extend(emitted)
+        return request
+
+    def tick(self, now_ns: int) -> list[ExportTraceServiceRequest]:
+        """Close windows whose grace period ran out; forget what fell out of `window`.
+
+        `now_ns` is the collector's wall clock (`time.time_ns()`), the clock arrival
+        times are taken with.
+        """
+        with self._lock:
+            closing: list[tuple[JobState, Window, str]] = []
+            for job_id, job in list(self._jobs.items()):
+                for step, win in list(job.steps.items()):
+                    if now_ns - win.first_arrival_ns >= self.grace_ns:
+                        closing.append((job, job.steps.pop(step), "grace"))
+                for key, win in list(job.collectives.items()):
+                    if now_ns - win.first_arrival_ns >= self.grace_ns:
+                        closing.append((job, job.collectives.pop(key), "grace"))
+                self._forget_closed(job, now_ns)
+                if now_ns - job.last_arrival_ns >= self.window_ns and not job.steps and not job.collectives:
+                    del self._jobs[job_id]
+                    self._counters["jobs_evicted"] += 1
+            emitted = self._emit(closing)
+        return [ExportTraceServiceRequest(resource_spans=emitted)] if emitted else []
+
+    def shutdown(self) -> list[ExportTraceServiceRequest]:
+        with self._lock:
+            closing: list[tuple[JobState, Window, str]] = []
+            for job in self._jobs.values():
+                closing.extend((job, win, "shutdown") for win in job.steps.values())
+                closing.extend((job, win, "shutdown") for win in job.collectives.values())
+                job.steps.clear()
+                job.collectives.clear()
+            emitted = self._emit(closing)
+        return [ExportTraceServiceRequest(resource_spans=emitted)] if emitted else []
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self._counters)
+            out["state_bytes"] = float(self._state_bytes)
+            out["jobs"] = float(len(self._jobs))
+            out["open_step_windows"] = float(sum(len(j.steps) for j in self._jobs.values()))
+            out["open_collective_windows"] = float(
+                sum(len(j.collectives) for j in self._jobs.values())
+            )
+            out["hanging_ranks"] = float(
+                sum(1 for j in self._jobs.values() for h in j.ranks.values() if h.hang)
+            )
+            now = self._clock()
+            silences = [now - h.last_heard_ns for j in self._jobs.values() for h in j.ranks.values()]
+            out["max_rank_silence_s"] = max(silences, default=0) / 1e9
+        return out
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per job: each rank's last-heard times and hang location, and open windows."""
+        with self._lock:
+            return {
+                job_id: {
+                    "world_size": job.world_size,
+                    "open_steps": sorted(job.steps),
+                    "ranks": {
+                        rank: {
+                            "last_heard_ns": h.last_heard_ns,
+                            "last_span_end_ns": h.last_span_end_ns,
+                            "last_step": h.last_step,
+                            "hang": h.hang,
+                        }
+                        for rank, h in sorted(job.ranks.items())
+                    },
+                    "hanging": {rank: h.hang for rank, h in job.ranks.items() if h.hang},
+                }
+                for job_id, job in self._jobs.items()
+            }
+
+    # ------------------------------------------------------------ ingest
+    def _ingest_resource(
+        self, resource_spans: ResourceSpans, now: int, completed: list[tuple[JobState, Window, str]]
+    ) -> None:
+        resource = pick(resource_spans.resource.attributes, _RESOURCE_KEYS)
+        service = resource.get(sc.SERVICE_NAME)
+        service = "" if service is None else str(service)
+        job_id = resource.get(sc.JOB_ID)
+        job_id = service if job_id in (None, "") else str(job_id)
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = JobState(job=job_id, service=service)
+        job.last_arrival_ns = now
+        world_size = as_int(resource.get(sc.WORLD_SIZE))
+        if world_size and (job.world_size is None or world_size > job.world_size):
+            job.world_size = world_size
+        resource_rank = as_int(resource.get(sc.RANK))
+        if resource_rank is not None:
+            self._heard(job, resource_rank, now)
+        for scope_spans in resource_spans.scope_spans:
+            if scope_spans.scope.name == SCOPE_NAME:
+                continue  # our own output coming back (a collector chained to itself)
+            for span in scope_spans.spans:
+                name = span.name
+                if name == sc.SPAN_STEP:
+                    self._ingest_step(job, span, resource_rank, now, completed)
+                elif name.startswith(sc.SPAN_COLLECTIVE_PREFIX) and name != sc.SPAN_COLLECTIVE_RANKS:
+                    self._ingest_collective(job, span, resource_rank, now, completed)
+                elif name == sc.SPAN_HANG:
+                    self._ingest_hang(job, span, resource_rank, now)
+                elif name == sc.SPAN_HEARTBEAT:
+                    self._ingest_heartbeat(job, span, resource_rank, now)
+
+    def _heard(self, job: JobState, rank: int, now: int) -> RankHealth:
+        health = job.ranks.get(rank)
+        if health is None:
+            health = job.ranks[rank] = RankHealth(last_heard_ns=now)
+        else:
+            health.last_heard_ns = now
+        return health
+
+    def _expected(self, job: JobState) -> int | None:
+        return self.expected_ranks or job.world_size
+
+    def _ingest_step(
+        self, job: JobState, span: Span, resource_rank: int | None, now: int,
+        completed: list[tuple[JobState, Window, str]],
+    ) -> None:
+        self._counters["step_spans"] += 1
+        attrs = pick(span.attributes, _STEP_KEYS)
+        rank = as_int(attrs.get(sc.RANK, resource_rank))
+        step = as_int(attrs.get(sc.STEP))
+        if rank is None:
+            self._counters["spans_without_rank"] += 1
+            return
+        if step is None:
+            self._counters["spans_without_step"] += 1
+            return
+        health = self._heard(job, rank, now)
+        end_ns = span.end_time_unix_nano
+        health.last_span_end_ns = max(health.last_span_end_ns, end_ns)
+        health.last_step = step if health.last_step is None else max(health.last_step, step)
+        if health.hang and end_ns > health.hang_since_ns:
+            health.hang = None  # it finished a step after the report: no longer stuck
+        closed = job.closed_steps.get(step)
+        if closed is not None:
+            self._counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
+            return
+        names = tuple(str(n) for n in (attrs.get(sc.STEP_PG_NAMES) or ()))
+        waits = tuple(as_float(w) or 0.0 for w in (attrs.get(sc.STEP_PG_WAIT_MS) or ()))
+        seqs = tuple(as_int(s) if as_int(s) is not None else -1 for s in (attrs.get(sc.STEP_PG_LAST_SEQ) or ()))
+        if names:
+            waits = (waits + (0.0,) * len(names))[: len(names)]
+            seqs = (seqs + (-1,) * len(names))[: len(names)]
+            self._learn_members(job, names, rank)
+        entry = RankStep(
+            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
+            start_ns=span.start_time_unix_nano, end_ns=end_ns,
+            collective_wait_ms=as_float(attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)),
+            pg_names=names, pg_wait_ms=waits, pg_last_seq=seqs,
+        )
+        win = job.steps.get(step)
+        if win is None:
+            win = job.steps[step] = StepWindow(key=step, first_arrival_ns=now)
+        previous = win.ranks.get(rank)
+        if previous is not None:
+            if previous.span_id == entry.span_id:
+                self._counters["duplicate_spans"] += 1
+                return
+            # A restarted rank ran the step again: its latest attempt is what counts.
+            self._counters["replaced_reports"] += 1
+            if previous.end_ns >= entry.end_ns:
+                return
+            win.cost -= previous.cost()
+            self._state_bytes -= previous.cost()
+        win.ranks[rank] = entry
+        cost = entry.cost()
+        win.cost += cost
+        self._state_bytes += cost
+        expected = self._expected(job)
+        if expected and len(win.ranks) >= expected and set(range(expected)) <= win.ranks.keys():
+            completed.append((job, job.steps.pop(step), "complete"))
+
+    def _learn_members(self, job: JobState, names: tuple[str, ...], rank: int) -> None:
+        for name in names:
+            members = job.pg_members.get(name)
+            if members is None:
+                if job.pg_member_count >= _PG_MEMBER_LIMIT:
+                    continue
+                members = job.pg_members[name] = set()
+            if rank not in members and job.pg_member_count < _PG_MEMBER_LIMIT:
+                members.add(rank)
+                job.pg_member_count += 1
+
+    def _ingest_collective(
+        self, job: JobState, span: Span, resource_rank: int | None, now: int,
+        completed: list[tuple[JobState, Window, str]],
+    ) -> None:
+        self._counters["collective_spans"] += 1
+        attrs = pick(span.attributes, _COLLECTIVE_KEYS)
+        rank = as_int(attrs.get(sc.RANK, resource_rank))
+        seq = as_int(attrs.get(sc.COLL_SEQ))
+        pg = attrs.get(sc.COLL_PG)
+        if rank is None:
+            self._counters["spans_without_rank"] += 1
+            return
+        if seq is None or pg is None:
+            return  # a collective without (pg, seq) cannot be matched across ranks
+        pg = str(pg)
+        health = self._heard(job, rank, now)
+        health.last_span_end_ns = max(health.last_span_end_ns, span.end_time_unix_nano)
+        key = (pg, seq)
+        closed = job.closed_collectives.get(key)
+        if closed is not None:
+            self._counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
+            return
+        win = job.collectives.get(key)
+        if win is None:
+            group_ranks = tuple(r for r in (as_int(x) for x in attrs.get(sc.COLL_GROUP_RANKS) or ()) if r is not None)
+            win = job.collectives[key] = CollectiveWindow(
+                key=key, first_arrival_ns=now, op=str(attrs.get(sc.COLL_OP) or ""),
+                step=as_int(attrs.get(sc.STEP)),
+                group_size=as_int(attrs.get(sc.COLL_GROUP_SIZE)), group_ranks=group_ranks,
+            )
+        if rank in win.ranks:
+            self._counters["duplicate_spans"] += 1
+            return
+        if win.step is None:
+            win.step = as_int(attrs.get(sc.STEP))
+        win.ranks[rank] = RankArrival(
+            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
+            start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
+        )
+        win.cost += ARRIVAL_ENTRY_BYTES
+        self._state_bytes += ARRIVAL_ENTRY_BYTES
+        size = win.group_size or len(win.group_ranks)
+        if size and len(win.ranks) >= size:
+            completed.append((job, job.collectives.pop(key), "complete"))
+
+    def _ingest_hang(self, job: JobState, span: Span, resource_rank: int | None, now: int) -> None:
+        self._counters["hang_spans"] += 1
+        attrs = pick(span.attributes, _HANG_KEYS)
+        rank = as_int(attrs.get(sc.RANK, resource_rank))
+        if rank is None:
+            self._counters["spans_without_rank"] += 1
+            return
+        health = self._heard(job, rank, now)
+        where = str(attrs.get(sc.HANG_OPERATION) or "unknown")
+        if attrs.get(sc.HANG_PG) is not None:
+            where += f" pg={attrs[sc.HANG_PG]}"
+        if attrs.get(sc.HANG_SEQ) is not None:
+            where += f" seq={attrs[sc.HANG_SEQ]}"
+        health.hang = where
+        health.hang_since_ns = span.start_time_unix_nano
+
+    def _ingest_heartbeat(self, job: JobState, span: Span, resource_rank: int | None, now: int) -> None:
+        self._counters["heartbeat_spans"] += 1
+        attrs = pick(span.attributes, _HEARTBEAT_KEYS)
+        rank = as_int(attrs.get(sc.RANK, resource_rank))
+        if rank is None:
+            return
+        health = self._heard(job, rank, now)
+        health.last_span_end_ns = max(health.last_span_end_ns, span.end_time_unix_nano)
+        last_step = as_int(attrs.get(sc.HEARTBEAT_LAST_STEP))
+        if last_step is not None:
+            health.last_step = last_step if health.last_step is None else max(health.last_step, last_step)
+
+    # ------------------------------------------------------------ bounds
+    def _over_budget(self) -> list[tuple[JobState, Window, str]]:
+        """Close the oldest open windows until the state is back under 90% of budget."""
+        open_windows = sorted(
+            (
+                (win.first_arrival_ns, id(win), job, win)
+                for job in self._jobs.values()
+                for win in (*job.steps.values(), *job.collectives.values())
+            ),
+            key=lambda item: item[:2],
+        )
+        target = int(self.max_state_bytes * 0.9)
+        closing = []
+        state = self._state_bytes
+        for _, _, job, win in open_windows:
+            if state <= target:
+                break
+            if isinstance(win, StepWindow):
+                job.steps.pop(win.key)
+            else:
+                job.collectives.pop(win.key)
+            state -= win.cost
+            self._counters["windows_evicted"] += 1
+            closing.append((job, win, "budget"))
+        return closing
+
+    def _forget_closed(self, job: JobState, now: int) -> None:
+        for memory in (job.closed_steps, job.closed_collectives):
+            while memory and (
+                len(memory) > _CLOSED_MEMORY_PER_JOB
+                or now - next(iter(memory.values()))[0] >= self.window_ns
+            ):
+                memory.popitem(last=False)
+
+    # ------------------------------------------------------------ output
+    def _emit(self, closing: list[tuple[JobState, Window, str]]) -> list[ResourceSpans]:
+        if not closing:
+            return []
+        now = self._clock()
+        by_job: dict[str, tuple[JobState, list[Span]]] = {}
+        for job, win, closed_by in closing:
+            self._state_bytes -= win.cost
+            spans = by_job.setdefault(job.job, (job, []))[1]
+            if isinstance(win, StepWindow):
+                job.closed_steps[win.key] = (now, _bitmap(win.ranks))
+                spans.extend(self._step_spans(job, win, closed_by))
+            else:
+                job.closed_collectives[win.key] = (now, _bitmap(win.ranks))
+                spans.append(self._collective_span(job, win, closed_by))
+            self._forget_closed(job, now)
+        out = []
+        for job, spans in by_job.values():
+            resource_spans = ResourceSpans()
+            resource_spans.resource.attributes.extend(key_values({
+                sc.SERVICE_NAME: job.service or job.job,
+                sc.JOB_ID: job.job,
+                sc.WORLD_SIZE: job.world_size,
+            }))
+            scope_spans = resource_spans.scope_spans.add()
+            scope_spans.scope.name = SCOPE_NAME
+            scope_spans.spans.extend(spans)
+            out.append(resource_spans)
+        return out
+
+    def _step_spans(self, job: JobState, win: StepWindow, closed_by: str) -> list[Span]:
+        step = win.key
+        assert isinstance(step, int)
+        self._counters["steps_emitted"] += 1
+        self._counters[f"steps_{closed_by}"] += 1
+        pgs = pg_summaries(win.ranks, job.pg_members)
+        hanging = {rank: h.hang for rank, h in job.ranks.items() if h.hang}
+        attrs = step_attributes(
+            win, step, self._expected(job), closed_by, pgs, self.max_pg_detail, hanging
+        )
+        trace_id = self._step_trace_id(job, win)
+        step_span_id = derived_span_id(job.job, step, sc.SPAN_STEP_RANKS)
+        span = Span(
+            trace_id=trace_id, span_id=step_span_id, name=sc.SPAN_STEP_RANKS,
+            kind=Span.SPAN_KIND_INTERNAL,
+            start_time_unix_nano=min(s.start_ns for s in win.ranks.values()),
+            end_time_unix_nano=max(s.end_ns for s in win.ranks.values()),
+            attributes=key_values(attrs),
+        )
+        links = span.links
+        for rank in sorted(win.ranks):
+            entry = win.ranks[rank]
+            link = links.add(trace_id=entry.trace_id, span_id=entry.span_id)
+            kv = link.attributes.add(key=sc.RANK)
+            kv.value.int_value = rank
+        out = [span]
+        for pg in pgs:
+            if pg.missing:
+                out.append(self._summary_collective_span(job, step, trace_id, step_span_id, pg, closed_by, span))
+        return out
+
+    def _step_trace_id(self, job: JobState, win: StepWindow) -> bytes:
+        # The ranks' own trace id when they agree (it is derived from job and step);
+        # otherwise the derivation, so the span still lands in the step's trace.
+        trace_ids = {s.trace_id for s in win.ranks.values()}
+        if len(trace_ids) == 1:
+            return next(iter(trace_ids))
+        return sc.step_trace_id(job.job, int(win.key)).to_bytes(16, "big")  # type: ignore[arg-type]
+
+    def _summary_collective_span(
+        self, job: JobState, step: int, trace_id: bytes, parent: bytes, pg: PgSummary,
+        closed_by: str, step_span: Span,
+    ) -> Span:
+        self._counters["collectives_emitted"] += 1
+        return Span(
+            trace_id=trace_id, parent_span_id=parent,
+            span_id=derived_span_id(
+                job.job, pg.name, pg.last_seq, sc.SPAN_COLLECTIVE_RANKS, "step_summary"
+            ),
+            name=sc.SPAN_COLLECTIVE_RANKS, kind=Span.SPAN_KIND_INTERNAL,
+            start_time_unix_nano=step_span.start_time_unix_nano,
+            end_time_unix_nano=step_span.end_time_unix_nano,
+            attributes=key_values(summary_collective_attributes(pg, step, closed_by)),
+        )
+
+    def _collective_span(self, job: JobState, win: CollectiveWindow, closed_by: str) -> Span:
+        pg, seq = win.key  # type: ignore[misc]
+        self._counters["collectives_emitted"] += 1
+        if closed_by == "budget":
+            self._counters["collectives_budget"] += 1
+        arrivals = win.ranks.values()
+        trace_ids = {a.trace_id for a in arrivals}
+        if win.step is not None:
+            trace_id = sc.step_trace_id(job.job, win.step).to_bytes(16, "big")
+            parent = derived_span_id(job.job, win.step, sc.SPAN_STEP_RANKS)
+        else:
+            trace_id = next(iter(trace_ids))
+            parent = b""
+        span = Span(
+            trace_id=trace_id, parent_span_id=parent,
+            span_id=derived_span_id(job.job, pg, seq, sc.SPAN_COLLECTIVE_RANKS),
+            name=sc.SPAN_COLLECTIVE_RANKS, kind=Span.SPAN_KIND_INTERNAL,
+            start_time_unix_nano=min(a.start_ns for a in arrivals),
+            end_time_unix_nano=max(a.end_ns for a in arrivals),
+            attributes=key_values(
+                collective_attributes(win, pg, seq, closed_by, job.pg_members.get(pg, set()))
+            ),
+        )
+        for rank in sorted(win.ranks):
+            arrival = win.ranks[rank]
+            link = span.links.add(trace_id=arrival.trace_id, span_id=arrival.span_id)
+            kv = link.attributes.add(key=sc.RANK)
+            kv.value.int_value = rank
+        return span

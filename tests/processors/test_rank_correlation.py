@@ -1,0 +1,349 @@
+"""rank_correlation on synthetic input: out of order, duplicated, late, missing ranks."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from flare.instrumentation import semconv as sc
+from flare.processors import REGISTRY
+from flare.processors.rank_correlation import SCOPE_NAME, RankCorrelation
+
+JOB = "job-a"
+T0 = 1_700_000_000_000_000_000
+MS = 1_000_000
+_ids = itertools.count(1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def value(v: object) -> AnyValue:
+    if isinstance(v, bool):
+        return AnyValue(bool_value=v)
+    if isinstance(v, int):
+        return AnyValue(int_value=v)
+    if isinstance(v, float):
+        return AnyValue(double_value=v)
+    if isinstance(v, (list, tuple)):
+        return AnyValue(array_value=ArrayValue(values=[value(x) for x in v]))
+    return AnyValue(string_value=str(v))
+
+
+def kvs(attrs: dict[str, object]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=value(v)) for k, v in attrs.items()]
+
+
+def step_span(step: int, wait_ms: float, duration_ms: float = 1000, end_ms: float | None = None,
+              pgs: dict[str, tuple[float, int]] | None = None, span_id: int | None = None) -> Span:
+    start = T0 + step * 1000 * MS
+    end = start + int((end_ms if end_ms is not None else duration_ms) * MS)
+    attrs: dict[str, object] = {sc.STEP: step, sc.STEP_COLLECTIVE_WAIT_MS: wait_ms}
+    if pgs:
+        attrs[sc.STEP_PG_NAMES] = list(pgs)
+        attrs[sc.STEP_PG_WAIT_MS] = [w for w, _ in pgs.values()]
+        attrs[sc.STEP_PG_LAST_SEQ] = [s for _, s in pgs.values()]
+    return Span(
+        trace_id=sc.step_trace_id(JOB, step).to_bytes(16, "big"),
+        span_id=(span_id or next(_ids)).to_bytes(8, "big"), name=sc.SPAN_STEP,
+        start_time_unix_nano=start, end_time_unix_nano=end, attributes=kvs(attrs),
+    )
+
+
+def collective_span(step: int, pg: str, seq: int, arrive_ms: float, group_size: int,
+                    group_ranks: list[int] | None = None) -> Span:
+    start = T0 + step * 1000 * MS + int(arrive_ms * MS)
+    attrs: dict[str, object] = {
+        sc.STEP: step, sc.COLL_OP: "all_reduce", sc.COLL_PG: pg, sc.COLL_SEQ: seq,
+        sc.COLL_GROUP_SIZE: group_size,
+    }
+    if group_ranks:
+        attrs[sc.COLL_GROUP_RANKS] = group_ranks
+    return Span(
+        trace_id=sc.step_trace_id(JOB, step).to_bytes(16, "big"),
+        span_id=next(_ids).to_bytes(8, "big"), name="collective.all_reduce",
+        start_time_unix_nano=start, end_time_unix_nano=start + 5 * MS, attributes=kvs(attrs),
+    )
+
+
+def request(rank: int, spans: list[Span], world_size: int = 4, job: str = JOB) -> ExportTraceServiceRequest:
+    resource = {sc.SERVICE_NAME: "train", sc.JOB_ID: job, sc.RANK: rank, sc.WORLD_SIZE: world_size}
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource={"attributes": kvs(resource)},
+        scope_spans=[ScopeSpans(scope={"name": "flare.instrumentation"}, spans=spans)],
+    )])
+
+
+def emitted(requests: list[ExportTraceServiceRequest]) -> list[tuple[dict, Span]]:
+    """(attributes, span) of every span the correlator added."""
+    out = []
+    for req in requests:
+        for rs in req.resource_spans:
+            for ss in rs.scope_spans:
+                if ss.scope.name != SCOPE_NAME:
+                    continue
+                for span in ss.spans:
+                    attrs = {}
+                    for kv in span.attributes:
+                        which = kv.value.WhichOneof("value")
+                        if which == "array_value":
+                            attrs[kv.key] = [getattr(v, v.WhichOneof("value")) for v in kv.value.array_value.values]
+                        else:
+                            attrs[kv.key] = getattr(kv.value, which)
+                    out.append((attrs, span))
+    return out
+
+
+def steps_out(requests) -> dict[int, dict]:
+    return {a[sc.STEP]: a for a, s in emitted(requests) if s.name == sc.SPAN_STEP_RANKS}
+
+
+def test_registry_builds_from_options():
+    proc = REGISTRY["rank_correlation"](grace_period="2s", window="1m", max_state_mib=8)
+    assert proc.grace_ns == 2 * 10**9 and proc.window_ns == 60 * 10**9
+    with pytest.raises(ValueError, match="grace_period"):
+        RankCorrelation(grace_period="soon")
+    with pytest.raises(ValueError, match="window"):
+        RankCorrelation(grace_period="10s", window="1s")
+
+
+def test_complete_step_emits_at_once_with_culprit_not_longest_step():
+    clock = FakeClock()
+    proc = RankCorrelation(clock=clock)
+    # Rank 2 is the straggler: it waits least in collectives. Rank 0 has the longest
+    # step (it did extra host work after the all-reduce) but waited most: a victim.
+    waits = {0: 300.0, 1: 290.0, 2: 5.0, 3: 295.0}
+    durations = {0: 1100.0, 1: 1000.0, 2: 1001.0, 3: 1000.0}
+    outputs = []
+    for rank in (3, 0, 2, 1):  # arrival order differs from rank order
+        out = proc.process_traces(request(rank, [step_span(7, waits[rank], durations[rank])]))
+        outputs.append(out)
+    # Only the last request completes the window; its output carries the span.
+    assert steps_out(outputs[:3]) == {}
+    attrs = steps_out(outputs)[7]
+    assert attrs[sc.RANKS_CULPRIT] == 2
+    assert attrs[sc.RANKS_CULPRIT_BASIS] == "collective_wait"
+    assert attrs[sc.RANKS_SLOWEST] == 0
+    assert attrs[sc.RANKS_COUNT] == 4 and attrs[sc.RANKS_EXPECTED] == 4
+    assert attrs.get(sc.RANKS_MISSING, []) == []
+    assert attrs[sc.RANKS_SPREAD_MS] == pytest.approx(100.0)
+    assert attrs[sc.RANKS_CLOSED_BY] == "complete"
+    assert attrs[sc.RANKS_CULPRIT_WAIT_MS] == 5.0
+    assert attrs[sc.RANKS_MEDIAN_WAIT_MS] == pytest.approx(292.5)
+    (span,) = [s for _, s in emitted(outputs) if s.name == sc.SPAN_STEP_RANKS]
+    assert span.trace_id == sc.step_trace_id(JOB, 7).to_bytes(16, "big")
+    assert len(span.links) == 4
+    assert {link.attributes[0].value.int_value for link in span.links} == {0, 1, 2, 3}
+    assert proc.metrics()["steps_complete"] == 1
+    assert proc.metrics()["state_bytes"] == 0
+
+
+def test_missing_rank_closes_after_grace_on_tick():
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="5s", clock=clock)
+    for rank in (0, 1, 3):
+        proc.process_traces(request(rank, [step_span(1, 10.0)]))
+    clock.now += 4 * 10**9
+    assert proc.tick(clock.now) == []
+    clock.now += 2 * 10**9
+    attrs = steps_out(proc.tick(clock.now))[1]
+    assert attrs[sc.RANKS_MISSING] == [2]
+    assert attrs[sc.RANKS_COUNT] == 3
+    assert attrs[sc.RANKS_CLOSED_BY] == "grace"
+
+
+def test_duplicates_late_and_out_of_order_steps():
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="5s", clock=clock)
+    spans = {(step, rank): step_span(step, 10.0 + rank) for step in (1, 2) for rank in range(4)}
+    # Step 2 arrives before step 1; rank 1's step-1 span is sent twice before it closes.
+    order = [(2, 0), (2, 1), (1, 0), (2, 2), (1, 1), (1, 1), (2, 3), (1, 2)]
+    outs = [proc.process_traces(request(rank, [spans[(step, rank)]])) for step, rank in order]
+    assert set(steps_out(outs)) == {2}
+    assert proc.metrics()["duplicate_spans"] == 1
+    # Step 1 times out without rank 3; then rank 3's copy arrives late, and a resend
+    # of rank 0's span (already counted) is a duplicate, not a new window.
+    clock.now += 6 * 10**9
+    closed = steps_out(proc.tick(clock.now))
+    assert closed[1][sc.RANKS_MISSING] == [3]
+    late = proc.process_traces(request(3, [spans[(1, 3)]]))
+    again = proc.process_traces(request(0, [spans[(1, 0)]]))
+    assert steps_out([late, again]) == {}
+    m = proc.metrics()
+    assert m["late_spans"] == 1 and m["duplicate_spans"] == 2
+    assert m["open_step_windows"] == 0
+    # The late span itself still flows on to the exporters.
+    assert late.resource_spans[0].scope_spans[0].spans[0].name == sc.SPAN_STEP
+
+
+def test_restarted_rank_latest_attempt_counts():
+    clock = FakeClock()
+    proc = RankCorrelation(clock=clock)
+    proc.process_traces(request(0, [step_span(3, 50.0, end_ms=900)]))
+    proc.process_traces(request(0, [step_span(3, 1.0, end_ms=1500)]))  # re-run after restart
+    outs = [proc.process_traces(request(r, [step_span(3, 40.0)])) for r in (1, 2, 3)]
+    attrs = steps_out(outs)[3]
+    assert attrs[sc.RANKS_CULPRIT] == 0  # the later attempt's 1 ms wait counts
+    assert proc.metrics()["replaced_reports"] == 1
+
+
+def test_culprit_falls_back_to_slowest_without_wait_summaries():
+    proc = RankCorrelation(clock=FakeClock())
+    outs = []
+    for rank, dur in enumerate((1000, 1400, 1000, 1000)):
+        span = step_span(0, 0.0, duration_ms=dur)
+        del span.attributes[1]  # no collective_wait_ms
+        outs.append(proc.process_traces(request(rank, [span])))
+    attrs = steps_out(outs)[0]
+    assert attrs[sc.RANKS_CULPRIT] == 1 and attrs[sc.RANKS_CULPRIT_BASIS] == "duration"
+
+
+def test_per_pg_summaries_skew_and_rank_behind():
+    proc = RankCorrelation(clock=FakeClock())
+    # Two DP groups "1" = {0, 1} and "2" = {2, 3}, and the world group "0".
+    pgs = {
+        0: {"0": (200.0, 10), "1": (80.0, 5)},
+        1: {"0": (190.0, 10), "1": (2.0, 5)},
+        2: {"0": (195.0, 10), "2": (60.0, 5)},
+        3: {"0": (5.0, 9), "2": (1.0, 4)},  # rank 3 never reached seq 10 / 5
+    }
+    outs = [proc.process_traces(request(r, [step_span(4, pgs[r]["0"][0], pgs=pgs[r])])) for r in range(4)]
+    attrs = steps_out(outs)[4]
+    names = attrs[sc.RANKS_PG_NAMES]
+    by_name = {n: i for i, n in enumerate(names)}
+    assert attrs[sc.RANKS_PG_COUNT] == 3
+    i = by_name["1"]
+    assert attrs[sc.RANKS_PG_LAST_ARRIVAL][i] == 1
+    assert attrs[sc.RANKS_PG_ARRIVAL_SKEW_MS][i] == pytest.approx(78.0)
+    # PG "0" and "2": rank 3 is behind; PGs with missing ranks are listed first.
+    assert attrs[sc.RANKS_PG_MISSING_COUNT][by_name["0"]] == 1
+    assert set(names[:2]) == {"0", "2"}
+    coll = [a for a, s in emitted(outs) if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    by_pg = {a[sc.COLL_PG]: a for a in coll}
+    assert set(by_pg) == {"0", "2"}
+    assert by_pg["0"][sc.RANKS_MISSING] == [3] and by_pg["0"][sc.COLL_SEQ] == 10
+    assert by_pg["2"][sc.COLL_SOURCE] == "step_summary"
+
+
+def test_collective_spans_arrival_skew_last_and_missing():
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="5s", clock=clock)
+    arrivals = {0: 10.0, 1: 12.0, 2: 95.0, 3: 11.0}
+    outs = [proc.process_traces(request(r, [collective_span(100, "0", 42, arrivals[r], 4)]))
+            for r in (2, 0, 3, 1)]
+    (attrs,) = [a for a, s in emitted(outs) if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    assert attrs[sc.RANKS_LAST_ARRIVAL] == 2
+    assert attrs[sc.RANKS_ARRIVAL_SKEW_MS] == pytest.approx(85.0)
+    assert attrs[sc.RANKS_CLOSED_BY] == "complete"
+    # A group of 4 named members where rank 6 never joins: reported by name.
+    for r in (4, 5, 7):
+        proc.process_traces(request(r, [collective_span(100, "9", 3, 1.0, 4, [4, 5, 6, 7])], world_size=8))
+    clock.now += 6 * 10**9
+    (attrs,) = [a for a, s in emitted(proc.tick(clock.now)) if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    assert attrs[sc.RANKS_MISSING] == [6] and attrs[sc.RANKS_CLOSED_BY] == "grace"
+
+
+def test_hang_reports_and_last_heard():
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="1s", clock=clock)
+    hang = Span(
+        trace_id=b"\x01" * 16, span_id=b"\x02" * 8, name=sc.SPAN_HANG,
+        start_time_unix_nano=T0 + 5 * 10**9, end_time_unix_nano=T0 + 5 * 10**9,
+        attributes=kvs({sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: "0", sc.HANG_SEQ: 17}),
+    )
+    for rank in (0, 1, 3):
+        proc.process_traces(request(rank, [step_span(2, 100.0)]))
+    clock.now += 500 * MS
+    proc.process_traces(request(1, [hang]))
+    heartbeat = Span(trace_id=b"\x03" * 16, span_id=b"\x04" * 8, name=sc.SPAN_HEARTBEAT,
+                     start_time_unix_nano=T0, end_time_unix_nano=T0,
+                     attributes=kvs({sc.HEARTBEAT_LAST_STEP: 2}))
+    proc.process_traces(request(0, [heartbeat]))
+    snap = proc.snapshot()[JOB]
+    assert snap["hanging"] == {1: "collective.all_reduce pg=0 seq=17"}
+    assert snap["ranks"][0]["last_heard_ns"] == clock.now
+    assert snap["ranks"][3]["last_heard_ns"] == T0
+    assert snap["ranks"][0]["last_step"] == 2
+    assert proc.metrics()["hanging_ranks"] == 1
+    clock.now += 10**9
+    attrs = steps_out(proc.tick(clock.now))[2]
+    assert attrs[sc.RANKS_MISSING] == [2]
+    assert attrs[sc.RANKS_HANGING] == [1]
+    assert attrs[sc.RANKS_HANG_OPERATIONS] == ["collective.all_reduce pg=0 seq=17"]
+    # A later completed step from rank 1 clears its hang.
+    proc.process_traces(request(1, [step_span(9, 1.0)]))
+    assert proc.snapshot()[JOB]["hanging"] == {}
+
+
+def test_byte_budget_closes_oldest_windows_and_counts():
+    clock = FakeClock()
+    proc = RankCorrelation(max_state_mib="64KiB", grace_period="1h", window="2h", clock=clock)
+    outs = []
+    for step in range(200):  # rank 3 never reports: nothing completes on its own
+        clock.now += MS
+        for rank in range(3):
+            outs.append(proc.process_traces(request(rank, [step_span(step, 1.0)])))
+    m = proc.metrics()
+    assert m["state_bytes"] <= 64 * 1024
+    assert m["windows_evicted"] > 0 and m["steps_budget"] == m["windows_evicted"]
+    closed = steps_out(outs)
+    assert closed and all(a[sc.RANKS_CLOSED_BY] == "budget" for a in closed.values())
+    assert min(closed) == 0  # the oldest went first
+
+
+def test_window_forgets_silent_jobs_and_closed_keys():
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="1s", window="10s", clock=clock)
+    for rank in range(4):
+        proc.process_traces(request(rank, [step_span(0, 1.0)]))
+    clock.now += 11 * 10**9
+    proc.tick(clock.now)
+    assert proc.metrics()["jobs"] == 0 and proc.metrics()["jobs_evicted"] == 1
+
+
+def test_shutdown_emits_open_windows_and_several_jobs_stay_apart():
+    proc = RankCorrelation(clock=FakeClock())
+    proc.process_traces(request(0, [step_span(5, 1.0)], job="a"))
+    proc.process_traces(request(0, [step_span(5, 1.0)], job="b"))
+    (out,) = proc.shutdown()
+    jobs = set()
+    for rs in out.resource_spans:
+        res = {kv.key: kv.value for kv in rs.resource.attributes}
+        jobs.add(res[sc.JOB_ID].string_value)
+    assert jobs == {"a", "b"}
+    assert all(a[sc.RANKS_CLOSED_BY] == "shutdown" for a, _ in emitted([out]))
+
+
+def test_random_arrival_order_gives_the_same_answer():
+    """Property: any interleaving of the same spans yields the same step summaries."""
+    spans = [(rank, step_span(step, 50.0 if rank != step % 4 else 1.0))
+             for step in range(10) for rank in range(4)]
+    results = []
+    for seed in range(3):
+        order = spans[:]
+        random.Random(seed).shuffle(order)
+        proc = RankCorrelation(clock=FakeClock())
+        outs = [proc.process_traces(request(rank, [span])) for rank, span in order]
+        got = steps_out(outs)
+        assert sorted(got) == list(range(10))
+        results.append({s: (a[sc.RANKS_CULPRIT], a[sc.RANKS_SPREAD_MS]) for s, a in got.items()})
+        assert all(a[sc.RANKS_CULPRIT] == s % 4 for s, a in got.items())
+    assert results[0] == results[1] == results[2]
+
+
+def test_own_output_is_not_correlated_again():
+    proc = RankCorrelation(clock=FakeClock())
+    outs = [proc.process_traces(request(r, [step_span(1, 1.0)])) for r in range(4)]
+    proc2 = RankCorrelation(clock=FakeClock())
+    proc2.process_traces(outs[-1])
+    assert proc2.metrics()["step_spans"] == 1  # rank 3's own span only
