@@ -1,0 +1,182 @@
+"""OTLP over gRPC and HTTP into a real collector process, by real clients."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+    OTLPMetricExporter as GrpcMetricExporter,
+)
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+    OTLPSpanExporter as GrpcSpanExporter,
+)
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+    OTLPMetricExporter as HttpMetricExporter,
+)
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+    OTLPSpanExporter as HttpSpanExporter,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from flare.collector import otlp_json
+from flare.exporters import store
+
+TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def _query(proc, sql, params=()):
+    con = store.open_reader(proc.store_path, timeout_s=30)
+    try:
+        return con.execute(sql, list(params)).fetchall()
+    finally:
+        con.close()
+
+
+def _wait_committed(proc):
+    """Until everything acknowledged so far is committed to the store."""
+    last = proc.scrape()["flare_collector_wal_last_lsn"]
+    proc.wait_for("flare_collector_wal_committed_lsn", lambda v: v >= last)
+
+
+def test_sdk_exporters_over_grpc_and_http_land_in_the_store(shared_collector):
+    proc = shared_collector
+    resource = Resource.create({"service.name": "sdk-test", "flare.job.id": "sdk-job", "flare.rank": 3})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(SimpleSpanProcessor(GrpcSpanExporter(endpoint=proc.grpc, insecure=True)))
+    provider.add_span_processor(SimpleSpanProcessor(HttpSpanExporter(endpoint=f"http://{proc.http}/v1/traces")))
+    tracer = provider.get_tracer("test")
+    for step in range(4):
+        with tracer.start_as_current_span("train.step", attributes={"flare.step": step}):
+            pass
+    provider.shutdown()
+
+    readers = [
+        PeriodicExportingMetricReader(GrpcMetricExporter(endpoint=proc.grpc, insecure=True), export_interval_millis=60_000),
+        PeriodicExportingMetricReader(HttpMetricExporter(endpoint=f"http://{proc.http}/v1/metrics"), export_interval_millis=60_000),
+    ]
+    meters = MeterProvider(resource=resource, metric_readers=readers)
+    meters.get_meter("test").create_counter("sdk.test.counter").add(5)
+    meters.shutdown()  # exports once through each reader
+
+    _wait_committed(proc)
+    rows = _query(proc, "SELECT step, count(*) FROM spans WHERE job = 'sdk-job' AND name = 'train.step' "
+                        "AND rank = 3 GROUP BY step ORDER BY step")
+    assert rows == [(step, 2) for step in range(4)]  # once per transport
+    points = _query(proc, "SELECT count(*), max(value) FROM metrics WHERE name = 'sdk.test.counter'")
+    assert points == [(2, 5.0)]
+
+
+def test_http_json_with_hex_ids_keeps_the_ids(shared_collector, helpers):
+    proc = shared_collector
+    request = helpers.make_request(3, job="json-job", rank=1)
+    body = otlp_json.dumps(request)
+    doc = json.loads(body)
+    hex_id = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"]
+    assert len(hex_id) == 32 and int(hex_id, 16) == 1  # hex on the wire, as the spec says
+    status, headers, reply = helpers.post(f"http://{proc.http}/v1/traces", body, "application/json")
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert json.loads(reply) == {}  # a full success has no partialSuccess
+    _wait_committed(proc)
+    rows = _query(proc, "SELECT DISTINCT trace_id FROM spans WHERE job = 'json-job'")
+    assert rows == [(hex_id,)]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_http_compressed_protobuf(shared_collector, helpers, encoding):
+    proc = shared_collector
+    job = f"{encoding}-job"
+    raw = helpers.make_request(50, job=job).SerializeToString()
+    body = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    status, _, reply = helpers.post(f"http://{proc.http}/v1/traces", body, headers={"Content-Encoding": encoding})
+    assert status == 200, reply
+    assert not ExportTraceServiceResponse.FromString(reply).HasField("partial_success")
+    _wait_committed(proc)
+    assert _query(proc, "SELECT count(*) FROM spans WHERE job = ?", [job]) == [(50,)]
+
+
+def test_partial_success_rejects_only_unusable_spans(shared_collector, helpers):
+    proc = shared_collector
+    request = helpers.make_request(4, job="partial-http")
+    spans = request.resource_spans[0].scope_spans[0].spans
+    spans[1].trace_id = bytes(16)  # all-zero trace id: invalid
+    spans[2].span_id = b"\x01\x02"  # wrong length
+    status, _, reply = helpers.post(f"http://{proc.http}/v1/traces", request.SerializeToString())
+    assert status == 200
+    partial = ExportTraceServiceResponse.FromString(reply).partial_success
+    assert partial.rejected_spans == 2 and "trace_id" in partial.error_message
+
+    request = helpers.make_request(3, job="partial-grpc")
+    request.resource_spans[0].scope_spans[0].spans[0].trace_id = b""
+    with grpc.insecure_channel(proc.grpc) as channel:
+        reply = channel.unary_unary(TRACE_METHOD)(request.SerializeToString(), timeout=30)
+    assert ExportTraceServiceResponse.FromString(reply).partial_success.rejected_spans == 1
+
+    _wait_committed(proc)
+    counts = dict(_query(proc, "SELECT job, count(*) FROM spans WHERE job LIKE 'partial-%' GROUP BY job"))
+    assert counts == {"partial-http": 2, "partial-grpc": 2}
+
+
+def test_malformed_and_garbage_payloads_are_400_and_store_nothing(shared_collector, helpers):
+    proc = shared_collector
+    url = f"http://{proc.http}/v1/traces"
+    before = proc.scrape()["flare_collector_wal_last_lsn"]
+    status, headers, reply = helpers.post(url, b"\xff\xff\xff garbage")
+    assert status == 400 and headers["Content-Type"] == "application/x-protobuf"
+    assert status_pb2.Status.FromString(reply).message  # a google.rpc.Status saying why
+    for bad_json in (b"{not json", b"[1, 2]", b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz"}]}]}]}',
+                     b'{"resourceSpans": "nope"}'):
+        status, _, reply = helpers.post(url, bad_json, "application/json")
+        assert status == 400, bad_json
+        assert json.loads(reply)["message"]
+    status, _, _ = helpers.post(url, gzip.compress(b"x")[:-4], headers={"Content-Encoding": "gzip"})
+    assert status == 400  # truncated gzip
+    status, _, _ = helpers.post(url, b"{}", "text/plain")
+    assert status == 415
+    status, _, _ = helpers.post(f"http://{proc.http}/v1/logs", b"")
+    assert status == 404
+    with grpc.insecure_channel(proc.grpc) as channel, pytest.raises(grpc.RpcError) as err:
+        channel.unary_unary(TRACE_METHOD)(b"\xff\xff\xff garbage", timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert proc.scrape()["flare_collector_wal_last_lsn"] == before  # nothing logged
+    assert proc.proc.poll() is None  # and the collector is still up
+
+
+def test_oversized_bodies_are_refused(shared_collector, helpers):
+    proc = shared_collector
+    url = f"http://{proc.http}/v1/traces"
+    big = helpers.make_request(15_000, job="too-big").SerializeToString()
+    assert len(big) > 1 << 20
+    status, _, _ = helpers.post(url, big)
+    assert status == 413
+    bomb = gzip.compress(b"\x00" * (8 << 20))  # 8 MiB of zeros in a few KiB
+    status, _, _ = helpers.post(url, bomb, headers={"Content-Encoding": "gzip"})
+    assert status == 413
+    with grpc.insecure_channel(proc.grpc) as channel, pytest.raises(grpc.RpcError) as err:
+        channel.unary_unary(TRACE_METHOD)(big, timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Still serving afterwards.
+    status, _, _ = helpers.post(url, helpers.make_request(1, job="after-big").SerializeToString())
+    assert status == 200
+
+
+def test_empty_request_is_ok_without_logging(shared_collector, helpers):
+    proc = shared_collector
+    before = proc.scrape()["flare_collector_wal_last_lsn"]
+    status, _, reply = helpers.post(f"http://{proc.http}/v1/traces", ExportTraceServiceRequest().SerializeToString())
+    assert status == 200 and reply == b""
+    status, _, reply = helpers.post(f"http://{proc.http}/v1/metrics", b"{}", "application/json")
+    assert status == 200 and json.loads(reply) == {}
+    assert proc.scrape()["flare_collector_wal_last_lsn"] == before
