@@ -226,3 +226,23 @@ def step_trace_id(job_id: str, step: int) -> int:
 
 def collective_span_name(op: str) -> str:
     return SPAN_COLLECTIVE_PREFIX + op
+
+
+def step_root_span_id(job_id: str, step: int) -> int:
+    """The span id of the (virtual) root that every rank's `train.step` of step `step`
+    names as its parent. No rank emits it; the correlator may emit its cross-rank
+    `train.step.ranks` span with exactly this id so that the trace has a real root."""
+    digest = hashlib.blake2b(f"{job_id}\x00{step}\x00root".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
+
+# ---------------------------------------------------------------- added by the instrumentation
+STEP_PG_DESCS = "flare.step.pg.descs"  # parallel to STEP_PG_NAMES
+STEP_BACKWARD_MS = "flare.step.backward_ms"  # wall time inside autograd backward
+STEP_DURATION_MS = "flare.step.duration_ms"
+DATALOADER_INDEX = "flare.dataloader.index"  # fetch number within the step
+COLL_P2P_PEER = "flare.collective.peer"
+COLL_CALLSITE = CODE_CALLSITE
+HANG_THREAD = "flare.hang.thread"
+HEARTBEAT_STEP_OPEN_S = "flare.heartbeat.step_open_s"
+HEARTBEAT_DROPPED_SPANS = "flare.heartbeat.dropped_spans"
+ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"

@@ -1,0 +1,429 @@
+"""Collectives: every `torch.distributed` call a rank makes, with its process group,
+per-group sequence number, size and call site; plus, on detail steps, the collectives
+issued from C++ that only the flight recorder sees (joined on (group, sequence) so
+nothing is counted twice).
+
+Always on (per step, on `train.step`): per process group the number of collectives
+(from the group's sequence counter, so C++-issued ones count too), the bytes and the
+wait of Python-issued ones, plus DDP's exposed gradient-sync wait measured at the end of
+backward. Detail steps: one `collective.<op>` span per collective.
+
+Wait time is the wall time the calling thread spent blocked: the blocking call itself,
+or `Work.wait()` for async calls. (On CUDA the calls return at enqueue; device timing
+there is the GPU layer's kernel window.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from flare.instrumentation import semconv
+from flare.instrumentation.bandwidth import busbw_gbps
+from flare.instrumentation.callsite import caller_site, format_site
+from flare.instrumentation.flight_recorder import (
+    FlightRecorder,
+    entry_bytes,
+    entry_pg_desc,
+    entry_pg_name,
+    op_name,
+)
+from flare.instrumentation.patching import Patches
+from flare.instrumentation.process_groups import PgInfo, ProcessGroups
+from flare.instrumentation.runtime import Runtime
+
+_log = logging.getLogger(__name__)
+
+# op -> the argument whose tensors define the per-rank message size.
+DATA_ARGUMENT = {
+    "all_reduce": "tensor", "all_gather": "tensor", "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter": "output", "reduce_scatter_tensor": "output", "broadcast": "tensor",
+    "reduce": "tensor", "all_to_all": "input_tensor_list", "all_to_all_single": "input",
+    "barrier": None, "send": "tensor", "recv": "tensor", "isend": "tensor",
+    "irecv": "tensor", "gather": "tensor", "scatter": "tensor",
+}
+PEER_ARGUMENT = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
+ALWAYS_ASYNC = {"isend", "irecv", "batch_isend_irecv"}
+P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+MAX_PENDING_WORKS = 4096
+
+
+def _nbytes(value) -> tuple[int, str | None]:
+    """(bytes, dtype) of a tensor or a list of tensors."""
+    if value is None:
+        return 0, None
+    if isinstance(value, (list, tuple)):
+        total, dtype = 0, None
+        for item in value:
+            size, item_dtype = _nbytes(item)
+            total += size
+            dtype = dtype or item_dtype
+        return total, dtype
+    try:
+        return value.numel() * value.element_size(), str(value.dtype).removeprefix("torch.")
+    except AttributeError:
+        return 0, None
+
+
+@dataclass
+class CallSpec:
+    """Where a wrapped function keeps its arguments, resolved once at install time."""
+
+    op: str
+    group_index: int | None
+    async_index: int | None
+    data_name: str | None
+    data_index: int | None
+    peer_index: int | None
+    peer_name: str | None
+
+    @classmethod
+    def of(cls, op: str, function) -> CallSpec:
+        names = list(inspect.signature(function).parameters)
+
+        def index(name):
+            return names.index(name) if name in names else None
+
+        data_name = DATA_ARGUMENT.get(op)
+        peer_name = PEER_ARGUMENT.get(op)
+        return cls(op, index("group"), index("async_op"), data_name,
+                   index(data_name) if data_name else None,
+                   index(peer_name) if peer_name else None, peer_name)
+
+    def argument(self, args, kwargs, name, position):
+        if name in kwargs:
+            return kwargs[name]
+        if position is not None and position < len(args):
+            return args[position]
+        return None
+
+
+@dataclass
+class CollectiveRecord:
+    op: str
+    pg: PgInfo | None
+    seq: int | None
+    nbytes: int
+    dtype: str | None
+    start_ns: int
+    end_ns: int
+    site: tuple | None
+    is_async: bool
+    peer: int | None = None
+    wait_ns: int = 0
+    pending_works: int = 0
+
+    @property
+    def pg_name(self) -> str:
+        return self.pg.name if self.pg else "?"
+
+
+@dataclass
+class _StepCollectives:
+    seq_at_start: dict[str, int] = field(default_factory=dict)
+    python_keys: set = field(default_factory=set)  # (pg name, seq) seen from Python
+    backward_windows: list = field(default_factory=list)  # (start, graph done, end)
+
+
+class CollectiveTracker:
+    """Wraps torch.distributed and summarises each step; a Runtime step listener."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.groups = ProcessGroups()
+        self.recorder = FlightRecorder()
+        self._patches = Patches()
+        self._step = _StepCollectives()
+        self._pending: dict[int, tuple[object, CollectiveRecord]] = {}
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        for op in (*DATA_ARGUMENT, "batch_isend_irecv"):
+            original = getattr(distributed_c10d, op, None)
+            if original is None or getattr(original, "_flare_traced", False):
+                continue
+            try:
+                spec = CallSpec.of(op, original)
+            except (TypeError, ValueError):
+                _log.info("flare: cannot read the signature of torch.distributed.%s", op)
+                continue
+            wrapper = self._wrap(original, spec)
+            self._patches.replace(distributed_c10d, op, wrapper)
+            if getattr(dist, op, None) is original:
+                self._patches.replace(dist, op, wrapper)
+        work_class = getattr(distributed_c10d, "Work", None)
+        if work_class is not None and hasattr(work_class, "wait"):
+            try:
+                self._patches.replace(work_class, "wait", self._wrap_wait(work_class.wait))
+            except (AttributeError, TypeError):
+                _log.info("flare: Work.wait cannot be wrapped; async waits are not timed")
+        self.runtime.add_step_listener(self)
+
+    def uninstall(self) -> None:
+        self.runtime.remove_step_listener(self)
+        self._patches.restore_all()
+        self._pending.clear()
+
+    def sequence_snapshot(self) -> dict[str, int]:
+        return self.groups.sequence_snapshot()
+
+    # ------------------------------------------------------------------ wrappers
+    def _wrap(self, original, spec: CallSpec):
+        runtime = self.runtime
+        tracker = self
+        local = self._local
+        span_name = semconv.collective_span_name(spec.op)
+
+        def traced(*args, **kwargs):
+            if not runtime.enabled or getattr(local, "depth", 0):
+                return original(*args, **kwargs)
+            if spec.op == "batch_isend_irecv":
+                p2p_ops = args[0] if args else kwargs.get("p2p_op_list") or ()
+                group = getattr(p2p_ops[0], "group", None) if p2p_ops else None
+                data = [getattr(p, "tensor", None) for p in p2p_ops]
+                peer = None
+            else:
+                group = spec.argument(args, kwargs, "group", spec.group_index)
+                data = spec.argument(args, kwargs, spec.data_name, spec.data_index)
+                peer = spec.argument(args, kwargs, spec.peer_name, spec.peer_index)
+            pg = tracker.groups.resolve(group)
+            info = tracker.groups.info(pg)
+            seq_before = tracker.groups.sequence(pg)
+            site = caller_site()
+            start = time.time_ns()
+            in_flight = {semconv.COLL_OP: spec.op}
+            if info is not None:
+                in_flight[semconv.COLL_PG] = info.name
+            if seq_before is not None and spec.op not in P2P:
+                in_flight[semconv.COLL_SEQ] = seq_before + 1
+            op = runtime.push_op(span_name, start, in_flight, site)
+            local.depth = 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                local.depth = 0
+                end = time.time_ns()
+                runtime.pop_op(op)
+            is_async = spec.op in ALWAYS_ASYNC or bool(
+                spec.argument(args, kwargs, "async_op", spec.async_index))
+            nbytes, dtype = _nbytes(data)
+            seq = tracker.groups.sequence(pg)
+            record = CollectiveRecord(spec.op, info, seq if spec.op not in P2P else None,
+                                      nbytes, dtype, start, end, site, is_async,
+                                      peer if isinstance(peer, int) else None)
+            tracker._launched(record, result)
+            return result
+
+        traced._flare_traced = True
+        traced.__wrapped__ = original
+        traced.__doc__ = original.__doc__
+        traced.__name__ = getattr(original, "__name__", spec.op)
+        return traced
+
+    def _wrap_wait(self, original_wait):
+        tracker = self
+        runtime = self.runtime
+
+        def wait(work, *args, **kwargs):
+            pending = tracker._pending.pop(id(work), None) if tracker._pending else None
+            if pending is None or pending[0] is not work:
+                return original_wait(work, *args, **kwargs)
+            record = pending[1]
+            start = time.time_ns()
+            op = runtime.push_op(semconv.collective_span_name(record.op), start, {
+                semconv.COLL_OP: record.op, semconv.COLL_PG: record.pg_name,
+                **({semconv.COLL_SEQ: record.seq} if record.seq is not None else {})},
+                record.site)
+            try:
+                return original_wait(work, *args, **kwargs)
+            finally:
+                end = time.time_ns()
+                runtime.pop_op(op)
+                tracker._waited(record, start, end)
+
+        wait.__wrapped__ = original_wait
+        return wait
+
+    # ------------------------------------------------------------------ accounting
+    def _launched(self, record: CollectiveRecord, result) -> None:
+        totals = self.runtime.totals.pg_totals(record.pg_name)
+        totals.python_count += 1
+        totals.bytes += record.nbytes
+        if record.seq is not None and self.runtime.step_detail:
+            self._step.python_keys.add((record.pg_name, record.seq))
+        works = result if isinstance(result, list) else [result] if result is not None else []
+        if record.is_async and works and len(self._pending) < MAX_PENDING_WORKS:
+            record.pending_works = len(works)
+            for work in works:
+                self._pending[id(work)] = (work, record)
+            return
+        wait_ns = record.end_ns - record.start_ns
+        totals.wait_ns += wait_ns
+        record.wait_ns = wait_ns
+        self._emit(record)
+
+    def _waited(self, record: CollectiveRecord, start: int, end: int) -> None:
+        self.runtime.totals.pg_totals(record.pg_name).wait_ns += end - start
+        record.wait_ns += end - start
+        record.end_ns = max(record.end_ns, end)
+        record.pending_works -= 1
+        if record.pending_works <= 0:
+            self._emit(record)
+
+    def _emit(self, record: CollectiveRecord) -> None:
+        runtime = self.runtime
+        if not runtime.step_open:
+            return
+        attributes = {
+            semconv.COLL_OP: record.op,
+            semconv.COLL_BYTES: record.nbytes,
+            semconv.COLL_ASYNC: record.is_async,
+            semconv.COLL_WAIT_MS: round(record.wait_ns / 1e6, 3),
+            semconv.COLL_SOURCE: "python",
+        }
+        if record.pg is not None:
+            attributes[semconv.COLL_PG] = record.pg.name
+            attributes[semconv.COLL_PG_DESC] = record.pg.desc
+            attributes[semconv.COLL_GROUP_SIZE] = record.pg.size
+            attributes[semconv.COLL_GROUP_RANKS] = list(record.pg.ranks)
+            attributes[semconv.COLL_BACKEND] = record.pg.backend
+            bandwidth = busbw_gbps(record.op, record.nbytes, record.pg.size,
+                                   record.end_ns - record.start_ns)
+            if bandwidth is not None and not record.is_async:
+                attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
+        if record.seq is not None:
+            attributes[semconv.COLL_SEQ] = record.seq
+        if record.dtype:
+            attributes[semconv.COLL_DTYPE] = record.dtype
+        if record.peer is not None:
+            attributes[semconv.COLL_P2P_PEER] = record.peer
+        site = format_site(record.site)
+        if site:
+            attributes[semconv.CODE_CALLSITE] = site
+        runtime.emit_child(semconv.collective_span_name(record.op), record.start_ns,
+                           record.end_ns, attributes)
+
+    def record_backward(self, start: int, graph_done: int, end: int,
+                        seqs_before: dict[str, int] | None) -> None:
+        """The tail of backward after the gradients were computed is the wait for the
+        gradient collectives the backward issued (DDP buckets); charge it to the group
+        whose sequence advanced most during the backward."""
+        if self.runtime.step_detail:
+            self._step.backward_windows.append((start, graph_done, end))
+        if not seqs_before:
+            return
+        after = self.groups.sequence_snapshot()
+        advanced = {name: after[name] - seq for name, seq in seqs_before.items()
+                    if after.get(name, seq) > seq}
+        if not advanced:
+            return
+        busiest = max(advanced, key=advanced.get)
+        self.runtime.totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
+
+    # ------------------------------------------------------------------ step listener
+    def on_step_start(self, step: int, detail: bool) -> None:
+        self._step = _StepCollectives(seq_at_start=self.groups.sequence_snapshot())
+
+    def on_step_end(self, step: int, detail: bool, span) -> None:
+        runtime = self.runtime
+        now_seqs = self.groups.sequence_snapshot()
+        started = self._step.seq_at_start
+        names = sorted(set(runtime.totals.pg) | {n for n, s in now_seqs.items()
+                                                  if s > started.get(n, s)})
+        if names:
+            infos = self.groups.infos_by_name()
+            counts, waits, sizes, last_seqs, descs = [], [], [], [], []
+            for name in names:
+                totals = runtime.totals.pg.get(name)
+                python_count = totals.python_count if totals else 0
+                delta = now_seqs.get(name, 0) - started.get(name, now_seqs.get(name, 0))
+                counts.append(max(delta, python_count))
+                waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
+                sizes.append(totals.bytes if totals else 0)
+                last_seqs.append(now_seqs.get(name, -1))
+                descs.append(infos[name].desc if name in infos else "")
+            span.set_attributes({
+                semconv.STEP_PG_NAMES: names, semconv.STEP_PG_DESCS: descs,
+                semconv.STEP_PG_COUNTS: counts, semconv.STEP_PG_WAIT_MS: waits,
+                semconv.STEP_PG_BYTES: sizes, semconv.STEP_PG_LAST_SEQ: last_seqs,
+                semconv.STEP_COLLECTIVE_COUNT: sum(counts),
+                semconv.STEP_COLLECTIVE_BYTES: sum(sizes),
+            })
+        else:
+            span.set_attributes({semconv.STEP_COLLECTIVE_COUNT: 0,
+                                 semconv.STEP_COLLECTIVE_BYTES: 0})
+        if detail:
+            self._emit_flight_recorder(runtime.step_start_ns, now_seqs, started)
+
+    def _emit_flight_recorder(self, step_start_ns: int, now_seqs: dict, started: dict) -> None:
+        """Detail step: C++-issued collectives of this step, as spans."""
+        entries = self.recorder.entries()
+        if not entries:
+            if self.recorder.available and any(s > started.get(n, s) for n, s in now_seqs.items()):
+                self.recorder.note_empty()
+            return
+        infos = self.groups.infos_by_name()
+        windows = self._step.backward_windows
+        for entry in entries:
+            created = entry.get("time_created_ns") or 0
+            if created < step_start_ns or entry.get("is_p2p"):
+                continue
+            pg_name, seq = entry_pg_name(entry), entry.get("collective_seq_id")
+            if (pg_name, seq) in self._step.python_keys:
+                continue  # already a span from the Python wrapper
+            self._emit_recorded(entry, pg_name, seq, created, infos.get(pg_name), windows)
+
+    def _emit_recorded(self, entry, pg_name, seq, created, info, windows) -> None:
+        op = op_name(entry.get("profiling_name", ""))
+        nbytes = entry_bytes(entry)
+        completed = entry.get("time_discovered_completed_ns") or 0
+        end = completed
+        if not end:  # gloo records no completion: bounded by the enclosing backward's end
+            end = next((w_end for w_start, _, w_end in windows if w_start <= created <= w_end),
+                       created)
+        attributes = {
+            semconv.COLL_OP: op, semconv.COLL_PG: pg_name,
+            semconv.COLL_PG_DESC: entry_pg_desc(entry), semconv.COLL_SEQ: int(seq or 0),
+            semconv.COLL_BYTES: nbytes, semconv.COLL_SOURCE: "flight_recorder",
+            semconv.COLL_ASYNC: True,
+        }
+        dtypes = entry.get("input_dtypes") or ()
+        if dtypes:
+            attributes[semconv.COLL_DTYPE] = str(dtypes[0]).lower()
+        if info is not None:
+            attributes[semconv.COLL_GROUP_SIZE] = info.size
+            attributes[semconv.COLL_GROUP_RANKS] = list(info.ranks)
+            attributes[semconv.COLL_BACKEND] = info.backend
+            if completed:
+                started = entry.get("time_discovered_started_ns") or created
+                bandwidth = busbw_gbps(op, nbytes, info.size, completed - started)
+                if bandwidth is not None:
+                    attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
+        if self.runtime.span_attributes:
+            attributes.update(self.runtime.span_attributes)
+        span = self.runtime.tracer.start_span(semconv.collective_span_name(op),
+                                              context=self.runtime.step_context,
+                                              start_time=created, attributes=attributes)
+        span.end(end_time=max(end, created))
+
+    # ------------------------------------------------------------------ hangs
+    def collective_in_flight(self, since_ns: int) -> dict | None:
+        """For a thread blocked in C++ (backward waiting on DDP buckets): the oldest
+        collective the flight recorder saw issued since `since_ns` and not completed."""
+        candidates = [e for e in self.recorder.entries()
+                      if (e.get("time_created_ns") or 0) >= since_ns
+                      and not e.get("time_discovered_completed_ns")
+                      and e.get("state") != "completed"]
+        if not candidates:
+            return None
+        entry = min(candidates, key=lambda e: e.get("time_created_ns") or 0)
+        return {semconv.HANG_COLL_OP: op_name(entry.get("profiling_name", "")),
+                semconv.HANG_PG: entry_pg_name(entry),
+                semconv.HANG_SEQ: int(entry.get("collective_seq_id") or 0)}

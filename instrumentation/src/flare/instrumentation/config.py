@@ -1,0 +1,61 @@
+"""Flare's own settings, read once from `FLARE_*` environment variables.
+
+Everything else (endpoints, exporters, sampling) is standard `OTEL_*` configuration
+handled by the OpenTelemetry SDK.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from flare.instrumentation import semconv
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 10.0
+# The hang limit when FLARE_HANG_TIMEOUT_S is unset: the larger of this floor and
+# HANG_STEP_MULTIPLE times the median of the recent step durations.
+HANG_TIMEOUT_FLOOR_S = 60.0
+HANG_STEP_MULTIPLE = 10.0
+# Off-detail steps still emit a child span for any single operation at least this slow,
+# so a 2 s dataloader stall is visible as a span without waiting for a detail step.
+SLOW_CHILD_MS = 100.0
+FLIGHT_RECORDER_BUFFER = 2000
+
+
+def _number(name: str, default: float | None, minimum: float) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        _log.warning("flare: ignoring %s=%r (not a number)", name, raw)
+        return default
+    if value < minimum:
+        _log.warning("flare: ignoring %s=%r (must be >= %s)", name, raw, minimum)
+        return default
+    return value
+
+
+@dataclass(frozen=True)
+class FlareConfig:
+    detail_every: int = semconv.DEFAULT_DETAIL_EVERY  # 0 turns periodic detail off
+    hang_timeout_s: float | None = None  # None: adaptive (see HANG_TIMEOUT_FLOOR_S)
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S  # 0 turns the heartbeat off
+    detail_flag_file: str | None = None
+    traced_functions: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls) -> FlareConfig:
+        detail = _number(semconv.ENV_DETAIL_EVERY, semconv.DEFAULT_DETAIL_EVERY, 0)
+        traced = os.environ.get(semconv.ENV_TRACED_FUNCTIONS, "")
+        return cls(
+            detail_every=int(detail),
+            hang_timeout_s=_number(semconv.ENV_HANG_TIMEOUT_S, None, 0.1),
+            heartbeat_s=_number(semconv.ENV_HEARTBEAT_S, DEFAULT_HEARTBEAT_S, 0),
+            detail_flag_file=os.environ.get(semconv.ENV_DETAIL_FLAG_FILE) or None,
+            traced_functions=tuple(e.strip() for e in traced.split(",") if e.strip()),
+        )

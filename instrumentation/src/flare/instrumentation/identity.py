@@ -1,0 +1,182 @@
+"""Who this process is: rank, job and host, resolved once per process.
+
+Shared by the resource detector (which the SDK runs only when it is listed in
+`OTEL_EXPERIMENTAL_RESOURCE_DETECTORS`) and by the instrumentor (which falls back to
+putting the same attributes on its own spans when the resource lacks them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from flare.instrumentation import semconv
+
+_log = logging.getLogger(__name__)
+
+STORE_KEY_JOB_ID = "flare/job_id"
+STORE_TIMEOUT_S = 5.0
+
+
+def _int_env(name: str, default: int = 0) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def in_training_rank() -> bool:
+    """True in a rank process started by torchrun or another launcher (RANK is set),
+    False in the torchrun agent and other helper processes."""
+    return os.environ.get("RANK", "").strip().isdigit()
+
+
+def script_name() -> str:
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
+    name = os.path.basename(argv0)
+    return name[:-3] if name.endswith(".py") else name
+
+
+def _job_id_from_store() -> str | None:
+    """Agree on a job id through the launcher's c10d TCPStore: every rank offers a
+    random candidate with compare_set and all of them read back the first one."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        winner = store.compare_set(STORE_KEY_JOB_ID, "", uuid.uuid4().hex[:16])
+        return winner.decode() if isinstance(winner, bytes) else str(winner)
+    except Exception as error:  # no store, wrong port, no torch: fall back
+        _log.warning("flare: could not agree on a job id through the c10d store "
+                     "at %s:%s (%s); deriving one from the rendezvous address",
+                     host, port, error.__class__.__name__)
+        return None
+
+
+def _job_id_from_rendezvous() -> str:
+    """Same on every rank of a launch without any communication (last resort)."""
+    key = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
+    return "job-" + hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+
+
+def resolve_job_id() -> str:
+    explicit = os.environ.get(semconv.ENV_JOB_ID, "").strip()
+    if explicit:
+        return explicit
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id.lower() != "none":
+        return run_id
+    slurm = os.environ.get("SLURM_JOB_ID", "").strip()
+    if slurm:
+        return slurm
+    return _job_id_from_store() or _job_id_from_rendezvous()
+
+
+def _gpu_index(local_rank: int) -> int | None:
+    """The physical GPU a rank most likely owns, without initialising CUDA."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+        if not devices:
+            return None
+        chosen = devices[local_rank % len(devices)]
+        return int(chosen) if chosen.isdigit() else None
+    if os.path.exists("/dev/nvidia0"):
+        return local_rank
+    return None
+
+
+def _gpu_uuid(index: int | None) -> str | None:
+    if index is None:
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        value = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except Exception:  # no NVML here: the index alone is still useful
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    rank: int
+    local_rank: int
+    world_size: int
+    node_rank: int
+    restart_count: int
+    job_id: str
+    service_name: str
+    host_name: str
+    pid: int
+    gpu_index: int | None
+    gpu_uuid: str | None
+
+    def resource_attributes(self) -> dict:
+        attributes = {
+            semconv.JOB_ID: self.job_id,
+            semconv.RANK: self.rank,
+            semconv.LOCAL_RANK: self.local_rank,
+            semconv.WORLD_SIZE: self.world_size,
+            semconv.NODE_RANK: self.node_rank,
+            semconv.RESTART_COUNT: self.restart_count,
+            semconv.HOST_NAME: self.host_name,
+            semconv.PROCESS_PID: self.pid,
+        }
+        if self.gpu_index is not None:
+            attributes[semconv.GPU_INDEX] = self.gpu_index
+        if self.gpu_uuid:
+            attributes[semconv.GPU_UUID] = self.gpu_uuid
+        return attributes
+
+    def span_fallback_attributes(self) -> dict:
+        """What the instrumentor adds to its spans when the resource lacks flare.rank."""
+        return {
+            semconv.JOB_ID: self.job_id,
+            semconv.RANK: self.rank,
+            semconv.LOCAL_RANK: self.local_rank,
+            semconv.WORLD_SIZE: self.world_size,
+            semconv.NODE_RANK: self.node_rank,
+        }
+
+
+def _service_name() -> str:
+    explicit = os.environ.get("OTEL_SERVICE_NAME", "").strip()
+    if explicit:
+        return explicit
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == semconv.SERVICE_NAME and value.strip():
+            return value.strip()
+    return script_name()
+
+
+@functools.lru_cache(maxsize=1)
+def current_identity() -> ProcessIdentity:
+    local_rank = _int_env("LOCAL_RANK")
+    gpu_index = _gpu_index(local_rank)
+    return ProcessIdentity(
+        rank=_int_env("RANK"),
+        local_rank=local_rank,
+        world_size=_int_env("WORLD_SIZE", 1),
+        node_rank=_int_env("GROUP_RANK", _int_env("NODE_RANK", _int_env("SLURM_NODEID"))),
+        restart_count=_int_env("TORCHELASTIC_RESTART_COUNT"),
+        job_id=resolve_job_id(),
+        service_name=_service_name(),
+        host_name=socket.gethostname(),
+        pid=os.getpid(),
+        gpu_index=gpu_index,
+        gpu_uuid=_gpu_uuid(gpu_index),
+    )

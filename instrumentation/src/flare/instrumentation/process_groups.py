@@ -1,0 +1,92 @@
+"""Process-group facts (name, description, ranks, backend) and per-group sequence
+numbers, cached so the per-collective cost is a dict lookup and one C++ call."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PgInfo:
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+    backend: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class ProcessGroups:
+    def __init__(self):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self._dist = dist
+        self._c10d = distributed_c10d
+        self._info: dict[int, tuple[object, PgInfo]] = {}
+        self._no_sequence: set[int] = set()
+
+    def resolve(self, group):
+        """The ProcessGroup object a `group=` argument means (None: the default group)."""
+        if group is None or group is getattr(self._dist.GroupMember, "WORLD", None):
+            try:
+                return self._c10d._get_default_group()
+            except Exception:  # not initialised: the call itself will raise
+                return None
+        return group
+
+    def info(self, pg) -> PgInfo | None:
+        if pg is None:
+            return None
+        cached = self._info.get(id(pg))
+        if cached is not None and cached[0] is pg:
+            return cached[1]
+        try:
+            ranks = tuple(self._dist.get_process_group_ranks(pg))
+        except Exception:
+            ranks = ()
+        try:
+            backend = str(self._dist.get_backend(pg))
+        except Exception:
+            backend = "unknown"
+        info = PgInfo(name=str(getattr(pg, "group_name", "") or "?"),
+                      desc=str(getattr(pg, "group_desc", "") or ""),
+                      ranks=ranks, backend=backend)
+        self._info[id(pg)] = (pg, info)
+        return info
+
+    def sequence(self, pg) -> int | None:
+        """The group's collective sequence number (the id of its latest collective)."""
+        if pg is None or id(pg) in self._no_sequence:
+            return None
+        try:
+            return int(pg._get_sequence_number_for_group())
+        except Exception:
+            self._no_sequence.add(id(pg))
+            _log.info("flare: process group %s has no sequence numbers; its collectives "
+                      "are counted from Python only", getattr(pg, "group_name", "?"))
+            return None
+
+    def all_groups(self) -> list:
+        try:
+            return list(self._c10d._world.pg_map.keys())
+        except Exception:
+            return []
+
+    def sequence_snapshot(self) -> dict[str, int]:
+        snapshot = {}
+        for pg in self.all_groups():
+            seq = self.sequence(pg)
+            if seq is not None:
+                info = self.info(pg)
+                if info is not None:
+                    snapshot[info.name] = seq
+        return snapshot
+
+    def infos_by_name(self) -> dict[str, PgInfo]:
+        return {info.name: info for _, info in self._info.values()}

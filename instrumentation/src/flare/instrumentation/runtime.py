@@ -1,0 +1,266 @@
+"""The per-process state of Flare's instrumentation: the step in progress, its
+always-on totals, the operations in flight (for the hang watchdog) and the listeners.
+
+One `Runtime` exists per instrumented rank. Every hook (optimizer, dataloader, gc,
+collectives, hot functions) reports into it; it alone creates `train.step` spans.
+Engineer-facing API (used by the GPU layer, documented in docs/instrumentation.md):
+`tracer`, `rank`, `local_rank`, `job_id`, `add_step_listener`, `remove_step_listener`,
+`request_detail`, `step_context`, `span_attributes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+from flare.instrumentation import semconv
+from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
+from flare.instrumentation.identity import ProcessIdentity
+
+_log = logging.getLogger(__name__)
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
+
+
+@dataclass
+class PgTotals:
+    wait_ns: int = 0
+    python_count: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class StepTotals:
+    """Always-on counters of one step; cheap to update from any hook."""
+
+    dataloader_ns: int = 0
+    dataloader_count: int = 0
+    gc_ns: int = 0
+    gc_count: int = 0
+    pycall_ns: int = 0
+    pycall_count: int = 0
+    backward_ns: int = 0
+    pg: dict[str, PgTotals] = field(default_factory=dict)
+
+    def pg_totals(self, pg_name: str) -> PgTotals:
+        totals = self.pg.get(pg_name)
+        if totals is None:
+            totals = self.pg[pg_name] = PgTotals()
+        return totals
+
+
+@dataclass
+class Operation:
+    """Something a thread is blocked in; what the watchdog reports when it is stuck."""
+
+    name: str
+    start_ns: int
+    attributes: dict
+    frame: object = None  # the caller's frame, formatted into a call site only if needed
+    reported: bool = False
+
+
+class Runtime:
+    def __init__(self, tracer: trace.Tracer, identity: ProcessIdentity, config: FlareConfig,
+                 span_attributes: dict):
+        self.tracer = tracer
+        self.identity = identity
+        self.config = config
+        # Rank attributes added to every Flare span when the provider's resource lacks them.
+        self.span_attributes = dict(span_attributes)
+        self.enabled = True
+        self.explicit_steps = False  # flare.instrumentation.step() took over the boundaries
+        self._listeners: list = []
+        self._failed_listeners: set[int] = set()
+
+        self.step_number = 0  # the step in progress, or the next one to begin
+        self.step_open = False
+        self.step_span = None
+        self.step_context = None  # OTel Context holding the step span, for children
+        self.step_detail = False
+        self.step_start_ns = 0
+        self.totals = StepTotals()
+        self.last_step_end_ns = 0
+        self.recent_step_s: deque[float] = deque(maxlen=101)
+
+        self._detail_once = False  # request_detail(): the next step only
+        self.detail_toggled = False  # SIGUSR2
+        self.detail_flag_present = False  # FLARE_DETAIL_FLAG_FILE exists (polled)
+
+        self._ops: dict[int, list[Operation]] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ identity (public API)
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.identity.local_rank
+
+    @property
+    def job_id(self) -> str:
+        return self.identity.job_id
+
+    # ------------------------------------------------------------ listeners (public API)
+    def add_step_listener(self, listener) -> None:
+        self._listeners.append(listener)
+
+    def remove_step_listener(self, listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def request_detail(self) -> None:
+        """Make the next step a detail step (children, flight recorder, kernel window)."""
+        self._detail_once = True
+
+    def _notify(self, method: str, *args) -> None:
+        for listener in list(self._listeners):
+            try:
+                getattr(listener, method)(*args)
+            except Exception as error:  # a listener must never break training
+                if id(listener) not in self._failed_listeners:
+                    self._failed_listeners.add(id(listener))
+                    _log.warning("flare: step listener %r failed in %s: %r",
+                                 listener, method, error)
+
+    # ------------------------------------------------------------ steps
+    def _decide_detail(self, step: int) -> bool:
+        every = self.config.detail_every
+        periodic = every > 0 and step % every == 0
+        detail = periodic or self._detail_once or self.detail_toggled or self.detail_flag_present
+        self._detail_once = False
+        return detail
+
+    def begin_step(self, start_ns: int | None = None) -> None:
+        if self.step_open or not self.enabled:
+            return
+        start_ns = start_ns or time.time_ns()
+        step = self.step_number
+        job = self.identity.job_id
+        root = NonRecordingSpan(SpanContext(
+            trace_id=semconv.step_trace_id(job, step),
+            span_id=semconv.step_root_span_id(job, step),
+            is_remote=True, trace_flags=_SAMPLED))
+        attributes = {semconv.STEP: step}
+        attributes.update(self.span_attributes)
+        span = self.tracer.start_span(semconv.SPAN_STEP, context=trace.set_span_in_context(root),
+                                      start_time=start_ns, attributes=attributes)
+        self.step_span = span
+        self.step_context = trace.set_span_in_context(span)
+        self.step_detail = self._decide_detail(step)
+        self.step_start_ns = start_ns
+        self.totals = StepTotals()
+        self.step_open = True
+        self._notify("on_step_start", step, self.step_detail)
+
+    def end_step(self, end_ns: int | None = None) -> None:
+        if not self.step_open:
+            return
+        end_ns = end_ns or time.time_ns()
+        span = self.step_span
+        self._set_summary(span, end_ns)
+        self._notify("on_step_end", self.step_number, self.step_detail, span)
+        span.end(end_time=end_ns)
+        self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
+        self.last_step_end_ns = end_ns
+        self.step_number += 1
+        self.step_open = False
+        self.step_span = None
+        self.step_context = None
+
+    def abandon_step(self) -> None:
+        """Forget an open step that will never complete (never exported: not ended)."""
+        self.step_open = False
+        self.step_span = None
+        self.step_context = None
+
+    def fail_step(self, exception: BaseException | None, description: str,
+                  callsite: str | None, extra: dict | None = None) -> None:
+        """Mark the step in progress ERROR (or emit flare.error outside a step) and end it."""
+        if self.step_open:
+            span = self.step_span
+        else:
+            attributes = dict(self.span_attributes)
+            attributes[semconv.STEP] = self.step_number
+            span = self.tracer.start_span(semconv.SPAN_ERROR, attributes=attributes)
+        span.set_status(Status(StatusCode.ERROR, description))
+        if exception is not None:
+            span.record_exception(exception, escaped=True)
+        if callsite:
+            span.set_attribute(semconv.CODE_CALLSITE, callsite)
+        for key, value in (extra or {}).items():
+            span.set_attribute(key, value)
+        if self.step_open:
+            self.end_step()
+        else:
+            span.end()
+
+    def _set_summary(self, span, end_ns: int) -> None:
+        totals = self.totals
+        wall_ms = (end_ns - self.step_start_ns) / 1e6
+        dataloader_ms = totals.dataloader_ns / 1e6
+        gc_ms = totals.gc_ns / 1e6
+        wait_ns = sum(pg.wait_ns for pg in totals.pg.values())
+        attributes = {
+            semconv.STEP_DURATION_MS: round(wall_ms, 3),
+            semconv.STEP_DATALOADER_MS: round(dataloader_ms, 3),
+            semconv.STEP_DATALOADER_COUNT: totals.dataloader_count,
+            semconv.STEP_GC_MS: round(gc_ms, 3),
+            semconv.STEP_GC_COUNT: totals.gc_count,
+            semconv.STEP_PYCALL_MS: round(totals.pycall_ns / 1e6, 3),
+            semconv.STEP_PYCALL_COUNT: totals.pycall_count,
+            semconv.STEP_BACKWARD_MS: round(totals.backward_ns / 1e6, 3),
+            semconv.STEP_COLLECTIVE_WAIT_MS: round(wait_ns / 1e6, 3),
+            semconv.STEP_COMPUTE_MS: round(max(0.0, wall_ms - dataloader_ms - gc_ms
+                                               - wait_ns / 1e6), 3),
+            semconv.STEP_DETAIL: self.step_detail,
+        }
+        span.set_attributes(attributes)
+
+    def median_step_s(self) -> float | None:
+        recent = list(self.recent_step_s)
+        return statistics.median(recent) if recent else None
+
+    # ------------------------------------------------------------ children
+    def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
+        """A child of the current step: always on detail steps, otherwise only when slow."""
+        if not self.step_detail and end_ns - start_ns < _SLOW_CHILD_NS:
+            return
+        if self.span_attributes:
+            attributes.update(self.span_attributes)
+        span = self.tracer.start_span(name, context=self.step_context, start_time=start_ns,
+                                      attributes=attributes)
+        span.end(end_time=end_ns)
+
+    # ------------------------------------------------------------ operations in flight
+    def push_op(self, name: str, start_ns: int, attributes: dict, frame=None) -> Operation:
+        op = Operation(name, start_ns, attributes, frame)
+        ident = threading.get_ident()
+        stack = self._ops.get(ident)
+        if stack is None:
+            with self._lock:
+                stack = self._ops.setdefault(ident, [])
+        stack.append(op)
+        return op
+
+    def pop_op(self, op: Operation) -> None:
+        stack = self._ops.get(threading.get_ident())
+        if stack and stack[-1] is op:
+            stack.pop()
+        elif stack and op in stack:
+            stack.remove(op)
+
+    def operations_in_flight(self) -> list[tuple[int, Operation]]:
+        """(thread id, innermost operation) for every thread blocked in something."""
+        with self._lock:
+            items = list(self._ops.items())
+        return [(ident, stack[-1]) for ident, stack in items if stack]

@@ -1,0 +1,115 @@
+"""Step boundaries without code changes: global optimizer step hooks, plus the autograd
+backward entry point (which also measures the gradient all-reduce wait hidden in it).
+
+A step runs from the end of the previous optimizer step to the end of this one, so the
+batch fetch, forward and backward all fall inside it. The first step begins at the
+first batch fetch, backward or optimizer step. With several optimizers, the first one
+to step is the step clock (its post-hook closes the step); all ranks pick the same one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flare.instrumentation.patching import Patches
+from flare.instrumentation.runtime import Runtime
+
+OP_BACKWARD = "autograd.backward"
+
+
+class StepHooks:
+    def __init__(self, runtime: Runtime, collectives=None):
+        self.runtime = runtime
+        self.collectives = collectives  # CollectiveTracker or None (no torch.distributed)
+        self._clock_optimizer_id: int | None = None
+        self._handles: list = []
+        self._patches = Patches()
+
+    # -------------------------------------------------------------- install/uninstall
+    def install(self) -> None:
+        import torch
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
+        self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        original = torch.autograd.backward
+        self._patches.replace(torch.autograd, "backward", self._make_backward(original))
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._patches.restore_all()
+
+    # -------------------------------------------------------------- optimizer hooks
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        runtime = self.runtime
+        if runtime.enabled and not runtime.explicit_steps and not runtime.step_open:
+            runtime.begin_step()
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        runtime = self.runtime
+        if not runtime.enabled or runtime.explicit_steps:
+            return
+        if self._clock_optimizer_id is None:
+            self._clock_optimizer_id = id(optimizer)
+        elif id(optimizer) != self._clock_optimizer_id:
+            return
+        now = time.time_ns()
+        runtime.end_step(now)
+        runtime.begin_step(now)
+
+    # -------------------------------------------------------------- backward
+    def _make_backward(self, original):
+        runtime = self.runtime
+        hooks = self
+
+        def backward(tensors, *args, **kwargs):
+            if not runtime.enabled:
+                return original(tensors, *args, **kwargs)
+            if not runtime.step_open and not runtime.explicit_steps:
+                runtime.begin_step()
+            return hooks._timed_backward(original, tensors, args, kwargs)
+
+        backward.__wrapped__ = original
+        backward.__doc__ = original.__doc__
+        return backward
+
+    def _timed_backward(self, original, tensors, args, kwargs):
+        """Time autograd backward, and split off the tail spent after the gradient
+        computation finished: that tail is DDP/FSDP waiting for its bucket collectives
+        (the reducer's wait runs as an autograd final callback, queued after ours)."""
+        import torch
+
+        runtime = self.runtime
+        graph_done = [0]
+
+        def mark_graph_done() -> None:
+            graph_done[0] = time.time_ns()
+
+        def queue_marker(*_):
+            torch.autograd.Variable._execution_engine.queue_callback(mark_graph_done)
+
+        roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ())
+        handle = None
+        for root in roots:
+            grad_fn = getattr(root, "grad_fn", None)
+            if grad_fn is not None:
+                handle = grad_fn.register_prehook(queue_marker)
+                break
+        seqs_before = self.collectives.sequence_snapshot() if self.collectives else None
+        start = time.time_ns()
+        op = runtime.push_op(OP_BACKWARD, start, {})
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            end = time.time_ns()
+            runtime.pop_op(op)
+            if handle is not None:
+                handle.remove()
+            runtime.totals.backward_ns += end - start
+            if self.collectives is not None and graph_done[0]:
+                self.collectives.record_backward(start, graph_done[0], end, seqs_before)

@@ -1,0 +1,193 @@
+"""`TorchTrainingInstrumentor`: the `torch_training` entry point of
+`opentelemetry_instrumentor`, loaded by `opentelemetry-instrument` in every process.
+
+It does nothing outside a training rank (no RANK: the torchrun agent, DataLoader worker
+processes, tools) or without torch. In a rank it wires the hooks to one Runtime; every
+patch has its unpatch in `_uninstrument`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Collection
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+import flare.instrumentation as flare_instrumentation
+from flare.instrumentation import flight_recorder, semconv
+from flare.instrumentation.callsite import add_plumbing_dir
+from flare.instrumentation.config import FlareConfig
+from flare.instrumentation.identity import current_identity, in_training_rank
+from flare.instrumentation.runtime import Runtime
+from flare.instrumentation.version import __version__
+
+_log = logging.getLogger(__name__)
+_INSTRUMENTS = ("torch >= 2.1",)
+GPU_LAYER_MODULES = ("flare.instrumentation.kernels", "flare.instrumentation.nvml")
+
+
+def _disable_in_forked_child() -> None:
+    """A forked child (DataLoader worker) inherits the patches but is not the rank."""
+    runtime = flare_instrumentation._active_runtime
+    if runtime is not None:
+        runtime.enabled = False
+
+
+os.register_at_fork(after_in_child=_disable_in_forked_child)
+
+
+class _FirstStepListener:
+    """Resolves what needs the user's modules loaded, once, at the first step."""
+
+    def __init__(self, runtime: Runtime, python_calls):
+        self.runtime = runtime
+        self.python_calls = python_calls
+
+    def on_step_start(self, step: int, detail: bool) -> None:
+        self.runtime.remove_step_listener(self)
+        self.python_calls.on_first_step()
+
+    def on_step_end(self, step: int, detail: bool, span) -> None:
+        pass
+
+
+class TorchTrainingInstrumentor(BaseInstrumentor):
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _INSTRUMENTS
+
+    # ------------------------------------------------------------------ instrument
+    def _instrument(self, **kwargs) -> None:
+        self._parts: list = []
+        self._runtime = None
+        if not in_training_rank() or multiprocessing.parent_process() is not None:
+            return
+        try:
+            import torch
+        except ImportError:
+            return
+        add_plumbing_dir(torch.__file__)
+        provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
+        tracer = trace.get_tracer(__name__, __version__, tracer_provider=provider)
+        identity = current_identity()
+        resource = getattr(provider, "resource", None)
+        has_rank = resource is not None and semconv.RANK in (resource.attributes or {})
+        config = FlareConfig.from_env()
+        runtime = Runtime(tracer, identity, config,
+                          {} if has_rank else identity.span_fallback_attributes())
+        self._runtime = runtime
+        self._provider = provider
+        flight_recorder.enable_if_unset()
+
+        from flare.instrumentation.dataloader_hook import DataLoaderHook
+        from flare.instrumentation.errors import ErrorHooks
+        from flare.instrumentation.gc_hook import GcHook
+        from flare.instrumentation.python_calls import PythonCallHook
+        from flare.instrumentation.step_hooks import StepHooks
+        from flare.instrumentation.watchdog import Watchdog
+
+        collectives = self._collective_tracker(runtime)
+        python_calls = PythonCallHook(runtime, config.traced_functions)
+        parts = [StepHooks(runtime, collectives), DataLoaderHook(runtime), GcHook(runtime),
+                 python_calls]
+        if collectives is not None:
+            parts.append(collectives)
+        parts.append(ErrorHooks(runtime, self._flush))
+        for part in parts:
+            self._install(part)
+        runtime.add_step_listener(_FirstStepListener(runtime, python_calls))
+        self._watchdog = Watchdog(runtime, self._flush, collectives)
+        self._watchdog.start()
+        self._install_detail_signal(runtime)
+        self._install_gpu_layer(runtime)
+        flare_instrumentation._active_runtime = runtime
+        atexit.register(self._at_exit)
+
+    def _collective_tracker(self, runtime: Runtime):
+        try:
+            import torch.distributed as dist
+
+            if not dist.is_available():
+                return None
+            from flare.instrumentation.collectives import CollectiveTracker
+
+            return CollectiveTracker(runtime)
+        except Exception as error:
+            _log.warning("flare: collectives are not traced (%r)", error)
+            return None
+
+    def _install(self, part) -> None:
+        try:
+            part.install()
+            self._parts.append(part)
+        except Exception as error:  # one hook failing must not cost the others
+            _log.warning("flare: %s could not be installed: %r", type(part).__name__, error)
+
+    def _install_detail_signal(self, runtime: Runtime) -> None:
+        self._sigusr2_installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGUSR2) is not signal.SIG_DFL:
+            _log.info("flare: SIGUSR2 already has a handler; use %s to toggle detail",
+                      semconv.ENV_DETAIL_FLAG_FILE)
+            return
+
+        def toggle_detail(signum, frame):
+            runtime.detail_toggled = not runtime.detail_toggled
+
+        signal.signal(signal.SIGUSR2, toggle_detail)
+        self._sigusr2_installed = True
+
+    def _install_gpu_layer(self, runtime: Runtime) -> None:
+        import importlib
+
+        self._gpu_modules = []
+        for name in GPU_LAYER_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            try:
+                module.install(runtime)
+                self._gpu_modules.append(module)
+            except Exception as error:
+                _log.warning("flare: %s.install failed: %r", name, error)
+
+    def _flush(self, timeout_millis: int) -> None:
+        force_flush = getattr(self._provider, "force_flush", None)
+        if force_flush is not None:
+            try:
+                force_flush(timeout_millis)
+            except Exception as error:
+                _log.warning("flare: flushing spans failed: %r", error)
+
+    def _at_exit(self) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+
+    # ------------------------------------------------------------------ uninstrument
+    def _uninstrument(self, **kwargs) -> None:
+        runtime = getattr(self, "_runtime", None)
+        if runtime is None:
+            return
+        atexit.unregister(self._at_exit)
+        self._watchdog.stop()
+        for module in reversed(self._gpu_modules):
+            try:
+                module.uninstall(runtime)
+            except Exception as error:
+                _log.warning("flare: %s.uninstall failed: %r", module.__name__, error)
+        for part in reversed(self._parts):
+            part.uninstall()
+        self._parts = []
+        if self._sigusr2_installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        runtime.enabled = False
+        flare_instrumentation._active_runtime = None
+        self._runtime = None

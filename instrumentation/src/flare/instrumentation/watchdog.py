@@ -1,0 +1,167 @@
+"""The watchdog thread of a rank: hang reports, heartbeats and the detail flag file.
+
+It only reads the runtime's state and emits spans, so it keeps working while the main
+thread is blocked inside C++ (a gloo/NCCL wait releases the GIL).
+
+Hang: when the step in progress, or an operation a thread is blocked in (collective,
+batch fetch, backward, hot call), has run longer than the limit, emit one `flare.hang`
+span per stuck operation, with every thread's Python stack, and force-flush the provider
+so the report leaves the process even if it never recovers. The limit is
+FLARE_HANG_TIMEOUT_S, else max(60 s, 10 x the median recent step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from opentelemetry.trace import Status, StatusCode
+
+from flare.instrumentation import semconv
+from flare.instrumentation.callsite import all_thread_stacks, format_site, frame_site
+from flare.instrumentation.config import HANG_STEP_MULTIPLE, HANG_TIMEOUT_FLOOR_S
+from flare.instrumentation.runtime import Operation, Runtime
+from flare.instrumentation.step_hooks import OP_BACKWARD
+
+_log = logging.getLogger(__name__)
+TICK_S = 0.25
+FLAG_POLL_S = 1.0
+FLUSH_TIMEOUT_MS = 5000
+
+
+class Watchdog:
+    def __init__(self, runtime: Runtime, flush, collectives=None):
+        self.runtime = runtime
+        self.flush = flush  # callable(timeout_millis) -> None
+        self.collectives = collectives
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._reported_steps: set[int] = set()
+        self._last_heartbeat = 0.0
+        self._last_flag_poll = 0.0
+        self.hang_reports = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="flare-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        self._thread = None
+
+    def hang_timeout_s(self) -> float:
+        configured = self.runtime.config.hang_timeout_s
+        if configured is not None:
+            return configured
+        median = self.runtime.median_step_s() or 0.0
+        return max(HANG_TIMEOUT_FLOOR_S, HANG_STEP_MULTIPLE * median)
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            if not self.runtime.enabled:
+                continue
+            try:
+                self.tick(time.monotonic(), time.time_ns())
+            except Exception as error:  # the watchdog must outlive its own bugs
+                _log.warning("flare: watchdog tick failed: %r", error)
+
+    def tick(self, monotonic_s: float, now_ns: int) -> None:
+        config = self.runtime.config
+        if config.detail_flag_file and monotonic_s - self._last_flag_poll >= FLAG_POLL_S:
+            self._last_flag_poll = monotonic_s
+            self.runtime.detail_flag_present = os.path.exists(config.detail_flag_file)
+        if config.heartbeat_s and monotonic_s - self._last_heartbeat >= config.heartbeat_s:
+            self._last_heartbeat = monotonic_s
+            self.emit_heartbeat(now_ns)
+        self.check_hangs(now_ns)
+
+    # ------------------------------------------------------------------ heartbeat
+    def emit_heartbeat(self, now_ns: int) -> None:
+        runtime = self.runtime
+        attributes = {
+            semconv.HEARTBEAT_LAST_STEP: runtime.step_number - 1,
+            semconv.HEARTBEAT_INTERVAL_S: float(runtime.config.heartbeat_s),
+            semconv.STEP: runtime.step_number,
+        }
+        if runtime.step_open:
+            attributes[semconv.HEARTBEAT_STEP_OPEN_S] = round(
+                (now_ns - runtime.step_start_ns) / 1e9, 3)
+        attributes.update(runtime.span_attributes)
+        span = runtime.tracer.start_span(semconv.SPAN_HEARTBEAT, start_time=now_ns,
+                                         attributes=attributes)
+        span.end(end_time=now_ns)
+
+    # ------------------------------------------------------------------ hangs
+    def check_hangs(self, now_ns: int) -> None:
+        runtime = self.runtime
+        limit_ns = int(self.hang_timeout_s() * 1e9)
+        stuck = [(ident, op) for ident, op in runtime.operations_in_flight()
+                 if not op.reported and now_ns - op.start_ns > limit_ns]
+        step_stuck = (runtime.step_open and runtime.step_number not in self._reported_steps
+                      and now_ns - runtime.step_start_ns > limit_ns)
+        if not stuck and not step_stuck:
+            return
+        stacks = all_thread_stacks(skip_ident=threading.get_ident())
+        if stuck:
+            for ident, op in stuck:
+                op.reported = True
+                self._emit_hang(now_ns, limit_ns, op, ident, stacks)
+        else:
+            self._emit_hang(now_ns, limit_ns, None, threading.main_thread().ident, stacks)
+        if runtime.step_open:
+            self._reported_steps.add(runtime.step_number)
+        runtime.request_detail()
+        self.flush(FLUSH_TIMEOUT_MS)
+
+    def _emit_hang(self, now_ns: int, limit_ns: int, op: Operation | None, ident: int,
+                   stacks: str) -> None:
+        runtime = self.runtime
+        start_ns = op.start_ns if op is not None else runtime.step_start_ns
+        attributes = {
+            semconv.HANG_OPERATION: op.name if op is not None else semconv.SPAN_STEP,
+            semconv.HANG_ELAPSED_S: round((now_ns - start_ns) / 1e9, 3),
+            semconv.HANG_TIMEOUT_S: round(limit_ns / 1e9, 3),
+            semconv.HANG_STACKS: stacks,
+            semconv.HANG_THREAD: _thread_name(ident),
+            semconv.STEP: runtime.step_number,
+        }
+        if op is not None:
+            for key, value in op.attributes.items():
+                hang_key = {semconv.COLL_OP: semconv.HANG_COLL_OP, semconv.COLL_PG:
+                            semconv.HANG_PG, semconv.COLL_SEQ: semconv.HANG_SEQ}.get(key, key)
+                attributes[hang_key] = value
+            if op.name == OP_BACKWARD and self.collectives is not None:
+                attributes.update(self.collectives.collective_in_flight(op.start_ns) or {})
+        site = _blocked_site(ident) or (format_site(op.frame) if op is not None
+                                        and isinstance(op.frame, tuple) else None)
+        if site:
+            attributes[semconv.CODE_CALLSITE] = site
+        attributes.update(runtime.span_attributes)
+        span = runtime.tracer.start_span(semconv.SPAN_HANG, context=runtime.step_context,
+                                         start_time=now_ns, attributes=attributes)
+        span.set_status(Status(StatusCode.ERROR, "operation exceeded the hang timeout"))
+        span.end(end_time=now_ns)
+        self.hang_reports += 1
+        _log.warning("flare: rank %d looks hung in %s for %.0f s at %s", runtime.rank,
+                     attributes[semconv.HANG_OPERATION], attributes[semconv.HANG_ELAPSED_S],
+                     site or "?")
+
+
+def _thread_name(ident: int) -> str:
+    for thread in threading.enumerate():
+        if thread.ident == ident:
+            return thread.name
+    return str(ident)
+
+
+def _blocked_site(ident: int) -> str | None:
+    """The innermost user frame of the blocked thread: where it is stuck right now."""
+    import sys
+
+    frame = sys._current_frames().get(ident)
+    return frame_site(frame) if frame is not None else None

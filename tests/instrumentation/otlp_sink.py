@@ -1,0 +1,154 @@
+"""A tiny OTLP/gRPC receiver on loopback that keeps what it receives (test helper).
+
+It implements the OTLP TraceService and MetricsService, stores every request with its
+size on the wire, and flattens spans into dicts for assertions. Also runnable as a
+process: `python otlp_sink.py PORT_FILE` writes its port and serves until SIGTERM,
+printing a JSON summary of bytes per request to stdout at exit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+
+def _value(any_value):
+    kind = any_value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in any_value.array_value.values]
+    if kind is None:
+        return None
+    return getattr(any_value, kind)
+
+
+def attributes_dict(attributes) -> dict:
+    return {kv.key: _value(kv.value) for kv in attributes}
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, sink: OtlpSink):
+        self.sink = sink
+
+    def Export(self, request, context):
+        self.sink._keep_traces(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, sink: OtlpSink):
+        self.sink = sink
+
+    def Export(self, request, context):
+        with self.sink._lock:
+            self.sink.metric_requests.append(request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+class OtlpSink:
+    def __init__(self, port: int = 0):
+        self._lock = threading.Lock()
+        self.trace_requests: list = []  # (arrival monotonic time, request, wire bytes)
+        self.metric_requests: list = []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                                   options=[("grpc.max_receive_message_length", 64 << 20)])
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self),
+                                                                  self._server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self),
+                                                                      self._server)
+        self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> OtlpSink:
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.stop(grace=1).wait()
+
+    def __enter__(self) -> OtlpSink:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _keep_traces(self, request) -> None:
+        with self._lock:
+            self.trace_requests.append((time.monotonic(), request, request.ByteSize()))
+
+    def spans(self) -> list[dict]:
+        """Every received span, flattened, with its resource attributes and arrival time."""
+        with self._lock:
+            requests = list(self.trace_requests)
+        flat = []
+        for arrived, request, _ in requests:
+            for resource_spans in request.resource_spans:
+                resource = attributes_dict(resource_spans.resource.attributes)
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        flat.append({
+                            "name": span.name,
+                            "trace_id": span.trace_id.hex(),
+                            "span_id": span.span_id.hex(),
+                            "parent_span_id": span.parent_span_id.hex(),
+                            "start_ns": span.start_time_unix_nano,
+                            "end_ns": span.end_time_unix_nano,
+                            "attributes": attributes_dict(span.attributes),
+                            "resource": resource,
+                            "status_code": span.status.code,
+                            "status_message": span.status.message,
+                            "events": [(e.name, attributes_dict(e.attributes))
+                                       for e in span.events],
+                            "arrived": arrived,
+                        })
+        return flat
+
+    def bytes_by_rank(self) -> dict[int, int]:
+        """Wire bytes attributed to ranks (a request's bytes split by its spans' ranks)."""
+        with self._lock:
+            requests = list(self.trace_requests)
+        totals: dict[int, int] = {}
+        for _, request, size in requests:
+            counts: dict[int, int] = {}
+            for resource_spans in request.resource_spans:
+                resource = attributes_dict(resource_spans.resource.attributes)
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        rank = resource.get("flare.rank")
+                        if rank is None:
+                            rank = attributes_dict(span.attributes).get("flare.rank", -1)
+                        counts[rank] = counts.get(rank, 0) + 1
+            spans = sum(counts.values()) or 1
+            for rank, count in counts.items():
+                totals[rank] = totals.get(rank, 0) + size * count // spans
+        return totals
+
+
+def rank_of(span: dict) -> int | None:
+    rank = span["resource"].get("flare.rank")
+    return rank if rank is not None else span["attributes"].get("flare.rank")
+
+
+if __name__ == "__main__":
+    import json
+    import signal
+    import sys
+
+    sink = OtlpSink().start()
+    with open(sys.argv[1], "w") as handle:
+        handle.write(str(sink.port))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    sink.stop()
+    print(json.dumps({"bytes_by_rank": sink.bytes_by_rank(), "spans": len(sink.spans())}))
