@@ -468,6 +468,10 @@ def add_jaeger_json(rows: SpanRows, traces: Iterable[Mapping[str, Any]] | None) 
 # ---------------------------------------------------------------- time windows
 
 
+# Allowance for clocks of different nodes disagreeing (NTP keeps them within ~1 s).
+_SKEW_NS = 10_000_000_000
+
+
 class StepClock:
     """What time each step happened at, learnt from the spans already fetched.
 
@@ -501,13 +505,13 @@ class StepClock:
         if first_step is not None:
             before = [s for s in steps if s <= first_step]
             if before:
-                # Spans of a step start no earlier than a minute before any rank's step
-                # span that we saw for an earlier step (clock skew between nodes).
-                lo = max(lo, self._start_ns[before[-1]] - 60_000_000_000)
+                # Spans of a step start no earlier than the skew allowance before any
+                # rank's step span seen for an earlier step (clocks of nodes differ).
+                lo = max(lo, self._start_ns[before[-1]] - _SKEW_NS)
         if last_step is not None:
             after = [s for s in steps if s > last_step]
             if after:
-                hi = min(hi, self._start_ns[after[0]] + 60_000_000_000)
+                hi = min(hi, self._start_ns[after[0]] + _SKEW_NS)
         return lo, max(hi, lo + 1_000_000)
 
 

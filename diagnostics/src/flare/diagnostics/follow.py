@@ -1,0 +1,501 @@
+"""`flare diagnose --follow`: the always-on diagnostic service.
+
+Polls a backend (store, Jaeger, Tempo) on an interval and labels anomalies as they
+appear, with the same detectors as a one-shot diagnosis. It is incremental: every
+rank's `train.step` spans — the bulk of what detectors read — are kept in a local
+window and each poll fetches only the steps not yet complete (every rank has moved
+past them), so a poll costs what arrived since the last one, not the whole job.
+Rarer spans (hang dumps, errors, heartbeats) are still asked of the backend, with
+its own filters.
+
+Each new anomaly is written once as a `flare.anomaly` span through OTLP (or into the
+store when no OTLP endpoint is given). "Once" survives re-detection on later polls
+with a slightly different onset, backend outages (the poll simply fails; nothing
+advances until the backend answers, then it catches up), write failures (an anomaly
+is remembered as sent only after the write succeeded) and restarts (anomaly spans
+already in the backend are read back at start).
+
+Health and the service's own metrics are on a small HTTP endpoint: `/healthz`
+(200 while the last poll succeeded, 503 during an outage) and `/metrics`
+(Prometheus text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, TextIO
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flare.diagnostics import pipeline, writeback
+from flare.diagnostics.backends import BackendError, open_backend
+from flare.diagnostics.backends.arrow import ArrowJobData
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.exporters.store import spans_table
+from flare.instrumentation import semconv as sc
+
+# A rank that has not reported a step this many steps after the others is not waited
+# for: its steps are closed anyway (rank_missing reports it).
+MAX_OPEN_STEPS = 50
+# Two labels of one kind, rank set and cause whose onsets lie this close are one anomaly
+# seen twice (a change point's onset moves a little as more steps arrive).
+SAME_ONSET_STEPS = 25
+
+
+# ---------------------------------------------------------------- incremental data
+
+
+class IncrementalJobData:
+    """A JobData whose step spans come from a local window refreshed incrementally.
+
+    `refresh()` fetches the steps after the last complete one; everything a detector
+    asks about `train.step` is answered from the window (through `ArrowJobData`, so
+    answers match a one-shot diagnosis), anything else goes to the backend.
+    """
+
+    def __init__(self, inner: JobData, max_steps: int = 5000) -> None:
+        self.inner = inner
+        self.job = inner.job
+        self.backend = inner.backend
+        self.max_steps = max_steps
+        self._window: pa.Table | None = None
+        self.complete_step = -1  # every step ≤ this is final in the window
+        self.fetched_rows = 0
+        self._local = ArrowJobData(self.job, self.backend, self._from_window)
+
+    # -- refresh
+
+    def refresh(self) -> int:
+        """Fetch the open steps; returns the number of step spans fetched."""
+        fresh = self.inner.spans([sc.SPAN_STEP], first_step=self.complete_step + 1)
+        self.fetched_rows += fresh.num_rows
+        if self._window is None:
+            self._window = fresh
+        else:
+            kept = self._window.filter(
+                pc.fill_null(pc.less_equal(self._window["step"], self.complete_step), False)
+            )
+            self._window = pa.concat_tables([kept, fresh.select(kept.column_names)])
+        self._advance()
+        return fresh.num_rows
+
+    def _advance(self) -> None:
+        window = self._window
+        if window is None or window.num_rows == 0:
+            return
+        steps = window.filter(pc.and_(pc.is_valid(window["rank"]), pc.is_valid(window["step"])))
+        if steps.num_rows == 0:
+            return
+        per_rank = steps.group_by("rank").aggregate([("step", "max")])["step_max"]
+        newest = pc.max(per_rank).as_py()
+        laggard = pc.min(per_rank).as_py()
+        # A step is complete once every rank has reported a later one.
+        self.complete_step = max(self.complete_step, min(laggard - 1, newest - 1),
+                                 newest - MAX_OPEN_STEPS)
+        oldest_kept = newest - self.max_steps
+        if pc.min(steps["step"]).as_py() < oldest_kept:
+            self._window = window.filter(
+                pc.fill_null(pc.greater_equal(window["step"], oldest_kept), False)
+            )
+
+    def _from_window(
+        self, names: Sequence[str], first_step: int | None, last_step: int | None,
+        ranks: Sequence[int] | None,
+    ) -> pa.Table:
+        return self._window if self._window is not None else spans_table({})
+
+    # -- JobData
+
+    def spans(
+        self,
+        names: Sequence[str],
+        attributes: Sequence[str] = (),
+        first_step: int | None = None,
+        last_step: int | None = None,
+        ranks: Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        limit: int | None = None,
+        status_code: int | None = None,
+    ) -> pa.Table:
+        source = self._local if list(names) == [sc.SPAN_STEP] else self.inner
+        return source.spans(names, attributes, first_step, last_step, ranks, columns, limit,
+                            status_code)
+
+    def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
+                     first_step: int | None = None, last_step: int | None = None) -> pa.Table:
+        return self._local.step_summary(attributes, step_bucket, first_step, last_step)
+
+    def steps_range(self) -> tuple[int, int] | None:
+        return self._local.steps_range()
+
+    def ranks(self) -> list[int]:
+        return self._local.ranks()
+
+    def world_size(self) -> int | None:
+        return self._local.world_size()
+
+    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+        source = self._local if list(names) == [sc.SPAN_STEP] else self.inner
+        return source.rank_activity(names)
+
+    def count(self, names: Sequence[str]) -> int:
+        return self.spans(names, columns=["span_id"]).num_rows
+
+    def __getattr__(self, name: str) -> Any:
+        # A JobData method added after this class was written is answered by the
+        # backend itself: correct, only not incremental.
+        return getattr(self.inner, name)
+
+    @property
+    def window_rows(self) -> int:
+        return 0 if self._window is None else self._window.num_rows
+
+
+# ---------------------------------------------------------------- labels
+
+
+@dataclasses.dataclass
+class Labeller:
+    """Decides which anomalies are new; remembers only what was written."""
+
+    sent: dict[str, Anomaly] = dataclasses.field(default_factory=dict)
+    sent_signatures: list[tuple[str, tuple[int, ...], str, int | None]] = dataclasses.field(
+        default_factory=list
+    )
+
+    @staticmethod
+    def signature(anomaly: Anomaly) -> tuple[str, tuple[int, ...], str, int | None]:
+        return anomaly.kind, tuple(sorted(anomaly.ranks)), anomaly.cause, anomaly.first_step
+
+    def is_new(self, anomaly: Anomaly) -> bool:
+        if anomaly.key in self.sent:
+            return False
+        kind, ranks, cause, first = self.signature(anomaly)
+        for s_kind, s_ranks, s_cause, s_first in self.sent_signatures:
+            if (s_kind, s_ranks, s_cause) != (kind, ranks, cause):
+                continue
+            if first is None or s_first is None or abs(first - s_first) <= SAME_ONSET_STEPS:
+                return False
+        return True
+
+    def remember(self, anomaly: Anomaly) -> None:
+        self.sent[anomaly.key] = anomaly
+        self.sent_signatures.append(self.signature(anomaly))
+
+    def remember_written(self, table: pa.Table) -> None:
+        """Seed from `flare.anomaly` spans already in the backend (a restarted service)."""
+        for text in table.column("attributes").to_pylist() if table.num_rows else []:
+            try:
+                attrs = json.loads(text or "{}")
+                self.sent_signatures.append((
+                    str(attrs[sc.ANOMALY_KIND]),
+                    tuple(sorted(int(r) for r in attrs.get(sc.ANOMALY_RANKS) or [])),
+                    str(attrs.get(sc.ANOMALY_CAUSE)),
+                    attrs.get(sc.ANOMALY_FIRST_STEP),
+                ))
+            except (ValueError, KeyError, TypeError):
+                continue
+
+
+# ---------------------------------------------------------------- metrics and health
+
+
+class FollowMetrics:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.polls = 0
+        self.poll_errors = 0
+        self.write_errors = 0
+        self.anomalies: dict[str, int] = {}
+        self.last_poll_s = 0.0
+        self.last_success_unix = 0.0
+        self.backend_up = 0
+        self.last_error = ""
+        self.steps_complete = -1
+        self.window_rows = 0
+        self.fetched_rows = 0
+        self.pending = 0
+
+    def prometheus(self) -> str:
+        with self.lock:
+            lines = [
+                "# TYPE flare_follow_polls_total counter",
+                f"flare_follow_polls_total {self.polls}",
+                "# TYPE flare_follow_poll_errors_total counter",
+                f"flare_follow_poll_errors_total {self.poll_errors}",
+                "# TYPE flare_follow_write_errors_total counter",
+                f"flare_follow_write_errors_total {self.write_errors}",
+                "# TYPE flare_follow_backend_up gauge",
+                f"flare_follow_backend_up {self.backend_up}",
+                "# TYPE flare_follow_last_poll_seconds gauge",
+                f"flare_follow_last_poll_seconds {self.last_poll_s:.6f}",
+                "# TYPE flare_follow_last_success_timestamp_seconds gauge",
+                f"flare_follow_last_success_timestamp_seconds {self.last_success_unix:.3f}",
+                "# TYPE flare_follow_complete_step gauge",
+                f"flare_follow_complete_step {self.steps_complete}",
+                "# TYPE flare_follow_window_spans gauge",
+                f"flare_follow_window_spans {self.window_rows}",
+                "# TYPE flare_follow_fetched_spans_total counter",
+                f"flare_follow_fetched_spans_total {self.fetched_rows}",
+                "# TYPE flare_follow_pending_anomalies gauge",
+                f"flare_follow_pending_anomalies {self.pending}",
+                "# TYPE flare_follow_anomalies_total counter",
+            ]
+            lines += [
+                f'flare_follow_anomalies_total{{kind="{kind}"}} {count}'
+                for kind, count in sorted(self.anomalies.items())
+            ]
+            return "\n".join(lines) + "\n"
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            ok = self.backend_up == 1
+            return (200 if ok else 503), {
+                "status": "ok" if ok else ("starting" if self.polls == 0 else "backend_down"),
+                "polls": self.polls,
+                "last_success_unix": self.last_success_unix,
+                "complete_step": self.steps_complete,
+                "last_error": self.last_error or None,
+            }
+
+
+class HealthServer:
+    def __init__(self, endpoint: str, metrics: FollowMetrics) -> None:
+        host, _, port = endpoint.rpartition(":")
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/metrics"):
+                    status, body, kind = 200, metrics.prometheus().encode(), "text/plain; version=0.0.4"
+                elif self.path.startswith("/healthz"):
+                    status, doc = metrics.health()
+                    body, kind = json.dumps(doc).encode(), "application/json"
+                else:
+                    status, body, kind = 404, b"not found\n", "text/plain"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer((host or "127.0.0.1", int(port or 0)), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# ---------------------------------------------------------------- the service
+
+
+class FollowService:
+    """One followed job: poll → diagnose → write new labels. `poll_once()` is the unit
+    tests drive; `run()` loops until `stop` is set."""
+
+    def __init__(
+        self,
+        backend_spec: str,
+        job: str | None,
+        config: DiagnosisConfig | None = None,
+        otlp_endpoint: str | None = None,
+        out: TextIO | None = None,
+        backend_opts: dict[str, Any] | None = None,
+        max_steps: int = 5000,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.backend_spec = backend_spec
+        self.backend = open_backend(backend_spec, **(backend_opts or {}))
+        self.job = job
+        self.config = config or DiagnosisConfig()
+        self.otlp_endpoint = otlp_endpoint
+        self.out = out or sys.stdout
+        self.max_steps = max_steps
+        self.metrics = FollowMetrics()
+        self.labeller = Labeller()
+        self.pending: list[tuple[Anomaly, list[tuple[str, str]]]] = []
+        self.data: IncrementalJobData | None = None
+        self.stop = threading.Event()
+        self._warn = warn or (lambda line: print(line, file=sys.stderr))
+        self._down_since: float | None = None
+
+    # -- one poll
+
+    def poll_once(self) -> list[Anomaly]:
+        """Refresh, diagnose, write what is new; returns the anomalies written now."""
+        started = time.monotonic()
+        try:
+            if self.data is None and not self._attach():
+                self._record_poll(started, ok=True)
+                return []
+            assert self.data is not None
+            self.data.refresh()
+            diagnosis = pipeline.diagnose(self.data, self.config, warn=self._warn)
+        except BackendError as exc:
+            self._record_poll(started, ok=False, error=str(exc))
+            return []
+        for anomaly in diagnosis.anomalies:
+            if self.labeller.is_new(anomaly) and not any(
+                p.key == anomaly.key for p, _ in self.pending
+            ):
+                self.pending.append((anomaly, diagnosis.evidence_links.get(anomaly.key, [])))
+        written = self._write_pending()
+        self._record_poll(started, ok=True)
+        return written
+
+    def _attach(self) -> bool:
+        if self.job is None:
+            jobs = self.backend.jobs()
+            jobs = [j for j in jobs if j != writeback.SERVICE]
+            if not jobs:
+                return False  # nothing reported yet: a follow service may start first
+            if len(jobs) > 1:
+                raise BackendError(
+                    f"the backend holds {len(jobs)} jobs ({', '.join(jobs[:5])}); choose one with --job"
+                )
+            self.job = jobs[0]
+        inner = self.backend.job_data(self.job)
+        try:
+            self.labeller.remember_written(inner.spans([sc.SPAN_ANOMALY]))
+        except BackendError:
+            pass  # best effort: without it a restart may repeat a label, never lose one
+        self.data = IncrementalJobData(inner, self.max_steps)
+        print(f"flare follow: following job {self.job} on {self.backend.name}", file=self.out,
+              flush=True)
+        return True
+
+    def _write_pending(self) -> list[Anomaly]:
+        if not self.pending:
+            return []
+        anomalies = [a for a, _ in self.pending]
+        links = {a.key: list(evidence) for a, evidence in self.pending}
+        assert self.job is not None
+        try:
+            if self.otlp_endpoint:
+                writeback.send_otlp(
+                    self.otlp_endpoint, writeback.anomaly_spans(self.job, anomalies, links)
+                )
+            elif self.backend_spec.startswith("store:") or "://" not in self.backend_spec:
+                path = self.backend_spec.removeprefix("store:")
+                writeback.write_to_store(path, self.job, anomalies, links)
+        except writeback.WritebackError as exc:
+            with self.metrics.lock:
+                self.metrics.write_errors += 1
+                self.metrics.pending = len(self.pending)
+            self._warn(f"flare follow: {exc}; will retry")
+            return []
+        for anomaly in anomalies:
+            self.labeller.remember(anomaly)
+            with self.metrics.lock:
+                self.metrics.anomalies[anomaly.kind] = self.metrics.anomalies.get(anomaly.kind, 0) + 1
+            print(_alert_line(anomaly), file=self.out, flush=True)
+        self.pending = []
+        with self.metrics.lock:
+            self.metrics.pending = 0
+        return anomalies
+
+    def _record_poll(self, started: float, ok: bool, error: str = "") -> None:
+        with self.metrics.lock:
+            self.metrics.polls += 1
+            self.metrics.last_poll_s = time.monotonic() - started
+            if ok:
+                self.metrics.backend_up = 1
+                self.metrics.last_success_unix = time.time()
+                self.metrics.last_error = ""
+            else:
+                self.metrics.poll_errors += 1
+                self.metrics.backend_up = 0
+                self.metrics.last_error = error
+            if self.data is not None:
+                self.metrics.steps_complete = self.data.complete_step
+                self.metrics.window_rows = self.data.window_rows
+                self.metrics.fetched_rows = self.data.fetched_rows
+        # One line when an outage starts and one when it ends, not one per poll.
+        if not ok and self._down_since is None:
+            self._down_since = time.monotonic()
+            self._warn(f"flare follow: backend unavailable: {error}; retrying")
+        elif ok and self._down_since is not None:
+            self._warn(f"flare follow: backend back after {time.monotonic() - self._down_since:.0f} s")
+            self._down_since = None
+
+    # -- the loop
+
+    def run(self, interval_s: float) -> None:
+        while not self.stop.is_set():
+            self.poll_once()
+            self.stop.wait(interval_s)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _alert_line(anomaly: Anomaly) -> str:
+    ranks = ",".join(map(str, sorted(anomaly.ranks))) or "-"
+    where = f" at {anomaly.callsite}" if anomaly.callsite else ""
+    return (f"flare: {anomaly.kind} ranks={ranks} cause={anomaly.cause} "
+            f"from step {anomaly.first_step}{where}: {anomaly.summary}")
+
+
+def main(
+    backend_spec: str,
+    job: str | None,
+    config: DiagnosisConfig | None,
+    interval_s: float,
+    otlp_endpoint: str | None,
+    out: TextIO | None,
+    *,
+    health_endpoint: str | None = "127.0.0.1:0",
+    backend_opts: dict[str, Any] | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Run the follow service until SIGINT/SIGTERM (or `stop`); the exit status."""
+    out = out or sys.stdout
+    if interval_s <= 0:
+        print("flare: --interval must be positive", file=sys.stderr)
+        return 2
+    try:
+        service = FollowService(backend_spec, job, config, otlp_endpoint, out, backend_opts)
+    except BackendError as exc:
+        print(f"flare: {exc}", file=sys.stderr)
+        return 2
+    if stop is not None:
+        service.stop = stop
+    health = None
+    if health_endpoint:
+        try:
+            health = HealthServer(health_endpoint, service.metrics)
+        except OSError as exc:
+            print(f"flare: cannot serve health on {health_endpoint}: {exc.strerror}", file=sys.stderr)
+            return 2
+        print(f"flare follow: health {health.url}/healthz, metrics {health.url}/metrics",
+              file=sys.stderr, flush=True)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda *_: service.stop.set())
+    try:
+        service.run(interval_s)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if health is not None:
+            health.stop()
+        service.close()
+    return 0

@@ -1,0 +1,268 @@
+"""`flare diagnose --follow`: incremental polling, labels written once, outages survived.
+
+The end-to-end test runs a real collector with its read endpoint, a sender streaming a
+4-rank job's steps over OTLP/gRPC in real time (one rank's compute slows down from a
+known step), and the follow service reading the read endpoint as a Jaeger backend.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pyarrow as pa
+import pytest
+import yaml
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from flare.diagnostics.follow import FollowService, main
+from flare.diagnostics.synthetic import Fault, job_spans
+from flare.exporters import store
+from flare.instrumentation import semconv as sc
+
+ONSET = 40
+
+
+def write_steps(path, table: pa.Table, first: int, last: int) -> None:
+    rows = table.filter(pa.compute.and_(
+        pa.compute.greater_equal(table["step"], first), pa.compute.less_equal(table["step"], last)))
+    with store.writer(path) as con:
+        store.insert_spans(con, rows)
+
+
+def anomaly_rows(path):
+    con = store.open_reader(path)
+    try:
+        return con.execute(
+            "SELECT span_id, attributes FROM spans WHERE name = ?", [sc.SPAN_ANOMALY]
+        ).fetchall()
+    finally:
+        con.close()
+
+
+def test_polls_are_incremental_and_labels_are_written_once(tmp_path):
+    path = str(tmp_path / "store.duckdb")
+    table = job_spans("jobF", world=4, steps=90, faults=(Fault("compute", rank=2, from_step=ONSET),))
+    write_steps(path, table, 0, 29)
+    out = io.StringIO()
+    service = FollowService(f"store:{path}", "jobF", out=out)
+    assert service.poll_once() == []
+    first_fetch = service.data.fetched_rows
+    assert first_fetch == 4 * 30
+    write_steps(path, table, 30, 59)
+    labels = service.poll_once()
+    # Only the open step (29) and the new ones were fetched again, not the whole job.
+    assert service.data.fetched_rows - first_fetch == 4 * 31
+    assert {(a.kind, tuple(a.ranks), a.first_step) for a in labels} >= {
+        ("fail_slow", (2,), ONSET), ("straggler", (2,), ONSET)}
+    write_steps(path, table, 60, 89)
+    assert service.poll_once() == []  # the same anomalies, grown longer: not new
+    written = anomaly_rows(path)
+    assert len(written) == len(labels)
+    assert out.getvalue().count("flare: fail_slow ranks=2 cause=compute from step 40") == 1
+    # A restarted service reads the labels back and does not repeat them.
+    again = FollowService(f"store:{path}", "jobF", out=io.StringIO())
+    assert again.poll_once() == []
+    assert len(anomaly_rows(path)) == len(labels)
+
+
+def test_unknown_backend_is_one_line_and_exit_2(capsys):
+    assert main("nope+ftp://x", "j", None, 1.0, None, io.StringIO(), health_endpoint=None) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flare: ") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _any(value):
+    if isinstance(value, bool):
+        return common_pb2.AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return common_pb2.AnyValue(int_value=value)
+    if isinstance(value, float):
+        return common_pb2.AnyValue(double_value=value)
+    if isinstance(value, list):
+        return common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[_any(v) for v in value]))
+    return common_pb2.AnyValue(string_value=str(value))
+
+
+def otlp_request(rows: list[dict]) -> trace_service_pb2.ExportTraceServiceRequest:
+    by_rank: dict[int, list] = {}
+    for row in rows:
+        by_rank.setdefault(row["rank"], []).append(trace_pb2.Span(
+            trace_id=bytes.fromhex(row["trace_id"]), span_id=bytes.fromhex(row["span_id"]),
+            name=row["name"], kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
+            start_time_unix_nano=row["start_ns"], end_time_unix_nano=row["end_ns"],
+            attributes=[common_pb2.KeyValue(key=k, value=_any(v))
+                        for k, v in json.loads(row["attributes"]).items()],
+        ))
+    return trace_service_pb2.ExportTraceServiceRequest(resource_spans=[
+        trace_pb2.ResourceSpans(
+            resource=resource_pb2.Resource(attributes=[
+                common_pb2.KeyValue(key=k, value=_any(v)) for k, v in {
+                    sc.SERVICE_NAME: "jobE", sc.JOB_ID: "jobE", sc.RANK: rank,
+                    sc.WORLD_SIZE: 4}.items()]),
+            scope_spans=[trace_pb2.ScopeSpans(spans=spans)])
+        for rank, spans in by_rank.items()])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class CollectorProcess:
+    """A real `python -m flare.collector` process with the flare_query read endpoint."""
+
+    def __init__(self, path: str, grpc_port: int, query_port: int) -> None:
+        from flare.collector.config import embedded_config
+
+        config = embedded_config(path, grpc_port=grpc_port, http_port=0)
+        config["extensions"]["flare_query"] = {"endpoint": f"127.0.0.1:{query_port}"}
+        config["service"]["extensions"].append("flare_query")
+        self.config_path = f"{path}.collector.yaml"
+        with open(self.config_path, "w") as fh:
+            yaml.safe_dump(config, fh)
+        self.ports = (grpc_port, query_port)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> CollectorProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flare.collector", "--config", self.config_path],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"collector exited: {self.proc.stderr.read().decode()}")
+            try:
+                for port in self.ports:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("collector did not start listening within 60 s")
+
+    def kill(self) -> None:
+        """An outage: the process dies without draining (the WAL keeps what it took)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+def health(port: int) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+@pytest.mark.e2e
+def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_path):
+    path = str(tmp_path / "store.duckdb")
+    grpc_port, query_port, health_port = free_port(), free_port(), free_port()
+    collector = CollectorProcess(path, grpc_port, query_port).start()
+    table = job_spans("jobE", world=4, steps=160, start_ns=time.time_ns(),
+                      faults=(Fault("compute", rank=2, from_step=ONSET),))
+    rows = table.to_pylist()
+    sent_at: dict[int, float] = {}
+    stop_sending = threading.Event()
+    paused = threading.Event()
+
+    def send() -> None:
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        for step in range(160):
+            if stop_sending.is_set():
+                break
+            while paused.is_set():
+                time.sleep(0.05)
+            request = otlp_request([r for r in rows if r["step"] == step])
+            for _ in range(100):  # the collector may be restarting: retry like an SDK
+                try:
+                    stub.Export(request, timeout=5)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.2)
+            sent_at[step] = time.monotonic()
+            time.sleep(0.1)
+        channel.close()
+
+    out = io.StringIO()
+    stop_following = threading.Event()
+    follow_status: list[int] = []
+    follow = threading.Thread(target=lambda: follow_status.append(main(
+        f"jaeger+http://127.0.0.1:{query_port}", "jobE", None, 1.0, f"127.0.0.1:{grpc_port}",
+        out, health_endpoint=f"127.0.0.1:{health_port}", stop=stop_following)))
+    sender = threading.Thread(target=send)
+    try:
+        sender.start()
+        follow.start()
+        deadline = time.monotonic() + 90
+        while "fail_slow" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        labelled_at = time.monotonic()
+        assert "flare: fail_slow ranks=2 cause=compute from step 40" in out.getvalue(), out.getvalue()
+        assert labelled_at - sent_at[ONSET] <= 30.0
+        print(f"fail-slow labelled {labelled_at - sent_at[ONSET]:.1f} s after onset")
+
+        # Outage: the collector (and its read endpoint) goes away and comes back.
+        paused.set()
+        collector.kill()
+        health_during_outage = []
+        for _ in range(30):
+            health_during_outage.append(health(health_port)[0])
+            if health_during_outage[-1] == 503:
+                break
+            time.sleep(0.2)
+        collector.start()
+        paused.clear()
+        sender.join(timeout=120)
+        time.sleep(3)  # a few more polls after the catch-up
+        assert 503 in health_during_outage
+        status, doc = health(health_port)
+        assert status == 200 and doc["status"] == "ok"
+        metrics = metrics_text(health_port)
+        assert 'flare_follow_anomalies_total{kind="fail_slow"} 1' in metrics
+        errors = next(line for line in metrics.splitlines()
+                      if line.startswith("flare_follow_poll_errors_total"))
+        assert int(errors.split()[1]) >= 1
+    finally:
+        stop_sending.set()
+        paused.clear()
+        stop_following.set()
+        follow.join(timeout=30)
+        sender.join(timeout=30)
+        collector.stop()
+    assert follow_status == [0]
+    text = out.getvalue()
+    assert text.count("flare: fail_slow ranks=2") == 1
+    assert text.count("flare: straggler ranks=2") == 1
+    written = [json.loads(a)[sc.ANOMALY_KIND] for _, a in anomaly_rows(path)]
+    assert sorted(written) == sorted(set(written))  # each label stored exactly once
+    assert {"fail_slow", "straggler"} <= set(written)
