@@ -1,0 +1,179 @@
+"""TLS, mutual TLS and bearer tokens on the collector's OTLP receivers and read endpoint.
+
+A real collector; real OTLP over gRPC and HTTP; a request without valid credentials
+is rejected, counted, and nothing of it reaches the store.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+from opentelemetry.proto.resource.v1 import resource_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from flare.collector import security
+from flare.diagnostics.backends import BackendError
+from flare.diagnostics.backends.jaeger import JaegerBackend
+from flare.exporters import store
+
+TOKEN = "t0ken-for-tests"
+
+
+# ---------------------------------------------------------------- the module alone
+
+
+def test_bearer_auth_checks_and_counts():
+    auth = security.BearerAuth(TOKEN)
+    assert auth.check(f"Bearer {TOKEN}")
+    assert auth.check(f"bearer {TOKEN}")  # the scheme is case-insensitive
+    assert not auth.check(None)
+    assert not auth.check("Bearer wrong")
+    assert not auth.check(TOKEN)
+    assert (auth.accepted, auth.rejected) == (2, 3)
+    with pytest.raises(security.SecurityConfigError, match="empty"):
+        security.BearerAuth("")
+
+
+def test_bad_tls_settings_are_one_sentence(certs, tmp_path):
+    with pytest.raises(security.SecurityConfigError, match=r"cannot read tls\.cert_file"):
+        security.ssl_context({"cert_file": str(tmp_path / "nope.pem"), "key_file": "x"})
+    with pytest.raises(security.SecurityConfigError, match="do not form a certificate chain"):
+        security.ssl_context({"cert_file": certs["server"] + ".pem",
+                              "key_file": certs["client"] + ".key"})
+    with pytest.raises(security.SecurityConfigError, match="unknown key 'certfile'"):
+        security.server_credentials({"certfile": "x"})
+    assert security.exposure_problem("0.0.0.0:4317", None, None)
+    assert security.exposure_problem("127.0.0.1:4317", None, None) is None
+    assert security.exposure_problem("0.0.0.0:4317", {"cert_file": "x"}, None) is None
+
+
+# ---------------------------------------------------------------- a secured collector
+
+
+def _request(service: str) -> trace_service_pb2.ExportTraceServiceRequest:
+    span = trace_pb2.Span(trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)),
+                          name="train.step", start_time_unix_nano=time.time_ns(),
+                          end_time_unix_nano=time.time_ns() + 1000)
+    resource = resource_pb2.Resource(attributes=[common_pb2.KeyValue(
+        key="service.name", value=common_pb2.AnyValue(string_value=service))])
+    return trace_service_pb2.ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
+        resource=resource, scope_spans=[trace_pb2.ScopeSpans(spans=[span])])])
+
+
+@pytest.fixture
+def secured_collector(certs, tmp_path):
+    from flare.collector.config import embedded_config
+    from flare.collector.service import Collector
+
+    path = str(tmp_path / "store.duckdb")
+    tls = {"cert_file": certs["server"] + ".pem", "key_file": certs["server"] + ".key",
+           "client_ca_file": certs["ca"] + ".pem"}
+    auth = {"bearer_token": TOKEN}
+    config = embedded_config(path)
+    for protocol in config["receivers"]["otlp"]["protocols"].values():
+        protocol.update({"tls": tls, "auth": auth})
+    config["extensions"]["flare_query"] = {"endpoint": "127.0.0.1:0", "tls": tls, "auth": auth}
+    config["service"]["extensions"].append("flare_query")
+    collector = Collector(config)
+    collector.start()
+    yield collector, path
+    collector.stop()
+
+
+def _grpc_channel(collector, certs, client: str | None):
+    kwargs = {}
+    if client:
+        kwargs = {"private_key": Path(certs[client] + ".key").read_bytes(),
+                  "certificate_chain": Path(certs[client] + ".pem").read_bytes()}
+    creds = grpc.ssl_channel_credentials(Path(certs["ca"] + ".pem").read_bytes(), **kwargs)
+    return grpc.secure_channel(collector.grpc_endpoint, creds)
+
+
+def _stored_services(collector, path) -> list[str]:
+    collector.flush()
+    con = store.open_reader(path)
+    try:
+        return sorted(r[0] for r in con.execute("SELECT service FROM spans").fetchall())
+    finally:
+        con.close()
+
+
+def test_grpc_requires_client_certificate_and_token(secured_collector, certs):
+    collector, path = secured_collector
+    with _grpc_channel(collector, certs, "client") as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        stub.Export(_request("good-grpc"), metadata=[("authorization", f"Bearer {TOKEN}")],
+                    timeout=10)
+        for metadata in ([], [("authorization", "Bearer wrong")]):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Export(_request("no-token"), metadata=metadata, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for client in (None, "rogue"):  # no client certificate / one from another CA
+        with _grpc_channel(collector, certs, client) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                trace_service_pb2_grpc.TraceServiceStub(channel).Export(
+                    _request("no-cert"), metadata=[("authorization", f"Bearer {TOKEN}")],
+                    timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert collector.counters.total("unauthenticated_requests") == 2
+    assert _stored_services(collector, path) == ["good-grpc"]
+
+
+def _https_post(collector, certs, client: str | None, token: str | None):
+    context = ssl.create_default_context(cafile=certs["ca"] + ".pem")
+    if client:
+        context.load_cert_chain(certs[client] + ".pem", certs[client] + ".key")
+    headers = {"Content-Type": "application/x-protobuf"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(
+        f"https://{collector.http_endpoint}/v1/traces",
+        data=_request(f"http-{client}-{token is not None}").SerializeToString(),
+        headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_http_requires_client_certificate_and_token(secured_collector, certs):
+    collector, path = secured_collector
+    assert _https_post(collector, certs, "client", TOKEN) == 200
+    assert _https_post(collector, certs, "client", None) == 401
+    assert _https_post(collector, certs, "client", "wrong") == 401
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        _https_post(collector, certs, "rogue", TOKEN)
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to TLS
+        urllib.request.urlopen(f"http://{collector.http_endpoint}/v1/traces", timeout=10)
+    assert collector.counters.total("unauthenticated_requests") == 2
+    assert _stored_services(collector, path) == ["http-client-True"]
+
+
+def test_read_endpoint_with_matching_backend_options(secured_collector, certs):
+    collector, _ = secured_collector
+    with _grpc_channel(collector, certs, "client") as channel:
+        trace_service_pb2_grpc.TraceServiceStub(channel).Export(
+            _request("jobS"), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=10)
+    collector.flush()
+    url = f"https://{collector.query_endpoint}"
+    client = {"ca_file": certs["ca"] + ".pem", "cert_file": certs["client"] + ".pem",
+              "key_file": certs["client"] + ".key"}
+    assert JaegerBackend(url, bearer_token=TOKEN, **client).jobs() == ["jobS"]
+    with pytest.raises(BackendError, match="refused the request \\(HTTP 401\\)"):
+        JaegerBackend(url, **client).jobs()
+    with pytest.raises(BackendError) as info:
+        JaegerBackend(url, bearer_token=TOKEN, ca_file=certs["ca"] + ".pem").jobs()
+    assert "\n" not in str(info.value)
+    with pytest.raises(BackendError, match="TLS handshake"):
+        JaegerBackend(url, bearer_token=TOKEN).jobs()  # server certificate not trusted
+    with pytest.raises(BackendError, match="not https"):
+        JaegerBackend(f"http://{collector.query_endpoint}", **client)
