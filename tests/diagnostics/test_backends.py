@@ -65,8 +65,9 @@ def test_spans_filters_and_typed_attributes(store_path):
 @pytest.mark.parametrize("bucket", [1, 7])
 def test_step_summary_matches_between_backends(store_path, bucket):
     store_job = open_backend(str(store_path)).job_data("jobA")
-    sql = store_job.step_summary(ATTRS, step_bucket=bucket)
-    py = _arrow_job(store_path).step_summary(ATTRS, step_bucket=bucket)
+    order = [("step", "ascending"), ("rank", "ascending")]
+    sql = store_job.step_summary(ATTRS, step_bucket=bucket).sort_by(order)
+    py = _arrow_job(store_path).step_summary(ATTRS, step_bucket=bucket).sort_by(order)
     assert sql.column_names == py.column_names
     assert sql.num_rows == py.num_rows == 4 * len(range(0, 30, bucket))
     for name in ["rank", "step", "steps"]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in ([^\s(]+)')
-_THREAD_HEADER = re.compile(r"^\s*(?:#\s*)?(?:Thread|Current thread|Stack for thread)\b.*$", re.M)
+_THREAD_HEADER = re.compile(r"^[ \t]*(?:#[ \t]*)?(?:Thread|Current thread|Stack for thread)\b.*$", re.M)
 _NOT_USER = ("site-packages", "dist-packages", "/lib/python3", "<frozen", "/flare/instrumentation/",
              "/torch/", "/opentelemetry/", "threading.py", "<string>")
 
@@ -31,15 +31,11 @@ def main_thread_block(text: str) -> str:
     blocks = []
     for i, header in enumerate(headers):
         end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
-        blocks.append(text[header.start():end])
-    for block in blocks:
-        first_line = block.splitlines()[0] if block else ""
-        if "MainThread" in first_line or "main" in first_line.lower().split() or "Current thread" in first_line:
+        blocks.append((header.group(0), text[header.start():end]))
+    for title, block in blocks:
+        if "MainThread" in title or "Current thread" in title or "main" in title.lower().split():
             return block
-    for block in blocks:
-        if "MainThread" in block.splitlines()[0]:
-            return block
-    return blocks[0]
+    return blocks[0][1]
 
 
 def user_callsite(text: str | None) -> str | None:

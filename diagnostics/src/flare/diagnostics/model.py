@@ -118,6 +118,10 @@ class JobData(Protocol):
 
     def ranks(self) -> list[int]: ...
 
+    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+        """Per rank: spans, first_start_ns, last_end_ns, last_step over spans named `names`."""
+        ...
+
     def count(self, names: Sequence[str]) -> int: ...
 
 

@@ -63,6 +63,9 @@ class CachedJobData:
     def count(self, names: Sequence[str]) -> int:
         return self._cached("count", tuple(names))
 
+    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+        return self._cached("rank_activity", tuple(names))
+
 
 @dataclasses.dataclass
 class Diagnosis:

@@ -69,6 +69,8 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(own)
     if not command:
         return _usage_error("no command to run (put it after --)")
+    if shutil.which(command[0]) is None:
+        raise UserError(f"command not found: {command[0]}")
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     forward_protocol = None
     if args.otlp_forward:
@@ -198,8 +200,8 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) 
     from flare.diagnostics.backends.store import StoreBackend
 
     try:
-        backend = StoreBackend(args.store)
-        if job not in backend.jobs():
+        backend = StoreBackend(args.store) if os.path.exists(args.store) else None
+        if backend is None or job not in backend.jobs():
             print(f"flare: job {job} sent no spans; nothing to diagnose (is the instrumentation "
                   "installed in the command's Python?)", file=sys.stderr)
             return

@@ -79,26 +79,22 @@ class ArrowJobData:
             "duration_ms": duration_ms,
             **{a: pc.cast(steps[a], pa.float64()) for a in attributes},
         })
-        # Collapse duplicate deliveries of one (rank, step) first, as the store does.
-        per_step = base.group_by(["rank", "raw_step"]).aggregate(
-            [("start_ns", "min"), ("end_ns", "max"), ("duration_ms", "mean")]
+        # As the store does: bucket directly (a duplicate delivery repeats its values).
+        bucketed = pc.multiply(pc.divide(base["raw_step"], bucket), bucket)
+        base = base.append_column("step", bucketed)
+        out = base.group_by(["rank", "step"]).aggregate(
+            [("raw_step", "count"), ("start_ns", "min"), ("end_ns", "max"),
+             ("duration_ms", "mean")]
             + [(a, "mean") for a in attributes]
-        )
-        bucketed = pc.multiply(pc.divide(per_step["raw_step"], bucket), bucket)
-        per_step = per_step.append_column("step", bucketed)
-        out = per_step.group_by(["rank", "step"]).aggregate(
-            [("raw_step", "count"), ("start_ns_min", "min"), ("end_ns_max", "max"),
-             ("duration_ms_mean", "mean")]
-            + [(f"{a}_mean", "mean") for a in attributes]
         )
         table = pa.table({
             "rank": pc.cast(out["rank"], pa.int32()),
             "step": pc.cast(out["step"], pa.int64()),
             "steps": pc.cast(out["raw_step_count"], pa.int64()),
-            "start_ns": out["start_ns_min_min"],
-            "end_ns": out["end_ns_max_max"],
-            "duration_ms": out["duration_ms_mean_mean"],
-            **{a: out[f"{a}_mean_mean"] for a in attributes},
+            "start_ns": out["start_ns_min"],
+            "end_ns": out["end_ns_max"],
+            "duration_ms": out["duration_ms_mean"],
+            **{a: out[f"{a}_mean"] for a in attributes},
         })
         return table.sort_by([("step", "ascending"), ("rank", "ascending")])
 
@@ -123,6 +119,17 @@ class ArrowJobData:
             return max(sizes)
         ranks = [r for r in steps["rank"].to_pylist() if r is not None]
         return max(ranks) + 1 if ranks else None
+
+    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+        spans = self.spans(names, columns=["rank", "start_ns", "end_ns", "step"])
+        spans = spans.filter(pc.is_valid(spans["rank"]))
+        out = spans.group_by("rank").aggregate(
+            [("rank", "count"), ("start_ns", "min"), ("end_ns", "max"), ("step", "max")])
+        return pa.table({
+            "rank": pc.cast(out["rank"], pa.int32()), "spans": out["rank_count"],
+            "first_start_ns": out["start_ns_min"], "last_end_ns": out["end_ns_max"],
+            "last_step": pc.cast(out["step_max"], pa.int64()),
+        }).sort_by("rank")
 
     def count(self, names: Sequence[str]) -> int:
         return self.spans(names, columns=["span_id"]).num_rows

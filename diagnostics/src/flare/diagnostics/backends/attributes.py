@@ -110,10 +110,15 @@ def _scalar_sql(typ: pa.DataType) -> str:
     return "VARCHAR"
 
 
+def sql_path(key: str) -> str:
+    """The JSON path of `key` as a SQL string literal (quoted: keys contain dots)."""
+    path = "$." + json.dumps(key)
+    return "'" + path.replace("'", "''") + "'"
+
+
 def sql_extract(key: str, column: str = "attributes") -> str:
     """A DuckDB expression extracting `key` from a JSON attribute column, typed."""
-    path = "$." + json.dumps(key)  # quoted: keys contain dots
-    path_sql = "'" + path.replace("'", "''") + "'"
+    path_sql = sql_path(key)
     typ = arrow_type(key)
     if typ == _TEXT:
         return f"json_extract_string({column}, {path_sql})"

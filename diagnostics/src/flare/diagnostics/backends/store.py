@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from flare.diagnostics.backends import BackendError
-from flare.diagnostics.backends.attributes import arrow_type, sql_extract
+from flare.diagnostics.backends.attributes import arrow_type, sql_extract, sql_path
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
@@ -22,8 +22,10 @@ _SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
 
 
 class StoreBackend:
-    def __init__(self, path: str | os.PathLike[str], open_timeout_s: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike[str], open_timeout_s: float = 30.0,
+                 memory_limit: str = "512MB") -> None:
         self.path = Path(path)
+        self.memory_limit = memory_limit
         self.name = f"store:{self.path}"
         self.open_timeout_s = open_timeout_s
         # Fail now, with the store's own one-line reason, rather than at first query.
@@ -35,6 +37,9 @@ class StoreBackend:
         except flare_store.StoreError as exc:
             raise BackendError(str(exc)) from None
         try:
+            # Diagnosis must stay small beside a training job: cap DuckDB's working memory
+            # (it spills to disk beyond it) instead of its default share of the machine's RAM.
+            con.execute(f"SET memory_limit = '{self.memory_limit}'")
             # A cursor of its own: open_reader leaves its version check result on `con`.
             return con.cursor().sql(sql, params=list(params)).to_arrow_table()
         finally:
@@ -131,20 +136,22 @@ class StoreJobData:
         """
         bucket = max(1, int(step_bucket))
         range_sql, range_params = _range_filter(first_step, last_step, None)
-        extracts = ", ".join(f'avg({sql_extract(a)}) AS "{a}"' for a in attributes)
-        means = ", ".join(f'avg("{a}") AS "{a}"' for a in attributes)
-        inner = (
-            "SELECT rank, step, min(start_ns) AS start_ns, max(end_ns) AS end_ns, "
-            "avg(duration_ns) / 1e6 AS duration_ms"
-            + (", " + extracts if extracts else "")
-            + f" FROM spans WHERE job = ? AND name = ? AND rank IS NOT NULL AND step IS NOT NULL"
-            f" AND {range_sql} GROUP BY rank, step"
-        )
+        # One JSON parse per span for all attributes (a list of paths), not one per key.
+        paths = "[" + ", ".join(sql_path(a) for a in attributes) + "]"
+        means = ", ".join(f'avg(TRY_CAST(v[{i + 1}] AS DOUBLE)) AS "{a}"' for i, a in enumerate(attributes))
+        # Grouped straight into buckets: a duplicated delivery of a span repeats the
+        # same values, so it leaves the means as they are. (Deduplicating first would
+        # build a hash table of every (rank, step), the largest thing in a thousand-rank
+        # hour; `steps` therefore counts a rare duplicate twice.) Rows come unordered:
+        # the caller places them by (rank, step) itself.
         sql = (
             f"SELECT rank, (step // {bucket}) * {bucket} AS step, count(*) AS steps, "
-            "min(start_ns) AS start_ns, max(end_ns) AS end_ns, avg(duration_ms) AS duration_ms"
+            "min(start_ns) AS start_ns, max(end_ns) AS end_ns, avg(duration_ns) / 1e6 AS duration_ms"
             + (", " + means if means else "")
-            + f" FROM ({inner}) GROUP BY 1, 2 ORDER BY 2, 1"
+            + " FROM (SELECT rank, step, start_ns, end_ns, duration_ns"
+            + (f", json_extract(attributes, {paths}) AS v" if attributes else "")
+            + " FROM spans WHERE job = ? AND name = ? AND rank IS NOT NULL AND step IS NOT NULL"
+            f" AND {range_sql}) GROUP BY 1, 2"
         )
         table = self._backend.query(sql, [self.job, sc.SPAN_STEP, *range_params])
         return _cast(table, {"rank": pa.int32(), "step": pa.int64(), "steps": pa.int64()}
@@ -177,6 +184,16 @@ class StoreJobData:
         if row["hi"] is not None:
             return int(row["hi"]) + 1
         return None
+
+    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+        """Per rank: spans, first_start_ns, last_end_ns, last_step, over spans named `names`."""
+        name_sql, params = _name_filter(names)
+        table = self._backend.query(
+            "SELECT rank, count(*) AS spans, min(start_ns) AS first_start_ns, "
+            "max(end_ns) AS last_end_ns, max(step) AS last_step FROM spans "
+            f"WHERE job = ? AND {name_sql} AND rank IS NOT NULL GROUP BY rank ORDER BY rank",
+            [self.job, *params])
+        return _cast(table, {"rank": pa.int32(), "spans": pa.int64(), "last_step": pa.int64()})
 
     def count(self, names: Sequence[str]) -> int:
         name_sql, params = _name_filter(names)

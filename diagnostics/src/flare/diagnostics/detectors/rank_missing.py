@@ -15,30 +15,24 @@ _DEFAULT_INTERVAL_S = 10.0
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
-    beats = job.spans([sc.SPAN_HEARTBEAT], [sc.HEARTBEAT_INTERVAL_S, sc.HEARTBEAT_LAST_STEP],
-                      columns=["rank", "end_ns"])
-    last_seen: dict[int, tuple[int, int | None]] = {}
-    intervals = []
-    for rank, end_ns, interval, step in zip(
-            beats["rank"].to_pylist(), beats["end_ns"].to_pylist(),
-            beats[sc.HEARTBEAT_INTERVAL_S].to_pylist(), beats[sc.HEARTBEAT_LAST_STEP].to_pylist(), strict=False):
-        if rank is None or end_ns is None:
-            continue
-        if interval:
-            intervals.append(interval)
-        if rank not in last_seen or end_ns >= last_seen[rank][0]:
-            last_seen[rank] = (end_ns, step)
     anomalies = []
-    failed = set(job.spans([sc.SPAN_STEP, sc.SPAN_ERROR], columns=["rank"], status_code=2)["rank"].to_pylist())
-    if len(last_seen) >= 2:
+    beats = job.rank_activity([sc.SPAN_HEARTBEAT]).to_pylist()
+    if len(beats) >= 2:
+        sample = job.spans([sc.SPAN_HEARTBEAT], [sc.HEARTBEAT_INTERVAL_S], columns=["rank"], limit=64)
+        intervals = [v for v in sample[sc.HEARTBEAT_INTERVAL_S].to_pylist() if v]
         interval_s = max(intervals) if intervals else _DEFAULT_INTERVAL_S
-        newest = max(t for t, _ in last_seen.values())
+        newest = max(b["last_end_ns"] for b in beats)
         limit_ns = config.silent_heartbeats * interval_s * 1e9
-        silent = sorted(r for r, (t, _) in last_seen.items() if newest - t > limit_ns and r not in failed)
+        quiet = {b["rank"]: newest - b["last_end_ns"] for b in beats if newest - b["last_end_ns"] > limit_ns}
+        if quiet:
+            failed = set(job.spans([sc.SPAN_STEP, sc.SPAN_ERROR], columns=["rank"], status_code=2)["rank"].to_pylist())
+            quiet = {r: q for r, q in quiet.items() if r not in failed}
         # Only while the rest still talk: when everyone stops, the job ended.
-        if silent and len(silent) < len(last_seen):
-            last_steps = [last_seen[r][1] for r in silent if last_seen[r][1] is not None]
-            quiet_s = min((newest - last_seen[r][0]) / 1e9 for r in silent)
+        if quiet and len(quiet) < len(beats):
+            silent = sorted(quiet)
+            steps = {s["rank"]: s["last_step"] for s in job.rank_activity([sc.SPAN_STEP]).to_pylist()}
+            last_steps = [steps[r] for r in silent if steps.get(r) is not None]
+            quiet_s = min(quiet.values()) / 1e9
             who = ", ".join(map(str, silent))
             anomalies.append(Anomaly(
                 kind="rank_missing", ranks=silent, cause="unknown",

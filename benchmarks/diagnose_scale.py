@@ -1,0 +1,160 @@
+"""Diagnosis at scale: one hour of a 1,024-rank job at one step per second.
+
+Builds the store with DuckDB SQL (fast, no Python per row) at realistic volumes:
+  - one `train.step` span per rank per step with the always-on summary attributes
+    (3,686,400 spans for the default hour);
+  - detail steps every 100: per rank 4 collectives, 2 dataloader fetches, 1 GC span
+    and 1 hot Python call (~250 k spans);
+  - one heartbeat per rank every 10 s (~370 k spans) and one correlator
+    `train.step.ranks` span per step;
+  - a real fault to find: rank 517's compute grows by 25 % from the middle of the hour.
+Then times `flare diagnose --format json` in a fresh process and reads its peak RSS,
+and checks the answer names rank 517 with cause compute.
+
+    .venv/bin/python benchmarks/diagnose_scale.py [--ranks 1024] [--steps 3600] [--keep PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+from flare.exporters import store as flare_store
+
+JOB = "bench-1024"
+T0_NS = 1_760_000_000_000_000_000
+FAULT_RANK = 517  # or the middle rank of a smaller run
+
+
+def fault_rank(ranks: int) -> int:
+    return FAULT_RANK if ranks > FAULT_RANK else ranks // 2
+
+
+def build(path: str, ranks: int, steps: int) -> dict[str, int]:
+    fault_from = steps // 2
+    culprit = fault_rank(ranks)
+    with flare_store.writer(path, timeout_s=60) as con:
+        con.execute("SET preserve_insertion_order = false")
+        # Step time ~1 s; compute 700 ms, input 40 ms, gc 5 ms, hot calls 20 ms, the rest
+        # is waiting in collectives for the slowest rank of the step.
+        con.execute(f"""
+        CREATE TEMP TABLE work AS
+        SELECT s.step, r.rank,
+               40 + 4 * (hash(s.step * 7919 + r.rank) % 1000) / 1000.0 AS dl,
+               700 * (1 + 0.02 * ((hash(s.step * 31 + r.rank * 17) % 2001) / 1000.0 - 1))
+                 * (CASE WHEN r.rank = {culprit} AND s.step >= {fault_from} THEN 1.25 ELSE 1 END) AS comp,
+               5.0 AS gc, 20.0 AS pyc
+        FROM range({steps}) s(step), range({ranks}) r(rank)""")
+        con.execute("""
+        CREATE TEMP TABLE barrier AS
+        SELECT step, max(dl + comp + gc + pyc) AS ready_max FROM work GROUP BY step""")
+        con.execute(f"""
+        INSERT INTO spans
+        SELECT '{JOB}', '{JOB}',
+               lpad(to_hex(hash('{JOB}', w.step)), 16, '0') || lpad(to_hex(hash(w.step, '{JOB}')), 16, '0'),
+               lpad(to_hex(hash(w.step, w.rank)), 16, '0'), '', 'train.step', 1,
+               {T0_NS} + w.step * 1000000000, {T0_NS} + w.step * 1000000000
+                 + CAST((b.ready_max + 30) * 1e6 AS BIGINT),
+               CAST((b.ready_max + 30) * 1e6 AS BIGINT), 0, '', w.rank, w.step,
+               'node' || (w.rank // 8), 10000 + w.rank,
+               printf('{{"flare.step": %d, "flare.step.dataloader_ms": %.3f, "flare.step.dataloader_count": 1, '
+                      '"flare.step.compute_ms": %.3f, "flare.step.gc_ms": %.3f, "flare.step.gc_count": 1, '
+                      '"flare.step.python_call_ms": %.3f, "flare.step.python_call_count": 2, '
+                      '"flare.step.collective_wait_ms": %.3f, "flare.step.collective_count": 4, '
+                      '"flare.step.collective_bytes": 268435456, "flare.step.pg.names": ["0"], '
+                      '"flare.step.pg.wait_ms": [%.3f], "flare.step.detail": %s}}',
+                      w.step, w.dl, w.comp, w.gc, w.pyc,
+                      b.ready_max - (w.dl + w.comp + w.gc + w.pyc) + 30,
+                      b.ready_max - (w.dl + w.comp + w.gc + w.pyc) + 30,
+                      CASE WHEN w.step % 100 = 0 THEN 'true' ELSE 'false' END),
+               printf('{{"service.name": "{JOB}", "flare.job.id": "{JOB}", "flare.rank": %d, '
+                      '"flare.local_rank": %d, "flare.world_size": {ranks}, "flare.node_rank": %d, '
+                      '"host.name": "node%d", "process.pid": %d}}',
+                      w.rank, w.rank % 8, w.rank // 8, w.rank // 8, 10000 + w.rank),
+               '[]', '[]'
+        FROM work w JOIN barrier b USING (step)""")
+        # Detail steps: children of train.step every 100th step.
+        con.execute(f"""
+        INSERT INTO spans
+        SELECT '{JOB}', '{JOB}', lpad(to_hex(hash('{JOB}', s.step)), 32, '0'),
+               lpad(to_hex(hash(s.step, r.rank, c.i)), 16, '0'), lpad(to_hex(hash(s.step, r.rank)), 16, '0'),
+               CASE WHEN c.i < 4 THEN 'collective.all_reduce' WHEN c.i < 6 THEN 'dataloader.next'
+                    WHEN c.i = 6 THEN 'gc.collect' ELSE 'python.call' END, 1,
+               {T0_NS} + s.step * 1000000000 + c.i * 50000000,
+               {T0_NS} + s.step * 1000000000 + c.i * 50000000 + 20000000, 20000000, 0, '',
+               r.rank, s.step, 'node' || (r.rank // 8), 10000 + r.rank,
+               printf('{{"flare.step": %d, "flare.collective.pg": "0", "flare.collective.seq": %d, '
+                      '"flare.collective.bytes": 67108864, "flare.collective.busbw_gbps": 180.5}}',
+                      s.step, s.step * 4 + c.i),
+               printf('{{"flare.rank": %d, "flare.world_size": {ranks}}}', r.rank), '[]', '[]'
+        FROM range(0, {steps}, 100) s(step), range({ranks}) r(rank), range(8) c(i)""")
+        con.execute(f"""
+        INSERT INTO spans
+        SELECT '{JOB}', '{JOB}', lpad(to_hex(hash('hb', h.t, r.rank)), 32, '0'),
+               lpad(to_hex(hash('hb', h.t, r.rank)), 16, '0'), '', 'flare.heartbeat', 1,
+               {T0_NS} + h.t * 1000000000, {T0_NS} + h.t * 1000000000, 0, 0, '', r.rank, NULL,
+               'node' || (r.rank // 8), 10000 + r.rank,
+               printf('{{"flare.heartbeat.last_step": %d, "flare.heartbeat.interval_s": 10}}', h.t),
+               printf('{{"flare.rank": %d, "flare.world_size": {ranks}}}', r.rank), '[]', '[]'
+        FROM range(0, {steps}, 10) h(t), range({ranks}) r(rank)""")
+        con.execute(f"""
+        INSERT INTO spans
+        SELECT '{JOB}', 'flare-collector', lpad(to_hex(hash('{JOB}', step)), 32, '0'),
+               lpad(to_hex(hash('ranks', step)), 16, '0'), '', 'train.step.ranks', 1,
+               {T0_NS} + step * 1000000000, {T0_NS} + step * 1000000000 + 1000000000, 1000000000, 0, '',
+               NULL, step, NULL, NULL,
+               printf('{{"flare.step": %d, "flare.ranks.count": {ranks}, "flare.ranks.expected": {ranks}}}', step),
+               '%d', '[]', '[]'
+        FROM range({steps}) s(step)""")
+        counts = dict(con.execute("SELECT name, count(*) FROM spans GROUP BY name").fetchall())
+    return counts
+
+
+def measure(path: str) -> tuple[float, int, dict]:
+    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = subprocess.run(
+        [sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store", path, "--format", "json"],
+        capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if result.returncode != 0:
+        raise SystemExit(f"flare diagnose failed: {result.stderr.strip()}")
+    if peak_kb <= before:
+        peak_kb = before  # the first child sets the high-water mark
+    return elapsed, peak_kb, json.loads(result.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3600)
+    parser.add_argument("--keep", metavar="PATH", help="build (or reuse) the store at PATH")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.keep or os.path.join(tmp, "bench.duckdb")
+        if not os.path.exists(path):
+            started = time.perf_counter()
+            counts = build(path, args.ranks, args.steps)
+            print(f"built {path}: {sum(counts.values()):,} spans "
+                  f"({', '.join(f'{k} {v:,}' for k, v in sorted(counts.items()))}) "
+                  f"in {time.perf_counter() - started:.1f} s, {os.path.getsize(path) / 2**20:.0f} MiB")
+        elapsed, peak_kb, report = measure(path)
+        found = [(a["kind"], a["ranks"], a["cause"], a["first_step"]) for a in report["anomalies"]]
+        print(f"flare diagnose: {elapsed:.1f} s wall, peak RSS {peak_kb / 1024:.0f} MiB "
+              f"({args.ranks} ranks x {args.steps} steps)")
+        print(f"anomalies: {found}")
+        culprit = fault_rank(args.ranks)
+        ok = any(k == "straggler" and r == [culprit] and c == "compute" for k, r, c, _ in found)
+        print(f"diagnosis correct: {'yes' if ok else 'NO'} (expected a straggler on rank {culprit}, cause compute)")
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Each detector on synthetic spans with a known fault (columnar in, anomalies out)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from flare.diagnostics.backends.arrow import ArrowJobData
+from flare.diagnostics.callsite import user_callsite
+from flare.diagnostics.detectors import error, fail_slow, hang, rank_missing, straggler
+from flare.diagnostics.model import DiagnosisConfig
+from flare.diagnostics.pipeline import diagnose
+from flare.diagnostics.synthetic import Fault, job_spans
+from flare.exporters.store import spans_table
+from flare.instrumentation import semconv as sc
+
+
+def _job(table: pa.Table, name: str = "j") -> ArrowJobData:
+    return ArrowJobData(name, "synthetic", lambda *_: table)
+
+
+def _extra(rows: list[dict]) -> pa.Table:
+    columns = {key: [row.get(key) for row in rows] for key in rows[0]}
+    return spans_table(columns)
+
+
+def _span(name, rank, step, start_ns, attrs, status=0, events=()):
+    return {"job": "j", "name": name, "rank": rank, "step": step, "start_ns": start_ns,
+            "end_ns": start_ns + 1000, "duration_ns": 1000, "status_code": status,
+            "trace_id": f"{sc.step_trace_id('j', step or 0):032x}", "span_id": f"{rank + 1:04x}{start_ns % 10**12:012x}",
+            "attributes": json.dumps(attrs), "events": json.dumps(list(events)),
+            "resource": json.dumps({sc.RANK: rank, sc.WORLD_SIZE: 4})}
+
+
+MAIN_STACK = """Thread 0x7f00 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/site-packages/flare/instrumentation/runtime.py", line 80 in _loop
+
+Current thread 0x7f01 "MainThread" (most recent call first):
+  File "/home/u/examples/train_ddp.py", line 182 in wait_for_shared_filesystem
+  File "/home/u/examples/train_ddp.py", line 240 in main
+  File "/home/u/examples/train_ddp.py", line 260 in <module>
+"""
+
+
+def test_healthy_job_gives_no_anomalies():
+    assert diagnose(_job(job_spans("j", 8, 80, seed=3))).anomalies == []
+
+
+@pytest.mark.parametrize("kind, cause", [("compute", "compute"), ("input", "input"), ("gc", "gc")])
+def test_straggler_names_culprit_and_cause(kind, cause):
+    found = straggler.detect(_job(job_spans("j", 8, 60, (Fault(kind, 5, 25),))), DiagnosisConfig())
+    assert [(a.ranks, a.cause, a.first_step) for a in found] == [([5], cause, 25)]
+    assert found[0].evidence["relative_score"] < 1
+
+
+def test_a_short_blip_does_not_flap():
+    table = job_spans("j", 4, 60, (Fault("compute", 1, 30, extra_ms=30, to_step=32),))
+    assert diagnose(_job(table)).anomalies == []
+
+
+def test_fail_slow_has_onset_step():
+    found = fail_slow.detect(_job(job_spans("j", 4, 80, (Fault("compute", 3, 50),))), DiagnosisConfig())
+    assert len(found) == 1
+    assert found[0].ranks == [3] and found[0].cause == "compute"
+    assert abs(found[0].first_step - 50) <= 1
+
+
+def test_hang_culprit_is_the_rank_outside_the_collective():
+    base = job_spans("j", 4, 20)
+    t = 1_800_000_000_000_000_000
+    dumps = [_span(sc.SPAN_HANG, r, 20, t + r, {
+        sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: "0", sc.HANG_SEQ: 61,
+        sc.HANG_STACKS: "Thread MainThread\n  File \"/x/torch/distributed/c10d.py\", line 1 in all_reduce"})
+        for r in (0, 1, 3)]
+    dumps.append(_span(sc.SPAN_HANG, 2, 20, t + 9, {sc.HANG_OPERATION: "train.step", sc.HANG_STACKS: MAIN_STACK}))
+    found = hang.detect(_job(pa.concat_tables([base, _extra(dumps)])), DiagnosisConfig())
+    assert len(found) == 1
+    assert found[0].ranks == [2]
+    assert found[0].callsite == "/home/u/examples/train_ddp.py:182 in wait_for_shared_filesystem"
+    assert found[0].evidence["victims"] == [0, 1, 3]
+
+
+def test_hang_culprit_by_sequence_or_silence():
+    t = 1_800_000_000_000_000_000
+    dumps = [_span(sc.SPAN_HANG, r, 9, t + r, {sc.HANG_OPERATION: "collective.all_reduce",
+                                              sc.HANG_PG: "1", sc.HANG_SEQ: 10 if r else 9})
+             for r in (0, 1)]
+    dumps += [_span(sc.SPAN_HANG, r, 9, t + r, {sc.HANG_OPERATION: "collective.broadcast",
+                                               sc.HANG_PG: "0", sc.HANG_SEQ: 30}) for r in (2,)]
+    found = hang.detect(_job(pa.concat_tables([job_spans("j", 4, 9), _extra(dumps)])), DiagnosisConfig())
+    assert found[0].ranks == [0]  # behind its group on the sequence number
+
+
+def test_error_root_cause_is_first_non_consequence():
+    t = 1_800_000_000_000_000_000
+    stack = ('Traceback (most recent call last):\n  File "/home/u/train.py", line 250, in main\n'
+             '    load_shard(step)\n  File "/home/u/train.py", line 190, in load_shard\n'
+             '    raise RuntimeError("corrupt shard")\nRuntimeError: corrupt shard')
+    rows = [
+        _span(sc.SPAN_STEP, 0, 12, t - 5, {sc.STEP: 12}, status=2, events=[{"name": "exception", "attributes": {
+            sc.ERROR_TYPE: "torch.distributed.DistBackendError", sc.ERROR_MESSAGE: "Connection closed by peer"}}]),
+        _span(sc.SPAN_STEP, 3, 12, t - 100, {sc.STEP: 12}, status=2, events=[{"name": "exception", "attributes": {
+            sc.ERROR_TYPE: "RuntimeError", sc.ERROR_MESSAGE: "corrupt shard", sc.ERROR_STACKTRACE: stack}}]),
+    ]
+    found = error.detect(_job(pa.concat_tables([job_spans("j", 4, 12), _extra(rows)])), DiagnosisConfig())
+    assert len(found) == 1
+    assert found[0].ranks == [3]
+    assert found[0].callsite == "/home/u/train.py:190 in load_shard"
+    assert found[0].evidence["consequences"][0]["rank"] == 0
+
+
+def test_silent_rank():
+    t = 1_800_000_000_000_000_000
+    beats = [_span(sc.SPAN_HEARTBEAT, r, None, t + i * 2_000_000_000, {sc.HEARTBEAT_INTERVAL_S: 2.0,
+                                                                     sc.HEARTBEAT_LAST_STEP: 5})
+             for r in range(4) for i in range(20) if not (r == 1 and i > 5)]
+    found = rank_missing.detect(_job(pa.concat_tables([job_spans("j", 4, 6), _extra(beats)])), DiagnosisConfig())
+    assert [(a.kind, a.ranks) for a in found] == [("rank_missing", [1])]
+
+
+def test_callsite_formats():
+    assert user_callsite(MAIN_STACK) == "/home/u/examples/train_ddp.py:182 in wait_for_shared_filesystem"
+    traceback_text = ('Traceback (most recent call last):\n  File "/a/main.py", line 3, in <module>\n'
+                      '  File "/usr/lib/python3.11/site-packages/torch/x.py", line 9, in f\n')
+    assert user_callsite(traceback_text) == "/a/main.py:3 in <module>"
+    assert user_callsite(None) is None
