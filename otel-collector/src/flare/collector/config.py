@@ -261,14 +261,14 @@ def _security_options(options: dict[str, Any], where: str) -> tuple[dict | None,
     auth = options.get("auth")
     if tls is not None:
         tls = _mapping(tls, f"{where}.tls")
-        _reject_unknown(tls, ("cert_file", "key_file", "client_ca_file"), f"{where}.tls")
+        _reject_unknown(tls, ("cert_file", "key_file", "client_ca_file", "ca_file", "min_version"), f"{where}.tls")
         if not tls.get("cert_file") or not tls.get("key_file"):
             raise ConfigError(f"{where}.tls needs both cert_file and key_file")
     if auth is not None:
         auth = _mapping(auth, f"{where}.auth")
-        _reject_unknown(auth, ("bearer_token",), f"{where}.auth")
-        if not auth.get("bearer_token"):
-            raise ConfigError(f"{where}.auth.bearer_token is empty")
+        _reject_unknown(auth, ("bearer_token", "bearer_token_file"), f"{where}.auth")
+        if not auth.get("bearer_token") and not auth.get("bearer_token_file"):
+            raise ConfigError(f"{where}.auth needs bearer_token or bearer_token_file")
     return tls, auth
 
 

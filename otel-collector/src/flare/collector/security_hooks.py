@@ -12,7 +12,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from flare.collector.errors import StartError
+from flare.collector.errors import ConfigError, StartError
 
 
 def _load(module: str, purpose: str) -> ModuleType:
@@ -34,7 +34,11 @@ def bearer_auth(auth_options: dict[str, Any] | None) -> Any | None:
     """A `security.BearerAuth` for an `auth: {bearer_token}` block, or None."""
     if not auth_options:
         return None
-    return load_security().BearerAuth(auth_options["bearer_token"])
+    security = load_security()
+    try:
+        return security.BearerAuth.from_config(auth_options)
+    except ValueError as exc:  # security.SecurityConfigError: unreadable token file, …
+        raise ConfigError(str(exc)) from None
 
 
 def ssl_context(tls_options: dict[str, Any] | None) -> Any | None:
@@ -44,6 +48,8 @@ def ssl_context(tls_options: dict[str, Any] | None) -> Any | None:
         return load_security().ssl_context(tls_options)
     except StartError:
         raise
+    except ValueError as exc:  # security.SecurityConfigError names the bad file
+        raise ConfigError(str(exc)) from None
     except Exception as exc:  # unreadable or mismatched certificate files
         raise StartError(f"cannot load TLS certificate {tls_options.get('cert_file')}: {exc}") from None
 
@@ -53,5 +59,7 @@ def grpc_credentials(tls_options: dict[str, Any]) -> Any:
         return load_security().server_credentials(tls_options)
     except StartError:
         raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     except Exception as exc:
         raise StartError(f"cannot load TLS certificate {tls_options.get('cert_file')}: {exc}") from None

@@ -1,0 +1,216 @@
+"""End-to-end ingest through the real collector: OTLP over the wire → WAL → store.
+
+A real collector process (`python -m flare.collector`, the embedded pipeline:
+memory_limiter → rank_correlation → flare_store, write-ahead log on) receives the
+same requests `benchmarks/ingest.py` builds (Flare's span mix, ~512 spans per
+request, one rank per request) over OTLP/HTTP and OTLP/gRPC from client threads in
+this process. The clock stops when the store has committed the last request (the
+collector's committed WAL position reaches its last one), so every span counted is
+in the DuckDB file.
+
+Printed side by side, in one run:
+  parse ceiling     ExportTraceServiceRequest.FromString alone, this process, 1 thread
+  front door        the receivers' own share, in this process, 1 thread: parse, check
+                    ids, append to a write-ahead log, enqueue (no network, no pipeline)
+  <transport>       spans/s of wall time, and spans per CPU-second of the collector
+                    process (utime + stime from /proc: "per core", independent of how
+                    many cores the client and other tenants take)
+
+    .venv/bin/python benchmarks/collector_e2e_ingest.py [--spans 200000] [--clients 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import yaml
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ingest import build_payloads  # the workload benchmarks/ingest.py defines
+
+TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def collector_config(store_path: Path, fsync: bool) -> dict:
+    return {
+        "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"},
+                                             "http": {"endpoint": "127.0.0.1:0"}}}},
+        "processors": {"memory_limiter": {"limit_mib": 512}, "rank_correlation": {}},
+        "exporters": {"flare_store": {"path": str(store_path)}},
+        "extensions": {"flare_wal": {"directory": f"{store_path}.ingest-wal", "fsync": fsync},
+                       "flare_metrics": {"endpoint": "127.0.0.1:0"}},
+        "service": {
+            "extensions": ["flare_wal", "flare_metrics"],
+            "flush_interval": "500ms",
+            "pipelines": {"traces": {"receivers": ["otlp"],
+                                     "processors": ["memory_limiter", "rank_correlation"],
+                                     "exporters": ["flare_store"]}},
+        },
+    }
+
+
+class Collector:
+    def __init__(self, workdir: Path, fsync: bool) -> None:
+        config_path = workdir / "collector.yaml"
+        config_path.write_text(yaml.safe_dump(collector_config(workdir / "bench.duckdb", fsync)))
+        self.log_path = workdir / "collector.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "flare.collector", "--config", str(config_path)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            match = re.search(r"ready: (.*)$", self.log_path.read_text(), re.MULTILINE)
+            if match:
+                parts = dict(p.split(" ", 1) for p in match.group(1).split(", "))
+                self.grpc, self.http, self.metrics = parts["OTLP/gRPC"], parts["OTLP/HTTP"], parts["metrics"]
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise SystemExit(f"collector did not start:\n{self.log_path.read_text()}")
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+
+    def gauge(self, name: str) -> float:
+        with urllib.request.urlopen(self.metrics, timeout=30) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def wait_committed(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.gauge("flare_collector_wal_committed_lsn") >= self.gauge("flare_collector_wal_last_lsn"):
+                return
+            time.sleep(0.02)
+        raise SystemExit("store did not catch up")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def send_http(endpoint: str, payloads: list[bytes]) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    for body in payloads:
+        while True:
+            conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+            reply = conn.getresponse()
+            reply.read()
+            if reply.status == 200:
+                break
+            if reply.status not in (429, 503):
+                raise SystemExit(f"HTTP {reply.status}")
+            time.sleep(float(reply.getheader("Retry-After") or 1))
+    conn.close()
+
+
+def send_grpc(endpoint: str, payloads: list[bytes]) -> None:
+    with grpc.insecure_channel(endpoint) as channel:
+        export = channel.unary_unary(TRACE_METHOD)
+        for body in payloads:
+            while True:
+                try:
+                    export(body, timeout=60)
+                    break
+                except grpc.RpcError as err:
+                    if err.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+                        raise
+                    time.sleep(1)
+
+
+def run_transport(name: str, payloads: list[bytes], n_spans: int, clients: int, fsync: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        collector = Collector(Path(tmp), fsync)
+        try:
+            endpoint = collector.http if name == "http" else collector.grpc
+            sender = send_http if name == "http" else send_grpc
+            shares = [payloads[i::clients] for i in range(clients)]
+            cpu0 = collector.cpu_s()
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=sender, args=(endpoint, share)) for share in shares]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            acked = time.perf_counter() - t0
+            collector.wait_committed()
+            wall = time.perf_counter() - t0
+            cpu = collector.cpu_s() - cpu0
+        finally:
+            collector.stop()
+    return {"wall": n_spans / wall, "acked": n_spans / acked, "per_cpu_s": n_spans / cpu, "cpu_s": cpu}
+
+
+def front_door(payloads: list[bytes], n_spans: int) -> float:
+    """Spans/s through Acceptor.accept with a real WAL; the queue is drained inline."""
+    from flare.collector.ingest import Ingest, ItemQueue
+    from flare.collector.receiver import TRACES, Acceptor
+    from flare.collector.telemetry import Counters
+    from flare.collector.wal import WriteAheadLog
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wal = WriteAheadLog(tmp)
+        wal.open(0)
+        queue = ItemQueue(1 << 40)
+        counters = Counters()
+        acceptor = Acceptor(Ingest(queue, wal, {}, counters), counters)
+        t0 = time.perf_counter()
+        for payload in payloads:
+            acceptor.accept(TRACES, payload, "bench")
+            queue.get(0)
+        elapsed = time.perf_counter() - t0
+        wal.close()
+    return n_spans / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spans", type=int, default=200_000)
+    parser.add_argument("--clients", type=int, default=2, help="concurrent client connections")
+    parser.add_argument("--fsync", action="store_true", help="fdatasync the WAL on every request")
+    args = parser.parse_args()
+    payloads = build_payloads(args.spans)
+    n_spans = sum(len(ss.spans) for p in payloads
+                  for rs in ExportTraceServiceRequest.FromString(p).resource_spans for ss in rs.scope_spans)
+    size = sum(map(len, payloads))
+    print(f"{n_spans} spans in {len(payloads)} requests ({size / n_spans:.0f} B/span), "
+          f"{args.clients} client connection(s), WAL fsync {'on' if args.fsync else 'off'}, "
+          f"{os.cpu_count()} CPUs")
+    t0 = time.perf_counter()
+    for payload in payloads:
+        ExportTraceServiceRequest.FromString(payload)
+    parse = n_spans / (time.perf_counter() - t0)
+    print(f"{'parse ceiling (1 thread)':<28}{parse:>12,.0f} spans/s")
+    door = front_door(payloads, n_spans)
+    print(f"{'front door (1 thread)':<28}{door:>12,.0f} spans/s ({door / parse:.2f}x of parse ceiling)")
+    for name in ("http", "grpc"):
+        result = run_transport(name, payloads, n_spans, args.clients, args.fsync)
+        print(f"{'OTLP/' + name + ' -> store':<28}{result['wall']:>12,.0f} spans/s wall "
+              f"({result['acked']:,.0f} acknowledged/s); "
+              f"{result['per_cpu_s']:,.0f} spans per collector CPU-second "
+              f"({result['cpu_s']:.2f} CPU-s, {result['per_cpu_s'] / parse:.2f}x of parse ceiling)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
