@@ -463,7 +463,7 @@ def embedded_config(
     store_path = os.fspath(store_path)
     exporters: dict[str, Any] = {"flare_store": {"path": store_path}}
     if forward_endpoint:
-        if forward_protocol not in ("grpc", "http"):
+        if forward_protocol not in ("grpc", "http", "http/protobuf"):
             raise ConfigError(f"forward protocol must be grpc or http, got {forward_protocol!r}")
         exporters["otlp/forward"] = {"endpoint": forward_endpoint, "protocol": forward_protocol}
     exporter_ids = list(exporters)
