@@ -22,10 +22,7 @@ import grpc
 import pyarrow as pa
 import pytest
 import yaml
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1 import common_pb2
-from opentelemetry.proto.resource.v1 import resource_pb2
-from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from flare.diagnostics.follow import FollowService, main
 from flare.diagnostics.synthetic import Fault, job_spans
@@ -85,38 +82,6 @@ def test_unknown_backend_is_one_line_and_exit_2(capsys):
 
 
 # ---------------------------------------------------------------- end to end
-
-
-def _any(value):
-    if isinstance(value, bool):
-        return common_pb2.AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return common_pb2.AnyValue(int_value=value)
-    if isinstance(value, float):
-        return common_pb2.AnyValue(double_value=value)
-    if isinstance(value, list):
-        return common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[_any(v) for v in value]))
-    return common_pb2.AnyValue(string_value=str(value))
-
-
-def otlp_request(rows: list[dict]) -> trace_service_pb2.ExportTraceServiceRequest:
-    by_rank: dict[int, list] = {}
-    for row in rows:
-        by_rank.setdefault(row["rank"], []).append(trace_pb2.Span(
-            trace_id=bytes.fromhex(row["trace_id"]), span_id=bytes.fromhex(row["span_id"]),
-            name=row["name"], kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
-            start_time_unix_nano=row["start_ns"], end_time_unix_nano=row["end_ns"],
-            attributes=[common_pb2.KeyValue(key=k, value=_any(v))
-                        for k, v in json.loads(row["attributes"]).items()],
-        ))
-    return trace_service_pb2.ExportTraceServiceRequest(resource_spans=[
-        trace_pb2.ResourceSpans(
-            resource=resource_pb2.Resource(attributes=[
-                common_pb2.KeyValue(key=k, value=_any(v)) for k, v in {
-                    sc.SERVICE_NAME: "jobE", sc.JOB_ID: "jobE", sc.RANK: rank,
-                    sc.WORLD_SIZE: 4}.items()]),
-            scope_spans=[trace_pb2.ScopeSpans(spans=spans)])
-        for rank, spans in by_rank.items()])
 
 
 def free_port() -> int:
@@ -183,7 +148,7 @@ def metrics_text(port: int) -> str:
 
 
 @pytest.mark.e2e
-def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_path):
+def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_path, otlp_request):
     path = str(tmp_path / "store.duckdb")
     grpc_port, query_port, health_port = free_port(), free_port(), free_port()
     collector = CollectorProcess(path, grpc_port, query_port).start()
