@@ -55,7 +55,7 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
 class OtlpSink:
     def __init__(self, port: int = 0):
         self._lock = threading.Lock()
-        self.trace_requests: list = []  # (arrival monotonic time, request, wire bytes)
+        self.trace_requests: list = []  # (arrival time_ns, request, wire bytes)
         self.metric_requests: list = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                    options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -84,10 +84,11 @@ class OtlpSink:
 
     def _keep_traces(self, request) -> None:
         with self._lock:
-            self.trace_requests.append((time.monotonic(), request, request.ByteSize()))
+            self.trace_requests.append((time.time_ns(), request, request.ByteSize()))
 
     def spans(self) -> list[dict]:
-        """Every received span, flattened, with its resource attributes and arrival time."""
+        """Every received span, flattened, with its resource attributes and arrival time
+        (`arrived`, wall-clock ns)."""
         with self._lock:
             requests = list(self.trace_requests)
         flat = []

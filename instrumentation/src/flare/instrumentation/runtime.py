@@ -94,6 +94,9 @@ class Runtime:
         self.detail_toggled = False  # SIGUSR2
         self.detail_flag_present = False  # FLARE_DETAIL_FLAG_FILE exists (polled)
 
+        # Children wait here until their step ends, so a step that never completes (the
+        # one open when the process exits) leaves no orphans behind.
+        self._children: list[tuple[str, int, int, dict]] = []
         self._ops: dict[int, list[Operation]] = {}
         self._lock = threading.Lock()
 
@@ -159,6 +162,7 @@ class Runtime:
         self.step_detail = self._decide_detail(step)
         self.step_start_ns = start_ns
         self.totals = StepTotals()
+        self._children = []
         self.step_open = True
         self._notify("on_step_start", step, self.step_detail)
 
@@ -169,6 +173,13 @@ class Runtime:
         span = self.step_span
         self._set_summary(span, end_ns)
         self._notify("on_step_end", self.step_number, self.step_detail, span)
+        children, self._children = self._children, []
+        for name, start, end, attributes in children:
+            # a collection can also run inside this bookkeeping, after end_ns was taken
+            start, end = min(start, end_ns), min(end, end_ns)
+            child = self.tracer.start_span(name, context=self.step_context, start_time=start,
+                                           attributes=attributes)
+            child.end(end_time=end)
         span.end(end_time=end_ns)
         self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = end_ns
@@ -179,6 +190,7 @@ class Runtime:
 
     def abandon_step(self) -> None:
         """Forget an open step that will never complete (never exported: not ended)."""
+        self._children = []
         self.step_open = False
         self.step_span = None
         self.step_context = None
@@ -232,14 +244,17 @@ class Runtime:
 
     # ------------------------------------------------------------ children
     def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
-        """A child of the current step: always on detail steps, otherwise only when slow."""
+        """A child of the current step: always on detail steps, otherwise only when slow.
+        Emitted when the step ends (children of a step that never ends are dropped)."""
         if not self.step_detail and end_ns - start_ns < _SLOW_CHILD_NS:
+            return
+        if not self.step_open:
             return
         if self.span_attributes:
             attributes.update(self.span_attributes)
-        span = self.tracer.start_span(name, context=self.step_context, start_time=start_ns,
-                                      attributes=attributes)
-        span.end(end_time=end_ns)
+        # A collection can start while begin_step itself allocates: keep children inside.
+        start_ns = max(start_ns, self.step_start_ns)
+        self._children.append((name, start_ns, max(start_ns, end_ns), attributes))
 
     # ------------------------------------------------------------ operations in flight
     def push_op(self, name: str, start_ns: int, attributes: dict, frame=None) -> Operation:

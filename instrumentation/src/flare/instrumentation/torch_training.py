@@ -167,9 +167,19 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
                 _log.warning("flare: flushing spans failed: %r", error)
 
     def _at_exit(self) -> None:
+        """Interpreter exit: the step in progress never ends, so stop the watchdog and
+        let the GPU layer close any capture window it opened for it (a profiler left
+        running into interpreter teardown crashes the process)."""
         watchdog = getattr(self, "_watchdog", None)
         if watchdog is not None:
             watchdog.stop()
+        runtime = getattr(self, "_runtime", None)
+        for module in reversed(getattr(self, "_gpu_modules", [])):
+            try:
+                module.uninstall(runtime)
+            except Exception as error:
+                _log.warning("flare: %s.uninstall at exit failed: %r", module.__name__, error)
+        self._gpu_modules = []
 
     # ------------------------------------------------------------------ uninstrument
     def _uninstrument(self, **kwargs) -> None:
