@@ -12,11 +12,13 @@ Printed side by side, in one run:
   parse ceiling     ExportTraceServiceRequest.FromString alone, this process, 1 thread
   front door        the receivers' own share, in this process, 1 thread: parse, check
                     ids, append to a write-ahead log, enqueue (no network, no pipeline)
-  <transport>       spans/s of wall time, and spans per CPU-second of the collector
+  <pipeline> <transport>
+                    spans/s of wall time, and spans per CPU-second of the collector
                     process (utime + stime from /proc: "per core", independent of how
                     many cores the client and other tenants take)
 
     .venv/bin/python benchmarks/collector_e2e_ingest.py [--spans 200000] [--clients 2]
+        [--pipeline embedded|no-correlation] [--fsync]
 """
 
 from __future__ import annotations
@@ -44,7 +46,13 @@ TRACE_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def collector_config(store_path: Path, fsync: bool) -> dict:
+PIPELINES = {
+    "embedded": ["memory_limiter", "rank_correlation"],  # what `flare run` uses
+    "no-correlation": ["memory_limiter"],  # shows the correlator's share
+}
+
+
+def collector_config(store_path: Path, fsync: bool, processors: list[str]) -> dict:
     return {
         "receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "127.0.0.1:0"},
                                              "http": {"endpoint": "127.0.0.1:0"}}}},
@@ -56,16 +64,16 @@ def collector_config(store_path: Path, fsync: bool) -> dict:
             "extensions": ["flare_wal", "flare_metrics"],
             "flush_interval": "500ms",
             "pipelines": {"traces": {"receivers": ["otlp"],
-                                     "processors": ["memory_limiter", "rank_correlation"],
+                                     "processors": processors,
                                      "exporters": ["flare_store"]}},
         },
     }
 
 
 class Collector:
-    def __init__(self, workdir: Path, fsync: bool) -> None:
+    def __init__(self, workdir: Path, fsync: bool, processors: list[str]) -> None:
         config_path = workdir / "collector.yaml"
-        config_path.write_text(yaml.safe_dump(collector_config(workdir / "bench.duckdb", fsync)))
+        config_path.write_text(yaml.safe_dump(collector_config(workdir / "bench.duckdb", fsync, processors)))
         self.log_path = workdir / "collector.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
@@ -138,9 +146,10 @@ def send_grpc(endpoint: str, payloads: list[bytes]) -> None:
                     time.sleep(1)
 
 
-def run_transport(name: str, payloads: list[bytes], n_spans: int, clients: int, fsync: bool) -> dict:
+def run_transport(name: str, payloads: list[bytes], n_spans: int, clients: int, fsync: bool,
+                  processors: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        collector = Collector(Path(tmp), fsync)
+        collector = Collector(Path(tmp), fsync, processors)
         try:
             endpoint = collector.http if name == "http" else collector.grpc
             sender = send_http if name == "http" else send_grpc
@@ -188,6 +197,8 @@ def main() -> int:
     parser.add_argument("--spans", type=int, default=200_000)
     parser.add_argument("--clients", type=int, default=2, help="concurrent client connections")
     parser.add_argument("--fsync", action="store_true", help="fdatasync the WAL on every request")
+    parser.add_argument("--pipeline", action="append", choices=sorted(PIPELINES),
+                        help="processor chain(s) to measure (default: embedded and no-correlation)")
     args = parser.parse_args()
     payloads = build_payloads(args.spans)
     n_spans = sum(len(ss.spans) for p in payloads
@@ -203,9 +214,12 @@ def main() -> int:
     print(f"{'parse ceiling (1 thread)':<28}{parse:>12,.0f} spans/s")
     door = front_door(payloads, n_spans)
     print(f"{'front door (1 thread)':<28}{door:>12,.0f} spans/s ({door / parse:.2f}x of parse ceiling)")
-    for name in ("http", "grpc"):
-        result = run_transport(name, payloads, n_spans, args.clients, args.fsync)
-        print(f"{'OTLP/' + name + ' -> store':<28}{result['wall']:>12,.0f} spans/s wall "
+    runs = [(pipeline, name) for pipeline in (args.pipeline or ["embedded", "no-correlation"])
+            for name in ("http", "grpc")]
+    for pipeline, name in runs:
+        result = run_transport(name, payloads, n_spans, args.clients, args.fsync, PIPELINES[pipeline])
+        label = f"{pipeline} OTLP/{name}"
+        print(f"{label:<28}{result['wall']:>12,.0f} spans/s wall "
               f"({result['acked']:,.0f} acknowledged/s); "
               f"{result['per_cpu_s']:,.0f} spans per collector CPU-second "
               f"({result['cpu_s']:.2f} CPU-s, {result['per_cpu_s'] / parse:.2f}x of parse ceiling)")
