@@ -15,6 +15,7 @@ from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
     OTLPSpanExporter as GrpcSpanExporter,
 )
+from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
     OTLPMetricExporter as HttpMetricExporter,
 )
@@ -57,6 +58,10 @@ def test_sdk_exporters_over_grpc_and_http_land_in_the_store(shared_collector):
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(SimpleSpanProcessor(GrpcSpanExporter(endpoint=proc.grpc, insecure=True)))
     provider.add_span_processor(SimpleSpanProcessor(HttpSpanExporter(endpoint=f"http://{proc.http}/v1/traces")))
+    provider.add_span_processor(SimpleSpanProcessor(
+        GrpcSpanExporter(endpoint=proc.grpc, insecure=True, compression=grpc.Compression.Gzip)))
+    provider.add_span_processor(SimpleSpanProcessor(
+        HttpSpanExporter(endpoint=f"http://{proc.http}/v1/traces", compression=HttpCompression.Gzip)))
     tracer = provider.get_tracer("test")
     for step in range(4):
         with tracer.start_as_current_span("train.step", attributes={"flare.step": step}):
@@ -74,7 +79,7 @@ def test_sdk_exporters_over_grpc_and_http_land_in_the_store(shared_collector):
     _wait_committed(proc)
     rows = _query(proc, "SELECT step, count(*) FROM spans WHERE job = 'sdk-job' AND name = 'train.step' "
                         "AND rank = 3 GROUP BY step ORDER BY step")
-    assert rows == [(step, 2) for step in range(4)]  # once per transport
+    assert rows == [(step, 4) for step in range(4)]  # once per transport and compression
     points = _query(proc, "SELECT count(*), max(value) FROM metrics WHERE name = 'sdk.test.counter'")
     assert points == [(2, 5.0)]
 
