@@ -6,7 +6,8 @@ import gzip
 import json
 import math
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,20 +109,38 @@ def test_gpu_idle_share_agrees_with_holistic_trace_analysis(path, imported):
     assert round(100 * share, 2) == pytest.approx(HTA_IDLE_PCT[_job(path)], abs=0.011)
 
 
+_HTA_LAUNCH_DELAYS = """
+import json, logging, sys, warnings
+logging.disable(logging.CRITICAL); warnings.filterwarnings("ignore")
+from hta.trace_analysis import TraceAnalysis
+stats = TraceAnalysis(trace_dir=sys.argv[1]).get_cuda_kernel_launch_stats(ranks=[0], visualize=False)[0]
+print(json.dumps({str(int(c)): float(d) for c, d in zip(stats["correlation"], stats["launch_delay"])}))
+"""
+
+
+def _hta_python() -> str | None:
+    """HTA lives in its own environment: it needs pandas, Flare does not."""
+    for python in (os.environ.get("FLARE_HTA_PYTHON"), "/tmp/hta-venv/bin/python", sys.executable):
+        if python and Path(python).exists() and subprocess.run(
+                [python, "-c", "import hta"], capture_output=True).returncode == 0:
+            return python
+    return None
+
+
 @needs_data
-def test_issue_latency_matches_hta_launch_delay(imported):
+def test_issue_latency_matches_hta_launch_delay(imported, tmp_path):
     """HTA's launch delay = GPU start − end of the launch call (clipped at 0)."""
-    hta = pytest.importorskip("hta.trace_analysis", reason="holistictraceanalysis not installed")
+    python = _hta_python()
+    if python is None:
+        pytest.skip("holistictraceanalysis not installed (set FLARE_HTA_PYTHON to a Python with it)")
     path = next((p for p in REAL if _job(p).startswith("dp128_rank0")), None)
     if path is None:
         pytest.skip("dp128_rank0 trace absent")
     store_path, _ = imported
-    trace_dir = store_path.parent / "hta"
-    trace_dir.mkdir(exist_ok=True)
-    shutil.copy(path, trace_dir / path.name)
-    stats = hta.TraceAnalysis(trace_dir=str(trace_dir)).get_cuda_kernel_launch_stats(
-        ranks=[0], visualize=False)[0]
-    theirs = dict(zip(stats["correlation"], stats["launch_delay"], strict=True))
+    (tmp_path / path.name).symlink_to(path)
+    out = subprocess.run([python, "-c", _HTA_LAUNCH_DELAYS, str(tmp_path)], capture_output=True,
+                         text=True, check=True).stdout
+    theirs = {int(c): d for c, d in json.loads(out.strip().splitlines()[-1]).items()}
     kernels = StoreBackend(store_path).job_data(_job(path)).spans(
         [sc.SPAN_KERNEL], attributes=[sc.KERNEL_CORRELATION, sc.KERNEL_ISSUE_LATENCY_US,
                                       sc.KERNEL_LAUNCH_DUR_US])
@@ -130,7 +149,7 @@ def test_issue_latency_matches_hta_launch_delay(imported):
         kernels.column(sc.KERNEL_ISSUE_LATENCY_US).to_pylist(),
         kernels.column(sc.KERNEL_LAUNCH_DUR_US).to_pylist(), strict=True)}
     common = set(theirs) & set(ours)
-    assert len(common) >= 0.9 * len(theirs)
+    assert len(common) >= 0.9 * len(theirs) > 100
     assert all(math.isclose(ours[c], theirs[c], abs_tol=1.0) for c in common)
 
 

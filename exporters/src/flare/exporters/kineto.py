@@ -49,6 +49,8 @@ from flare.instrumentation import semconv
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 _CHUNK = 1 << 20
 _WS = " \t\n\r"
+_WS_RE = re.compile(r"[ \t\n\r]*")
+_SEPARATOR = re.compile(r"[ \t\n\r]*([,\]])[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime"}
@@ -149,6 +151,43 @@ class _StreamingTrace:
             self._pos = end
             return value
 
+    def _array_items(self) -> Iterator[dict[str, Any]]:
+        """The elements of the array being read, one C-scanner call each (the hot loop)."""
+        scan = _DECODER.scan_once
+        while True:
+            buf = self._buf
+            size = len(buf)
+            pos = _WS_RE.match(buf, self._pos).end()
+            while pos < size:
+                try:
+                    value, end = scan(buf, pos)
+                except StopIteration as stop:
+                    # The scanner reports where it failed, possibly deep inside the event.
+                    failed_at = stop.value if isinstance(stop.value, int) else pos
+                    if size - failed_at > 64:
+                        raise TraceError(f"{self._name}: corrupt JSON in traceEvents at "
+                                         f"offset {failed_at}") from None
+                    break  # a literal cut by the chunk boundary
+                except json.JSONDecodeError as exc:
+                    if size - exc.pos > 64 and not exc.msg.startswith("Unterminated"):
+                        raise TraceError(f"{self._name}: corrupt JSON at offset {exc.pos}: "
+                                         f"{exc.msg}") from None
+                    break  # an element cut by the chunk boundary
+                separator = _SEPARATOR.match(buf, end)
+                if separator is None:
+                    if _WS_RE.match(buf, end).end() < size:
+                        raise TraceError(f"{self._name}: corrupt JSON in traceEvents")
+                    break  # the separator is in the next chunk
+                if isinstance(value, dict):
+                    yield value
+                pos = separator.end()
+                if separator.group(1) == "]":
+                    self._pos = pos
+                    return
+            self._pos = pos
+            if not self._fill():
+                raise TraceError(f"{self._name}: truncated (ends inside traceEvents)")
+
     def events(self) -> Iterator[dict[str, Any]]:
         """Yield every trace event; top-level keys land in `meta` as they are passed."""
         self._expect("{")
@@ -162,16 +201,7 @@ class _StreamingTrace:
                 if self._peek() == "]":
                     self._pos += 1
                 else:
-                    while True:
-                        event = self._value()
-                        if isinstance(event, dict):
-                            yield event
-                        char = self._peek()
-                        self._pos += 1
-                        if char == "]":
-                            break
-                        if char != ",":
-                            raise TraceError(f"{self._name}: corrupt JSON in traceEvents")
+                    yield from self._array_items()
             else:
                 self.meta[key] = self._value()
             char = self._peek()
@@ -226,6 +256,9 @@ class _Collector:
         self.flop_ops: list[_Op] = []
         self.cpu_ops: list[_Op] = []  # kept only while no GPU activity has been seen
         self.pid: int | None = None
+        # The trace's top-level keys as parsed so far: `deviceProperties` usually comes
+        # before the events and says GPU activity follows, so CPU operators need no copy.
+        self.meta: dict[str, Any] = {}
 
     def add(self, event: dict[str, Any]) -> None:
         if event.get("ph") != "X":
@@ -265,7 +298,7 @@ class _Collector:
             return
         if name in taxonomy.FLOP_OPS:
             self.flop_ops.append(_Op(event.get("tid"), ts, end, name, _op_args(args)))
-        if not self.gpu:
+        if not self.gpu and not self.meta.get("deviceProperties"):
             self.cpu_ops.append(_Op(event.get("tid"), ts, end, name, _op_args(args)))
 
 
@@ -342,6 +375,7 @@ def read_trace(path: str | os.PathLike[str], job: str) -> TraceSpans:
     try:
         with _open_text(path) as text:
             trace = _StreamingTrace(text, name)
+            collector.meta = trace.meta
             for event in trace.events():
                 collector.add(event)
     except FileNotFoundError:

@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 from opentelemetry import trace
@@ -60,6 +61,7 @@ class KernelWindows:
         self.windows_recorded = 0
         self.windows_dropped = 0
         self.spans_emitted = 0
+        self.conversion_cpu_s = 0.0  # CPU time the background thread spent converting
 
     # ------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:
@@ -139,6 +141,7 @@ class KernelWindows:
                 item.set()
                 continue
             profiler, parent, step = item
+            started = time.thread_time()
             try:
                 events = profiler.profiler.kineto_results.events()
                 rows = window_rows(events, self._cuda)
@@ -146,6 +149,7 @@ class KernelWindows:
                 self.windows_recorded += 1
             except Exception as error:
                 _log.warning("flare: kernel window of step %s lost: %r", step, error)
+            self.conversion_cpu_s += time.thread_time() - started
 
     def _emit(self, rows: list[tuple[int, int, dict]], parent: Any, step: int) -> None:
         tracer = self._runtime.tracer

@@ -1,0 +1,201 @@
+"""Flare's `import-kineto` + `diagnose` against Holistic Trace Analysis on the same trace.
+
+    .venv/bin/python benchmarks/kineto_vs_hta.py [--trace FILE] [--hta-python PY] [--sizes 1,2,4]
+
+Side by side in one run, each side a fresh process measured with wait4 (wall time and
+peak RSS of exactly that process):
+- Flare: `flare import-kineto FILE --store S` then `flare diagnose --store S --format json`
+  (wall times added, peak RSS the larger of the two processes);
+- HTA 0.5.0: `TraceAnalysis(trace_dir)` + `get_temporal_breakdown()` +
+  `get_cuda_kernel_launch_stats()` — load and the two analyses whose figures Flare
+  reproduces (GPU idle share, launch delay).
+Then memory against trace size: the trace's events replicated 1x, 2x, 4x (shifted in
+time, ids offset) and imported by each side.
+
+HTA needs pandas, which Flare does not; pyarrow imports pandas whenever it is installed,
+so HTA should live in its own environment (`--hta-python`, or FLARE_HTA_PYTHON). Without
+one, the HTA side is skipped with the reason printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = ROOT.parent / "shared/data/kineto/ws16_rank0.json.gz"
+HTA_SCRIPT = r"""
+import logging, sys
+logging.disable(logging.CRITICAL)
+import warnings; warnings.filterwarnings("ignore")
+from hta.trace_analysis import TraceAnalysis
+analysis = TraceAnalysis(trace_dir=sys.argv[1])
+breakdown = analysis.get_temporal_breakdown(visualize=False)
+launch = analysis.get_cuda_kernel_launch_stats(visualize=False)
+rank = sorted(launch)[0]
+print(float(breakdown["idle_time_pctg"].iloc[0]), float(launch[rank]["launch_delay"].median()))
+"""
+
+
+def measured(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS MB, stdout) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])}… failed ({proc.returncode}): {err.strip()[-400:]}")
+    return wall, usage.ru_maxrss / 1024, out
+
+
+def hta_python(requested: str | None) -> tuple[str | None, str]:
+    candidates = [c for c in (requested, os.environ.get("FLARE_HTA_PYTHON"), "/tmp/hta-venv/bin/python",
+                              sys.executable) if c]
+    for python in candidates:
+        if not Path(python).exists():
+            continue
+        probe = subprocess.run([python, "-c", "import hta, importlib.metadata as m; "
+                                "print(m.version('holistictraceanalysis'))"],
+                               capture_output=True, text=True)
+        if probe.returncode == 0:
+            return python, probe.stdout.strip()
+    return None, "holistictraceanalysis not installed (pip install holistictraceanalysis==0.5.0 " \
+                 "in a separate venv and pass --hta-python)"
+
+
+def flare_run(trace: Path, work: Path, diagnose: bool = True) -> dict:
+    store = work / f"{trace.stem}.duckdb"
+    store.unlink(missing_ok=True)
+    cli = [sys.executable, "-m", "flare.diagnostics.cli"]
+    wall_i, rss_i, _ = measured([*cli, "import-kineto", str(trace), "--store", str(store),
+                                  "--job", "bench"])
+    result = {"import_s": wall_i, "import_rss_mb": rss_i, "store": store}
+    if diagnose:
+        report = work / "report.json"
+        wall_d, rss_d, _ = measured([*cli, "diagnose", "--store", str(store), "--job", "bench",
+                                           "--format", "json", "-o", str(report)])
+        result.update(diagnose_s=wall_d, diagnose_rss_mb=rss_d,
+                      kinds=sorted({a["kind"] for a in json.loads(report.read_text())["anomalies"]}))
+    return result
+
+
+def hta_run(python: str, trace: Path, work: Path) -> dict:
+    trace_dir = work / f"hta-{trace.stem}"
+    trace_dir.mkdir(exist_ok=True)
+    link = trace_dir / trace.name
+    if not link.exists():
+        link.symlink_to(trace.resolve())
+    wall, rss, out = measured([python, "-c", HTA_SCRIPT, str(trace_dir)])
+    idle, launch_median = (float(x) for x in out.split())
+    return {"wall_s": wall, "rss_mb": rss, "idle_pct": idle, "launch_delay_median_us": launch_median}
+
+
+def flare_figures(store: Path) -> tuple[float, float]:
+    """Flare's idle share (HTA's definition) and median launch delay from the store."""
+    import numpy as np
+
+    from flare.diagnostics import gpu_metrics as gm
+    from flare.diagnostics.backends.store import StoreBackend
+    from flare.instrumentation import semconv as sc
+
+    job = StoreBackend(store).job_data("bench")
+    kernels = gm.gpu_activities(job)
+    steps = job.spans([sc.SPAN_STEP], columns=["start_ns"])
+    last = max(steps.column("start_ns").to_pylist()) if steps.num_rows >= 2 else None
+    launches = kernels.column(sc.KERNEL_LAUNCH_NS).to_numpy(zero_copy_only=False).astype(float)
+    share, _, _ = gm.trace_idle_share(kernels.column("start_ns").to_numpy(),
+                                      kernels.column("end_ns").to_numpy(), launches, last)
+    latency = kernels.column(sc.KERNEL_ISSUE_LATENCY_US).to_numpy(zero_copy_only=False).astype(float)
+    durs = kernels.column(sc.KERNEL_LAUNCH_DUR_US).to_numpy(zero_copy_only=False).astype(float)
+    delay = np.clip(latency - durs, 0, None)
+    return 100 * share, float(np.nanmedian(delay))
+
+
+def replicate(trace: Path, factor: int, out: Path) -> Path:
+    """The trace's events `factor` times, each copy shifted past the previous one."""
+    with gzip.open(trace, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"]
+    stamps = [e["ts"] for e in events if isinstance(e.get("ts"), (int, float))]
+    span = max(stamps) - min(stamps) + 1000
+    copies = []
+    for k in range(factor):
+        for event in events:
+            e = dict(event)
+            if k and isinstance(e.get("ts"), (int, float)):
+                e["ts"] = e["ts"] + k * span
+                args = e.get("args")
+                if isinstance(args, dict):
+                    args = dict(args)
+                    for key in ("correlation", "External id"):
+                        if isinstance(args.get(key), int):
+                            args[key] += k * 100_000_000
+                    e["args"] = args
+                if isinstance(e.get("id"), int):
+                    e["id"] += k * 100_000_000
+                if e.get("name", "").startswith("ProfilerStep#"):
+                    e["name"] = f"ProfilerStep#{int(e['name'].split('#')[1]) + k * 1000}"
+            copies.append(e)
+    data["traceEvents"] = copies
+    path = out / f"x{factor}_{trace.name}"
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--hta-python", help="a Python with holistictraceanalysis installed")
+    parser.add_argument("--sizes", default="1,2,4", help="replication factors for the memory curve")
+    args = parser.parse_args()
+    if not args.trace.exists():
+        print(f"skipped: {args.trace} not found (the shared Kineto traces are absent)")
+        return 0
+    python, hta_version = hta_python(args.hta_python)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        flare = flare_run(args.trace, work)
+        idle, delay = flare_figures(flare["store"])
+        flare_wall = flare["import_s"] + flare["diagnose_s"]
+        flare_rss = max(flare["import_rss_mb"], flare["diagnose_rss_mb"])
+        print(f"trace: {args.trace.name} ({args.trace.stat().st_size / 1e6:.1f} MB gzip)")
+        print(f"{'':34}{'wall s':>9}{'peak RSS MB':>13}")
+        print(f"{'flare import-kineto':34}{flare['import_s']:9.2f}{flare['import_rss_mb']:13.0f}")
+        print(f"{'flare diagnose':34}{flare['diagnose_s']:9.2f}{flare['diagnose_rss_mb']:13.0f}")
+        print(f"{'flare import + diagnose':34}{flare_wall:9.2f}{flare_rss:13.0f}")
+        print(f"flare anomalies: {', '.join(flare['kinds'])}")
+        print(f"flare figures: GPU idle {idle:.2f}% (HTA definition), "
+              f"median launch delay {delay:.1f} µs")
+        if python is None:
+            print(f"HTA side skipped: {hta_version}")
+        else:
+            hta = hta_run(python, args.trace, work)
+            print(f"{'HTA ' + hta_version + ' load + analyse':34}{hta['wall_s']:9.2f}{hta['rss_mb']:13.0f}")
+            print(f"HTA figures:   GPU idle {hta['idle_pct']:.2f}%, median launch delay "
+                  f"{hta['launch_delay_median_us']:.1f} µs")
+            print(f"ratio flare/HTA: wall {flare_wall / hta['wall_s']:.2f}, "
+                  f"peak RSS {flare_rss / hta['rss_mb']:.2f}  (target <= 0.50 each)")
+        print("\nmemory against trace size (events replicated):")
+        print(f"{'factor':>6}{'events MB (json)':>18}{'flare import MB':>17}{'HTA MB':>9}")
+        for factor in (int(x) for x in args.sizes.split(",")):
+            trace = args.trace if factor == 1 else replicate(args.trace, factor, work)
+            with gzip.open(trace, "rb") as f:
+                raw_mb = sum(len(chunk) for chunk in iter(lambda: f.read(1 << 20), b"")) / 1e6
+            imported = flare_run(trace, work, diagnose=False)
+            hta_mb = hta_run(python, trace, work)["rss_mb"] if python else float("nan")
+            print(f"{factor:>6}{raw_mb:18.1f}{imported['import_rss_mb']:17.0f}{hta_mb:9.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
