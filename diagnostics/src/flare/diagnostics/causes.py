@@ -3,9 +3,17 @@
 A rank's own step time splits into dataloader, compute, gc and Python hot calls
 (collective wait is time spent on *other* ranks). When a rank's time grows, the
 component that grew names the cause — if it explains at least `cause_min_share` of
-the growth (TraceML's rule). One pattern is special: a GIL-holding thread slows
-*every* Python-side part of the rank at once, so when several unrelated components
-all inflate by a large factor the cause is `cpu`, not any one of them.
+the growth (TraceML's rule).
+
+One pattern is special: CPU starvation of the rank's Python side (a GIL-holding
+thread, an oversubscribed core). Measured on gloo/CPU runs of examples/train_ddp.py:
+an injected compute slowdown grows compute_ms alone, the data loader's mean stays at
+its peers' (~1 ms, ratio ≈ 1.1); a GIL-holding thread grows compute_ms *and* makes
+the data loader — pure Python that should take ~1 ms — erratically slow (mean 7 ms
+against 1–2 ms on its peers, p75 7 ms against 1 ms), because every time the main
+thread gives up the GIL it waits a switch interval to get it back. So a second,
+unrelated Python-side component inflating by its *mean* beside the main one names
+`cpu`, not `compute`.
 """
 
 from __future__ import annotations
@@ -32,8 +40,11 @@ class Attribution:
 
 
 def attribute(subject: dict[str, float], reference: dict[str, float], min_share: float,
-              subject_work: float, reference_work: float) -> Attribution:
-    """Compare the subject's per-component medians to a reference's (peers or past)."""
+              subject_work: float, reference_work: float,
+              subject_mean: dict[str, float] | None = None,
+              reference_mean: dict[str, float] | None = None) -> Attribution:
+    """Compare the subject's per-component medians (and means) to a reference's
+    (its peers, or its own past)."""
     excess = subject_work - reference_work
     deltas = {k: subject[k] - reference[k] for k in subject}
     ratios = {k: (subject[k] + 1.0) / (reference[k] + 1.0) for k in subject}
@@ -47,7 +58,22 @@ def attribute(subject: dict[str, float], reference: dict[str, float], min_share:
     top = max(deltas, key=lambda k: deltas[k])
     share = deltas[top] / excess
     cause = COMPONENT_CAUSE[top] if share >= min_share else "unknown"
+    if cause == "compute" and subject_mean and reference_mean and _python_side_starved(
+            subject_mean, reference_mean):
+        cause = "cpu"
     return Attribution(cause, min(share, 1.0), excess, deltas, ratios)
+
+
+# The data loader's mean must grow this much (ratio with +1 ms smoothing) and by this
+# many ms beside a compute growth to call it CPU starvation (see the module note).
+_STARVED_RATIO = 2.0
+_STARVED_MIN_MS = 2.0
+
+
+def _python_side_starved(subject_mean: dict[str, float], reference_mean: dict[str, float]) -> bool:
+    grew = subject_mean["dataloader"] - reference_mean["dataloader"]
+    ratio = (subject_mean["dataloader"] + 1.0) / (reference_mean["dataloader"] + 1.0)
+    return ratio >= _STARVED_RATIO and grew >= _STARVED_MIN_MS
 
 
 def medians(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | slice) -> tuple[dict[str, float], float]:
@@ -59,3 +85,14 @@ def medians(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | s
 
     parts = {name: med(matrix) for name, matrix in frame.parts.items()}
     return parts, med(frame.work)
+
+
+def means(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | slice) -> dict[str, float]:
+    """Per-component means over steps (median across the rows per step first): the
+    mean keeps the erratic tail a median hides."""
+    out = {}
+    for name, matrix in frame.parts.items():
+        per_step = nanmedian(matrix[np.asarray(rows)][:, cols].astype(np.float64), axis=0)
+        value = np.nanmean(per_step) if np.isfinite(per_step).any() else 0.0
+        out[name] = float(value)
+    return out

@@ -136,7 +136,14 @@ class DiagnosisConfig:
     # Relative shift for a change point to count as fail-slow (Greyhound: >= 10%).
     fail_slow_min_shift: float = 0.10
     # Added: a change point must also stand this many noise units (MAD) above the noise.
-    fail_slow_min_score: float = 6.0
+    fail_slow_min_score: float = 4.0
+    # Added: a straggler's own step time (without waiting) must be this much slower than its
+    # peers', as a ratio peers/culprit (NVIDIA resiliency's relative score threshold is 0.75).
+    straggler_max_relative_score: float = 0.8
+    # Added: ...and exceed them by this many units of the job's own rank-to-rank noise
+    # (MAD of each rank's time around its step's median), so a noisy machine where
+    # ranks take turns being slow does not produce stragglers.
+    straggler_min_noise_units: float = 4.0
     # Added: steps at the start of a job that are warm-up, not steady state.
     warmup_steps: int = 3
     # Added: longer jobs are bucketed so rank × step matrices stay this wide at most.

@@ -119,6 +119,11 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
         cause = _SUBSUMED_BY_STRAGGLER.get(anomaly.kind)
         owner = next((s for s in stragglers if cause == s.cause == anomaly.cause
                       and set(anomaly.ranks) <= set(s.ranks) and _overlap(s, anomaly)), None)
+        if anomaly.kind == "collective_slow":
+            # The least wait of a step is the straggler's own: a slow rank's collectives
+            # look slow too. With a straggler at the same time, it is the explanation.
+            owner = next((s for s in stragglers if s.cause != "communication"
+                          and _overlap(s, anomaly)), None)
         if owner is None:
             kept.append(anomaly)
         else:

@@ -57,7 +57,9 @@ def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
     k = int(ks[int(np.argmax(t))])
     before = float(np.median(values[:k]))
     after = float(np.median(values[k:]))
-    noise = max(mad(values[:k]), mad(values[k:]), 1e-6 * max(abs(before), 1e-9))
+    # Noise of the usual (earlier) regime, floored at 5% of its level so that a very
+    # quiet series does not turn a trivial wobble into a large score.
+    noise = max(mad(values[:k]), 0.05 * abs(before), 1e-9)
     shift = after / before - 1 if before > 0 else 0.0
     return ChangePoint(index=int(index_of[k]), before=before, after=after, shift=shift,
                        score=abs(after - before) / noise)

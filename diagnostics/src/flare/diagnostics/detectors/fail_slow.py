@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
-from flare.diagnostics.causes import attribute, medians
+from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import change_point, nanmedian
 
@@ -48,7 +48,8 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         past["wait"] = _comm_ms(frame, before)
         now_work += now["wait"]
         past_work += past["wait"]
-    why = attribute(now, past, config.cause_min_share, now_work, past_work)
+    why = attribute(now, past, config.cause_min_share, now_work, past_work,
+                    means(frame, rows, after), means(frame, rows, before))
     first = frame.step_of(onset)
     last = frame.last_step_of(int(warm[-1]))
     who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks

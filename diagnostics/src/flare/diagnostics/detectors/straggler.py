@@ -16,11 +16,11 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
-from flare.diagnostics.causes import attribute, medians
+from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import nanmedian, runs
+from flare.diagnostics.stats import mad, nanmedian, runs
 
-_MIN_DENSITY = 0.6  # culprit in at least this share of the run's steps
+_MIN_DENSITY = 0.7  # culprit in at least this share of the run's steps
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
@@ -48,16 +48,39 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     share = np.where(duration > 0, lost / duration, 0.0)
     significant = warm & (share >= config.straggler_min_impact)
     persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
+    work = frame.work.astype(np.float64)
+    deviation = work - nanmedian(work, axis=0)[None, :]
+    noise_ms = mad(deviation[:, warm])
     anomalies = []
     for row in np.unique(culprit_row[significant]):
         mask = significant & (culprit_row == row)
+        # Persistence counts the steps the rank was the culprit, not the run's length.
         spans = [(a, b) for a, b in runs(mask, max_gap=2)
-                 if b - a + 1 >= persist and mask[a:b + 1].mean() >= _MIN_DENSITY]
+                 if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= _MIN_DENSITY]
         if not spans:
             continue
-        cols = np.concatenate([np.arange(a, b + 1) for a, b in spans])
-        anomalies.append(_label(frame, config, int(row), cols, mask, share))
+        cols = np.concatenate([_trim(deviation[row], a, b) for a, b in spans])
+        anomaly = _label(frame, config, int(row), cols, mask, share)
+        anomaly.evidence["job_noise_ms"] = round(noise_ms, 3)
+        # Arriving last by chance (a descheduled process, noise) is not being slower:
+        # the rank's own time must really exceed its peers', beyond the job's noise.
+        relative = anomaly.evidence["relative_score"]
+        excess = anomaly.evidence["excess_ms_per_step"]
+        if (relative is not None and relative <= config.straggler_max_relative_score
+                and excess >= config.straggler_min_noise_units * noise_ms):
+            anomalies.append(anomaly)
     return anomalies
+
+
+def _trim(deviation: np.ndarray, first: int, last: int) -> np.ndarray:
+    """The run's columns, without leading/trailing steps where the rank was not yet (or
+    no longer) clearly slower — so first_step is the onset, not a noisy lead-in."""
+    values = deviation[first:last + 1]
+    level = 0.5 * float(np.nanmedian(values)) if np.isfinite(values).any() else 0.0
+    strong = np.flatnonzero(np.nan_to_num(values, nan=-np.inf) >= level)
+    if level <= 0 or strong.size == 0:
+        return np.arange(first, last + 1)
+    return np.arange(first + int(strong[0]), first + int(strong[-1]) + 1)
 
 
 def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.ndarray,
@@ -66,7 +89,8 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.
     peers = [r for r in range(len(frame.ranks)) if r != row]
     mine, my_work = medians(frame, [row], cols)
     theirs, their_work = medians(frame, peers, cols)
-    why = attribute(mine, theirs, config.cause_min_share, my_work, their_work)
+    why = attribute(mine, theirs, config.cause_min_share, my_work, their_work,
+                    means(frame, [row], cols), means(frame, peers, cols))
     density = float(mask[cols].mean())
     impact = float(np.mean(share[cols]))
     first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))

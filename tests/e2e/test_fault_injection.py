@@ -1,0 +1,188 @@
+"""Fault injection end to end: `flare run -- torchrun --nproc_per_node 4 train_ddp.py`.
+
+Real torchrun (gloo, CPU), real OTLP into the embedded collector, a real DuckDB store,
+and the diagnosis `flare run` prints. Each scenario asserts the label's kind, rank,
+cause and onset step or call site; the fail-slow and hang scenarios also measure the
+time from the fault's onset to the live alert (printed; recorded in
+docs/diagnostics.md). Run with `-s` to see the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flare.exporters import store as flare_store
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+TRAIN = ROOT / "examples" / "train_ddp.py"
+STEPS = 60
+ONSET = 20
+HANG_TIMEOUT_S = 5
+
+
+class FlareRun:
+    """One `flare run` of the example job, with its live alerts timestamped on arrival."""
+
+    def __init__(self, store: Path, job: str, fault: str, rank: int = 1, steps: int = STEPS,
+                 fault_ms: float = 60.0, env: dict[str, str] | None = None):
+        self.store, self.job, self.report_path = store, job, store.parent / f"{job}.json"
+        command = [str(BIN / "flare"), "run", "--store", str(store), "--job", job, "--format", "json",
+                   "-o", str(self.report_path), "--", str(BIN / "torchrun"), "--nproc_per_node", "4",
+                   str(TRAIN), "--steps", str(steps), "--fault", fault, "--fault-rank", str(rank),
+                   "--fault-from", str(ONSET), "--fault-ms", str(fault_ms)]
+        self.alerts: list[tuple[int, str]] = []
+        self.stderr: list[str] = []
+        self.process = subprocess.Popen(command, cwd=store.parent, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.stderr.append(line)
+            if "flare: [" in line:
+                self.alerts.append((time.time_ns(), line.strip()))
+
+    def wait_for_alert(self, text: str, timeout_s: float) -> tuple[int, str] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            for alert in self.alerts:
+                if text in alert[1]:
+                    return alert
+            time.sleep(0.2)
+        return next((a for a in self.alerts if text in a[1]), None)
+
+    def finish(self, timeout_s: float = 240) -> dict:
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        self._reader.join(timeout=10)
+        assert self.report_path.exists(), "".join(self.stderr[-30:])
+        assert not any("Traceback" in line for line in self.stderr if "flare" in line)
+        return json.loads(self.report_path.read_text())
+
+    def interrupt(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+
+    def onset_ns(self, rank: int, step: int, end_of_previous: bool = False) -> int:
+        con = flare_store.open_reader(self.store)
+        try:
+            column, at = ("end_ns", step - 1) if end_of_previous else ("start_ns", step)
+            row = con.execute(f"SELECT max({column}) FROM spans WHERE job = ? AND name = 'train.step' "
+                              "AND rank = ? AND step = ?", [self.job, rank, at]).fetchone()
+        finally:
+            con.close()
+        assert row[0] is not None
+        return int(row[0])
+
+
+def _labels(report: dict, rank: int) -> list[dict]:
+    return [a for a in report["anomalies"] if a["ranks"] == [rank]]
+
+
+def _record(name: str, label: str, seconds: float | None) -> None:
+    shown = "-" if seconds is None else f"{seconds:.1f} s"
+    print(f"\nE2E {name}: {label}; onset to live alert {shown}")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e") / "store.duckdb"
+
+
+@pytest.fixture(scope="module")
+def healthy(store) -> dict:
+    run = FlareRun(store, "healthy", "none")
+    return run.finish()
+
+
+def test_healthy_run_has_no_anomalies(healthy):
+    assert healthy["job"] == "healthy"
+    assert healthy["steps"] == {"first": 0, "last": STEPS - 1}
+    assert healthy["anomalies"] == [], json.dumps(healthy["anomalies"], indent=1)
+
+
+def test_compute_slowdown_is_a_straggler_and_fail_slow_with_onset(store):
+    run = FlareRun(store, "compute", "compute", rank=2)
+    report = run.finish()
+    labels = _labels(report, 2)
+    kinds = {a["kind"] for a in labels}
+    assert kinds & {"straggler", "fail_slow"}, report
+    for label in labels:
+        assert label["cause"] == "compute"
+        assert abs(label["first_step"] - ONSET) <= 2
+    assert not [a for a in report["anomalies"] if a["ranks"] and a["ranks"] != [2]]
+    onset = run.onset_ns(2, ONSET)
+    alert = next(((t, line) for t, line in run.alerts if "ranks 2 " in line), None)
+    assert alert is not None, run.stderr
+    seconds = (alert[0] - onset) / 1e9
+    _record("compute", f"{sorted(kinds)} rank 2 compute from step {labels[0]['first_step']}", seconds)
+    assert seconds <= 30
+
+
+@pytest.mark.parametrize("fault, rank, cause", [("input", 1, "input"), ("gc", 3, "gc"), ("cpu", 1, "cpu")])
+def test_rank_level_causes(store, fault, rank, cause):
+    run = FlareRun(store, fault, fault, rank=rank)
+    report = run.finish()
+    labels = _labels(report, rank)
+    assert labels, json.dumps(report, indent=1)
+    assert {a["cause"] for a in labels} == {cause}, json.dumps(labels, indent=1)
+    assert all(abs(a["first_step"] - ONSET) <= 3 for a in labels)
+    _record(fault, f"{sorted({a['kind'] for a in labels})} rank {rank} {cause}", None)
+
+
+@pytest.mark.parametrize("fault, rank", [("hang", 2), ("hang_subgroup", 1)])
+def test_hang_names_the_rank_and_line(store, fault, rank):
+    run = FlareRun(store, fault, fault, rank=rank, env={"FLARE_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S)})
+    alert = run.wait_for_alert("[hang]", timeout_s=120)
+    run.interrupt()
+    report = run.finish()
+    assert alert is not None, "".join(run.stderr[-30:])
+    assert f"ranks {rank} " in alert[1]
+    hangs = [a for a in report["anomalies"] if a["kind"] == "hang"]
+    assert len(hangs) == 1 and hangs[0]["ranks"] == [rank], json.dumps(report, indent=1)
+    assert hangs[0]["callsite"] and "wait_for_shared_filesystem" in hangs[0]["callsite"]
+    assert "train_ddp.py" in hangs[0]["callsite"]
+    seconds = (alert[0] - run.onset_ns(rank, ONSET, end_of_previous=True)) / 1e9
+    _record(fault, f"hang rank {rank} at {hangs[0]['callsite']}", seconds)
+    assert seconds <= HANG_TIMEOUT_S + 10
+    assert run.process.returncode != 0
+
+
+def test_raise_is_an_error_on_the_first_rank_to_fail(store):
+    run = FlareRun(store, "raise", "raise", rank=2)
+    report = run.finish()
+    assert run.process.returncode != 0  # the command's status, not Flare's
+    errors = [a for a in report["anomalies"] if a["kind"] == "error"]
+    assert len(errors) == 1, json.dumps(report, indent=1)
+    assert errors[0]["ranks"] == [2] and errors[0]["first_step"] == ONSET
+    assert errors[0]["callsite"] and "load_shard" in errors[0]["callsite"]
+    _record("raise", f"error rank 2 at {errors[0]['callsite']}", None)
+
+
+def test_regression_against_baseline_names_communication(store, healthy):
+    FlareRun(store, "extra_comm", "extra_comm").finish()
+    result = subprocess.run([str(BIN / "flare"), "diagnose", "--store", str(store), "--job", "extra_comm",
+                             "--baseline-job", "healthy", "--format", "json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    regressions = [a for a in json.loads(result.stdout)["anomalies"] if a["kind"] == "regression"]
+    assert len(regressions) == 1, result.stdout
+    assert regressions[0]["cause"] == "communication"
+    assert "communication" in regressions[0]["summary"]
+    _record("extra_comm vs healthy", f"regression {regressions[0]['summary']}", None)
