@@ -1,0 +1,94 @@
+"""The commit position with a buffering processor: never past what the store holds.
+
+Real parts: the `batch` processor, the `flare_store` exporter, a write-ahead log; the
+pipeline worker thread drives them as in the collector.
+"""
+
+from __future__ import annotations
+
+from flare.collector.ingest import Item, ItemQueue
+from flare.collector.pipeline import Pipeline, Stage, Worker
+from flare.collector.telemetry import Counters
+from flare.collector.wal import SIGNAL_TRACES, WriteAheadLog
+from flare.exporters import store
+from flare.exporters.flare_store import FlareStoreExporter
+from flare.processors.batch import BatchProcessor
+
+KEY = "collector.wal.test.committed_lsn"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _setup(tmp_path, batch: BatchProcessor):
+    counters = Counters()
+    exporter = FlareStoreExporter(path=str(tmp_path / "s.duckdb"))
+    pipeline = Pipeline("traces", "traces", [Stage("batch", "batch", batch)],
+                        [("flare_store", exporter)], counters)
+    wal = WriteAheadLog(tmp_path / "wal")
+    wal.open(0)
+    queue = ItemQueue(1 << 30)
+    worker = Worker(queue, [pipeline], {"flare_store": exporter}, wal, KEY, counters, flush_interval_s=3600)
+    worker.load_markers()
+    worker.start()
+    return worker, queue, wal, exporter
+
+
+def _send(helpers, queue, wal, n_spans, first_index):
+    request = helpers.make_request(n_spans, first_index=first_index)
+    lsn = wal.append(SIGNAL_TRACES, request.SerializeToString())
+    queue.put(Item(lsn, SIGNAL_TRACES, request, 0))
+    return lsn
+
+
+def _stored(tmp_path):
+    con = store.open_reader(tmp_path / "s.duckdb")
+    try:
+        return con.execute("SELECT count(*) FROM spans").fetchone()[0]
+    finally:
+        con.close()
+
+
+def test_commit_waits_for_what_the_batch_processor_holds(tmp_path, helpers):
+    clock = Clock()
+    worker, queue, wal, exporter = _setup(tmp_path, BatchProcessor(send_batch_size=100, timeout="5s", clock=clock))
+    try:
+        for i in range(3):
+            _send(helpers, queue, wal, 30, i * 30)  # 90 spans: below the batch size
+        assert worker.flush()
+        assert exporter.read_meta(KEY) in (None, "0")  # nothing durable yet, nothing claimed
+        assert wal.committed_lsn == 0 and wal.segment_count == 1
+
+        last = _send(helpers, queue, wal, 30, 90)  # 120 spans: the batch goes out
+        assert worker.flush()
+        assert exporter.read_meta(KEY) == str(last) and _stored(tmp_path) == 120
+        assert wal.segment_count == 0
+
+        _send(helpers, queue, wal, 10, 1000)
+        assert worker.flush() and exporter.read_meta(KEY) == str(last)
+        clock.now += 6 * 10**9  # past the batch timeout: the next tick sends it
+        assert worker.flush()
+        assert exporter.read_meta(KEY) == str(last + 1) and _stored(tmp_path) == 130
+    finally:
+        worker.stop(5)
+
+
+def test_split_batches_are_all_stored_before_the_commit(tmp_path, helpers):
+    batch = BatchProcessor(send_batch_size=100, send_batch_max_size=100, timeout="1h", clock=Clock())
+    worker, queue, wal, exporter = _setup(tmp_path, batch)
+    try:
+        last = 0
+        for i in range(5):
+            last = _send(helpers, queue, wal, 30, i * 30)  # 150 spans: 100 now, 50 held
+        assert worker.flush()
+        assert _stored(tmp_path) == 120  # a batch of 100, and the 20 split off it at the tick
+        assert exporter.read_meta(KEY) == str(last - 1)  # the 5th request is not all in
+    finally:
+        assert worker.stop(5)
+    assert _stored(tmp_path) == 150  # shutdown drains the rest
+    assert exporter.read_meta(KEY) == str(last)
