@@ -221,7 +221,9 @@ def test_sigkill_of_one_rank_loses_nothing_from_the_others():
         numbered = steps[rank]
         assert sorted(numbered) == list(range(max(numbered) + 1)), f"rank {rank} has gaps"
         last = numbered[max(numbered)]
-        assert last["status_code"] == 2 and "SIGTERM" in last["status_message"]
+        # the survivors fail (gloo: peer closed) or get torchrun's SIGTERM: either way
+        # the step in progress arrives marked ERROR
+        assert last["status_code"] == 2, last
     late_beats = [s for s in by_name(spans, "flare.heartbeat")
                   if rank_of(s) == 2 and s["start_ns"] > killed_at + 1e9]
     assert not late_beats
