@@ -1,0 +1,74 @@
+"""`flare run`: real embedded collector, real OTLP from a child process, exit status,
+write-back and forwarding (to a second real collector standing in for Jaeger/Tempo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flare.collector.config import embedded_config
+from flare.collector.service import Collector
+from flare.exporters import store as flare_store
+
+FLARE = str(Path(sys.executable).parent / "flare")
+EMIT = str(Path(__file__).with_name("emit_steps.py"))
+
+
+def _run(args, cwd, timeout=120):
+    return subprocess.run([FLARE, "run", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def _anomaly_spans(path) -> list[dict]:
+    con = flare_store.open_reader(path)
+    try:
+        rows = con.execute("SELECT attributes, links FROM spans WHERE name = 'flare.anomaly'").fetchall()
+    finally:
+        con.close()
+    return [{"attributes": json.loads(a), "links": json.loads(link)} for a, link in rows]
+
+
+def test_run_diagnoses_writes_back_and_forwards(tmp_path):
+    upstream_store = tmp_path / "upstream.duckdb"
+    upstream = Collector(embedded_config(upstream_store))
+    upstream.start()
+    try:
+        result = _run(["--job", "emit", "--format", "json", "--otlp-forward", f"http://{upstream.grpc_endpoint}",
+                       "--", sys.executable, EMIT, "3"], cwd=tmp_path)
+        upstream.flush()
+    finally:
+        upstream.stop(10)
+    assert result.returncode == 3, result.stderr  # the command's own status
+    report = json.loads(result.stdout)
+    assert report["job"] == "emit"
+    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
+    assert stragglers and stragglers[0]["ranks"] == [3] and stragglers[0]["cause"] == "compute"
+    assert stragglers[0]["first_step"] == 10
+    local = _anomaly_spans(tmp_path / ".flare" / "store.duckdb")
+    forwarded = _anomaly_spans(upstream_store)
+    assert {s["attributes"]["flare.anomaly.kind"] for s in local} >= {"straggler"}
+    assert len(forwarded) == len(local) == len(report["anomalies"])
+    assert all(s["links"] for s in local)
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--bogus", "--", "true"], 2, "unrecognized arguments: --bogus"),
+    ([], 2, "no command to run"),
+    (["--", "/no/such/command"], 1, "command not found: /no/such/command"),
+    (["--otlp-forward", "http://127.0.0.1:9", "--", "true"], 1, "is unreachable"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, args, code, message):
+    result = _run(args, cwd=tmp_path, timeout=60)
+    assert result.returncode == code
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if "error" in line]) == 1
+
+
+def test_a_command_that_sends_nothing_keeps_its_status(tmp_path):
+    result = _run(["--", sys.executable, "-c", "raise SystemExit(5)"], cwd=tmp_path)
+    assert result.returncode == 5
+    assert "sent no spans" in result.stderr
