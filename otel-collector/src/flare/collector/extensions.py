@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +38,9 @@ class _Server(ThreadingHTTPServer):
         self.name = name
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, _Handler)
+
+    def handle_error(self, request, client_address) -> None:
+        log.warning("%s connection from %s failed: %s", self.name, client_address[0], sys.exc_info()[1])
 
     def finish_request(self, request, client_address) -> None:
         if self.ssl_ctx is not None:

@@ -83,6 +83,10 @@ class GrpcReceiver:
                     code, number = grpc.StatusCode.UNAVAILABLE, code_pb2.UNAVAILABLE
                 context.set_trailing_metadata(_retry_trailers(refused, number))
                 context.abort(code, refused.reason)
+            except Exception as exc:  # a bug: one log line and INTERNAL, not a traceback
+                self.counters.add("internal_errors", transport="grpc")
+                log.error("OTLP/gRPC export failed: %s", exc)
+                context.abort(grpc.StatusCode.INTERNAL, "internal error in the collector")
             return response.SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(export)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 import threading
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,6 +69,12 @@ class _Server(ThreadingHTTPServer):
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
         super().__init__(address, handler)
+
+    def handle_error(self, request, client_address) -> None:
+        # One line instead of the stdlib's traceback on stderr.
+        exc = sys.exc_info()[1]
+        self.receiver.counters.add("connection_errors", transport="http")
+        log.warning("OTLP/HTTP connection from %s failed: %s", client_address[0], exc)
 
     def finish_request(self, request, client_address) -> None:
         # The TLS handshake runs here, on the connection's own thread, so a slow or
@@ -131,6 +138,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         except ConnectionError:
             self.close_connection = True
+            return
+        except Exception as exc:  # a bug: one log line and a 500, not a traceback
+            receiver.counters.add("internal_errors", transport="http")
+            log.error("OTLP/HTTP export failed: %s", exc)
+            self._status(500, code_pb2.INTERNAL, "internal error in the collector", is_json)
             return
         self._send(200, otlp_json.dumps(response) if is_json else response.SerializeToString(),
                    _JSON if is_json else _PROTOBUF)

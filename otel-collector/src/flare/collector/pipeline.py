@@ -8,9 +8,11 @@ takes a `commit_marker`, i.e. `flare_store` — with the log position everything
 which they now hold, and frees the write-ahead log behind the lowest such position.
 
 The committed position is exact, not a guess: each request carries its lsn through
-the processors; a processor of a buffering type (`batch`) holds the lsns fed to it
-while it reports pending data, and the commit never passes the oldest held lsn.
-Other processors returning None have dropped the request on purpose (and count it).
+the processors. A processor of a buffering type (`batch`, first-in first-out) holds
+the lsns fed to it, with their span counts; as it emits spans, the oldest held
+requests are used up first and an lsn moves on with the output that carries its last
+span. The commit never passes the oldest lsn still held. Other processors returning
+None have dropped the request on purpose (and count it).
 
 Forwarding exporters (`otlp`) queue and send on their own threads; the worker never
 waits for them except at shutdown, within the deadline, so a dead forward target
@@ -23,6 +25,7 @@ import inspect
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,25 +54,46 @@ def is_durable(exporter: Any) -> bool:
 
 
 @dataclass
+class _HeldUnit:
+    lsns: list[int]
+    remaining: int  # spans of this unit not yet emitted
+
+
+@dataclass
 class Stage:
     id: str
     type: str
     processor: Any
-    held: list[int] = field(default_factory=list)  # lsns inside a buffering processor
+    held: deque[_HeldUnit] = field(default_factory=deque)  # inside a buffering processor
 
     @property
     def buffers(self) -> bool:
         return self.type in BUFFERING_PROCESSOR_TYPES
 
-    def still_buffering(self) -> bool:
-        """Whether data fed to this stage is still inside it.
+    def hold(self, lsns: list[int], spans: int) -> None:
+        if lsns:
+            self.held.append(_HeldUnit(lsns, spans))
 
-        A buffering processor that reports `pending_spans()` is trusted on it (an
-        emitted batch may leave split-off pieces that the next tick sends, and every
-        flush cycle ticks before it commits); otherwise only "it emitted" counts.
+    def release(self, spans: int) -> list[int]:
+        """The lsns whose spans are all out once `spans` more have been emitted.
+
+        A buffering processor is first-in first-out (a batch appends requests and
+        emits, or splits, in arrival order), so emitted spans use up the oldest held
+        requests first: an lsn is released exactly when its last span has left.
         """
-        pending = getattr(self.processor, "pending_spans", None)
-        return bool(pending()) if callable(pending) else False
+        released: list[int] = []
+        while self.held and (spans > 0 or self.held[0].remaining == 0):
+            unit = self.held[0]
+            used = min(spans, unit.remaining)
+            unit.remaining -= used
+            spans -= used
+            if unit.remaining:
+                break
+            released.extend(self.held.popleft().lsns)
+        return released
+
+    def oldest_held(self) -> int | None:
+        return min(self.held[0].lsns) if self.held else None
 
 
 class Pipeline:
@@ -105,33 +129,29 @@ class Pipeline:
             self._emit(index, stage.processor.shutdown() or [])
 
     def oldest_held(self) -> int | None:
-        held = [lsn for stage in self.stages for lsn in stage.held]
+        held = [lsn for stage in self.stages if (lsn := stage.oldest_held()) is not None]
         return min(held) if held else None
 
     def _emit(self, index: int, outputs: list[Any]) -> None:
         stage = self.stages[index]
-        released: list[int] = []
-        if stage.held and not stage.still_buffering():
-            released, stage.held = stage.held, []
         for output in outputs:
-            self._run(output, released, index + 1)
-            released = []
+            lsns = stage.release(_span_count(output)) if stage.buffers else []
+            self._run(output, lsns, index + 1)
 
     def _run(self, request: Any, lsns: list[int], start: int) -> None:
         for index in range(start, len(self.stages)):
             stage = self.stages[index]
-            if isinstance(request, ExportTraceServiceRequest):
+            traces = isinstance(request, ExportTraceServiceRequest)
+            if stage.buffers and traces:
+                stage.hold(lsns, _span_count(request))
+            if traces:
                 out = stage.processor.process_traces(request)
             else:
                 out = stage.processor.process_metrics(request)
-            if stage.buffers:
-                if out is None or stage.still_buffering():
-                    stage.held.extend(lsns)
-                    lsns = []
-                else:
-                    lsns, stage.held = stage.held + lsns, []
+            if stage.buffers and traces:
+                lsns = stage.release(_span_count(out)) if out is not None else []
             if out is None:
-                if not stage.buffers:
+                if not (stage.buffers and traces):
                     self.counters.add("processor_dropped_requests", processor=stage.id)
                 return
             request = out
@@ -382,6 +402,10 @@ def _shutdown_one(exporter_id: str, exporter: Any) -> None:
         exporter.shutdown()
     except Exception as exc:
         log.error("exporter %s failed to shut down: %s", exporter_id, exc)
+
+
+def _span_count(request: Any) -> int:
+    return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
 
 def parse_record(signal: int, payload: bytes) -> Any:
