@@ -126,17 +126,17 @@ def diagnose_command(args: argparse.Namespace) -> int:
     spec = backend_spec(args)
     backend = open_user_backend(spec)
     try:
-        job = pick_job(backend, args.job)
         config = DiagnosisConfig()
         if args.baseline_job:
             config.baseline = backend.job_data(pick_job(backend, args.baseline_job))
-        if args.follow:
+        if args.follow:  # the service waits for the job (or the only job) to appear
             from flare.diagnostics import follow
 
             if not args.output:
-                return follow.main(spec, job, config, args.interval, args.otlp_endpoint, sys.stdout)
+                return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, sys.stdout)
             with open(args.output, "w", encoding="utf-8") as out:
-                return follow.main(spec, job, config, args.interval, args.otlp_endpoint, out)
+                return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, out)
+        job = pick_job(backend, args.job)
         job_data = backend.job_data(job)
         try:
             diagnosis = pipeline.diagnose(job_data, config)

@@ -14,7 +14,7 @@ from flare.diagnostics.stats import nanmedian, runs
 _MIN_SHARE = 0.10
 # ...and is this many times the rank's usual (or the job's usual) value for it.
 _MIN_RATIO = 3.0
-_MIN_DENSITY = 0.6
+_MIN_DENSITY = 0.8
 
 
 def share_anomalies(frame: frames.StepFrame, config: DiagnosisConfig, component: str,
@@ -29,11 +29,13 @@ def share_anomalies(frame: frames.StepFrame, config: DiagnosisConfig, component:
     usual = float(np.nanpercentile(values[:, warm], 25)) if np.isfinite(values[:, warm]).any() else 0.0
     floor = max(usual, 0.5)
     stalled = (values >= _MIN_SHARE * step_ms[None, :]) & (values >= _MIN_RATIO * floor) & warm[None, :]
-    persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
+    # A symptom label needs twice the usual persistence, counted in stalled steps:
+    # on a busy host any rank's loader has bursts of several slow fetches.
+    persist = max(2, math.ceil(2 * config.min_persist_steps / frame.bucket))
     per_rank: dict[int, list[tuple[int, int]]] = {}
     for row in range(len(frame.ranks)):
         spans = [(a, b) for a, b in runs(stalled[row], max_gap=2)
-                 if b - a + 1 >= persist and stalled[row, a:b + 1].mean() >= _MIN_DENSITY]
+                 if stalled[row, a:b + 1].sum() >= persist and stalled[row, a:b + 1].mean() >= _MIN_DENSITY]
         if spans:
             per_rank[int(frame.ranks[row])] = spans
     if not per_rank:
