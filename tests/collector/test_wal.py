@@ -105,3 +105,13 @@ def test_identity_is_stable_per_directory(tmp_path):
     assert WriteAheadLog(tmp_path / "a").load_identity() == first
     assert WriteAheadLog(tmp_path / "b").load_identity() != first
     assert os.path.exists(tmp_path / "a" / "ID")
+
+
+def test_one_collector_per_log(tmp_path):
+    from flare.collector.errors import StartError
+
+    first = _open(tmp_path)
+    with pytest.raises(StartError, match="in use by another collector"):
+        _open(tmp_path)
+    first.close()
+    _open(tmp_path).close()  # free again once the first one closed

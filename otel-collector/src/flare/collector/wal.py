@@ -19,6 +19,7 @@ any other corrupt record ends its segment's replay, both logged and counted.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from flare.collector.errors import ConfigError
+from flare.collector.errors import ConfigError, StartError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class WriteAheadLog:
         self._committed_lsn = 0
         self.corrupt_records = 0  # records skipped because their bytes were damaged
         self.identity = ""  # random id of this log, part of the store's marker key
+        self._lock_fd: int | None = None
 
     # ------------------------------------------------------------------ start-up
     def load_identity(self) -> str:
@@ -115,6 +117,7 @@ class WriteAheadLog:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create WAL directory {self.directory}: {exc.strerror}")
+        self._lock_directory()
         self._committed_lsn = committed_lsn
         paths = sorted(self.directory.glob("*" + _SUFFIX))
         last_seen = committed_lsn
@@ -196,6 +199,22 @@ class WriteAheadLog:
     def close(self) -> None:
         with self._lock:
             self._close_fd()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+    def _lock_directory(self) -> None:
+        """One collector per log: a second one would replay and free the first's records."""
+        fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StartError(
+                f"write-ahead log {self.directory} is in use by another collector "
+                "(give each collector its own store and flare_wal directory)"
+            ) from None
+        self._lock_fd = fd
 
     # ------------------------------------------------------------------ internals
     def _start_segment(self) -> None:
