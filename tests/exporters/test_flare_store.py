@@ -20,7 +20,7 @@ from opentelemetry.proto.common.v1.common_pb2 import (
 from opentelemetry.proto.metrics.v1 import metrics_pb2 as mpb
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
 
-from flare.exporters import REGISTRY, store
+from flare.exporters import REGISTRY, otlp_columns, store
 from flare.exporters.flare_store import FlareStoreExporter
 from flare.instrumentation import semconv as sc
 
@@ -39,6 +39,14 @@ def i(v: int) -> AnyValue:
 
 def d(v: float) -> AnyValue:
     return AnyValue(double_value=v)
+
+
+@pytest.fixture(autouse=True, params=["c_decoder", "python_reference"])
+def decoder(request, monkeypatch):
+    """Every test runs with the C decoder (when built) and with the Python reference."""
+    if request.param == "python_reference":
+        monkeypatch.setattr(otlp_columns, "_otlp_fast", None)
+    return request.param
 
 
 RESOURCE = [

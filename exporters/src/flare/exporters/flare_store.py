@@ -9,6 +9,11 @@ exactly which log position it already holds (replay is exactly-once).
 
 A flush that fails (store held by a reader past the timeout, disk full) keeps every
 buffered row for the next flush and raises `store.StoreError`.
+
+Flush size matters for cost: DuckDB writes an insert of at least one row group
+(122,880 rows) straight into the file, while a smaller one is written twice (WAL at
+commit, then the file at checkpoint when the connection closes); see
+docs/store-schema.md for the measured difference.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ import pyarrow as pa
 
 from flare.exporters import store
 from flare.exporters.otlp_columns import MetricColumns, SpanColumns
+from flare.processors import options
 
 
 class FlareStoreExporter:
-    def __init__(self, path: str | os.PathLike[str], timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], timeout_s: float = 10.0, threads: int = 1
+    ) -> None:
         if not str(path):
             raise ValueError("flare_store needs a non-empty `path`")
         self.path = os.fspath(path)
         self.timeout_s = float(timeout_s)
+        # One DuckDB thread per flush: an insert of already-columnar data gains little
+        # from more, and the collector host's other cores are for receiving.
+        self.threads = options.count(threads, "flare_store.threads", minimum=1)
         self._lock = threading.Lock()  # guards the buffers, not the file
         self._flush_lock = threading.Lock()  # one flush at a time keeps row order
         self._spans = SpanColumns()
@@ -47,6 +58,13 @@ class FlareStoreExporter:
 
     # ------------------------------------------------------------ pipeline side
     def export_traces(self, request: Any) -> None:
+        """Buffer a request: an `ExportTraceServiceRequest`, or its serialized bytes
+        (cheaper when the caller still has them, e.g. a receiver or a WAL replay).
+        Bytes that are not a request raise ValueError and buffer nothing."""
+        if isinstance(request, (bytes, bytearray, memoryview)):
+            with self._lock:
+                self._spans.add_payload(bytes(request))
+            return
         with self._lock:
             self._spans.add_request(request)
 
@@ -97,6 +115,7 @@ class FlareStoreExporter:
         written_spans = written_points = 0
         try:
             with store.writer(self.path, timeout_s=self.timeout_s) as con:
+                con.execute(f"SET threads = {self.threads}")
                 con.begin()
                 try:
                     for table in span_tables:

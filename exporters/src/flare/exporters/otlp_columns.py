@@ -24,6 +24,11 @@ import pyarrow as pa
 from flare.exporters import store
 from flare.instrumentation import semconv
 
+try:  # the C decoder built with the package; the Python code below is its reference
+    from flare.exporters import _otlp_fast
+except ImportError:  # no compiler where it was installed: same output, ~10x slower
+    _otlp_fast = None
+
 _SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
 _EMPTY_LIST_JSON = "[]"
 _EMPTY_OBJECT_JSON = "{}"
@@ -121,20 +126,71 @@ class SpanColumns:
     """Accumulates spans of many requests as Python columns; `table()` makes Arrow."""
 
     __slots__ = (
-        "attributes", "duration_ns", "end_ns", "events", "host", "job", "kind", "links",
-        "name", "parent_span_id", "pid", "rank", "resource", "service", "span_id",
+        "_resource_index", "_resource_of_span", "attributes", "duration_ns", "end_ns",
+        "events", "kind", "links", "name", "parent_span_id", "pid", "rank", "span_id",
         "start_ns", "status_code", "status_message", "step", "trace_id",
     )
+    # Columns that hold one value per resource (process): kept as dictionary indices,
+    # which makes both the Arrow build and DuckDB's insert cheaper than repeating a
+    # ~400-byte resource JSON string on every span.
+    RESOURCE_COLUMNS = ("job", "service", "host", "resource")
 
     def __init__(self) -> None:
         for column in self.__slots__:
             setattr(self, column, [])
+        self._resource_index: dict[tuple[str, str, str | None, str], int] = {}
 
     def __len__(self) -> int:
         return len(self.span_id)
 
     def add_request(self, request: Any) -> int:
         """Append every span of an `ExportTraceServiceRequest`; returns the count."""
+        if _otlp_fast is not None:
+            return self.add_payload(request.SerializeToString())
+        return self.add_request_python(request)
+
+    def add_payload(self, payload: bytes) -> int:
+        """Append every span of a serialized `ExportTraceServiceRequest`.
+
+        Raises ValueError for bytes that are not one; nothing is appended then.
+        """
+        if _otlp_fast is None:
+            from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+                ExportTraceServiceRequest,
+            )
+
+            try:
+                request = ExportTraceServiceRequest.FromString(payload)
+            except Exception as exc:
+                raise ValueError(f"malformed OTLP ExportTraceServiceRequest: {exc}") from None
+            return self.add_request_python(request)
+        resources = _otlp_fast.decode_traces(
+            payload,
+            (
+                self.trace_id, self.span_id, self.parent_span_id, self.name, self.kind,
+                self.start_ns, self.end_ns, self.duration_ns, self.status_code,
+                self.status_message, self.step, self.rank, self.attributes, self.events,
+                self.links,
+            ),
+        )
+        added = 0
+        for resource_attrs, count in resources:
+            job, service, _ = resource_identity(resource_attrs)
+            self._extend_resource(resource_attrs, job, service, count)
+            added += count
+        return added
+
+    def _extend_resource(
+        self, resource_attrs: dict[str, Any], job: str, service: str, count: int
+    ) -> None:
+        host = resource_attrs.get(semconv.HOST_NAME)
+        key = (job, service, None if host is None else str(host), to_json(resource_attrs))
+        index = self._resource_index.setdefault(key, len(self._resource_index))
+        self._resource_of_span.extend([index] * count)
+        self.pid.extend([_as_int(resource_attrs.get(semconv.PROCESS_PID))] * count)
+
+    def add_request_python(self, request: Any) -> int:
+        """The reference implementation of `add_payload`, on a parsed request."""
         added = 0
         step_key = semconv.STEP
         rank_key = semconv.RANK
@@ -149,9 +205,6 @@ class SpanColumns:
         for resource_spans in request.resource_spans:
             resource_attrs = attributes_dict(resource_spans.resource.attributes)
             job, service, resource_rank = resource_identity(resource_attrs)
-            host = resource_attrs.get(semconv.HOST_NAME)
-            pid = _as_int(resource_attrs.get(semconv.PROCESS_PID))
-            resource_json = to_json(resource_attrs)
             count = 0
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
@@ -186,19 +239,23 @@ class SpanColumns:
                     events_col.append(_events_json(span.events) if span.events else _EMPTY_LIST_JSON)
                     links_col.append(_links_json(span.links) if span.links else _EMPTY_LIST_JSON)
                     count += 1
-            self.job.extend([job] * count)
-            self.service.extend([service] * count)
-            self.host.extend([host] * count)
-            self.pid.extend([pid] * count)
-            self.resource.extend([resource_json] * count)
+            self._extend_resource(resource_attrs, job, service, count)
             added += count
         return added
 
     def table(self) -> pa.Table:
-        arrays = [
-            pa.array(getattr(self, column), type=typ) for column, _, typ in store.SPAN_COLUMNS
-        ]
-        return pa.Table.from_arrays(arrays, schema=store.SPAN_SCHEMA)
+        """An Arrow table with the store's span columns (resource columns dictionary-encoded)."""
+        indices = pa.array(self._resource_of_span, type=pa.int32())
+        resources = list(self._resource_index)  # insertion order is index order
+        arrays = []
+        for column, _, typ in store.SPAN_COLUMNS:
+            if column in self.RESOURCE_COLUMNS:
+                position = self.RESOURCE_COLUMNS.index(column)
+                dictionary = pa.array([r[position] for r in resources], type=pa.string())
+                arrays.append(pa.DictionaryArray.from_arrays(indices, dictionary))
+            else:
+                arrays.append(pa.array(getattr(self, column), type=typ))
+        return pa.Table.from_arrays(arrays, names=[c for c, _, _ in store.SPAN_COLUMNS])
 
 
 class MetricColumns:

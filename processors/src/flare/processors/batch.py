@@ -104,7 +104,8 @@ class BatchProcessor(Processor):
         return out
 
     def pending_spans(self) -> int:
-        return self._pending_spans
+        """Spans held here: the open batch plus split-off pieces the next tick sends."""
+        return self._pending_spans + sum(span_count(r) for r in self._ready)
 
     def metrics(self) -> dict[str, float]:
         out = dict(self._counters)
