@@ -142,6 +142,9 @@ def test_complete_step_emits_at_once_with_culprit_not_longest_step():
     assert attrs[sc.RANKS_MEDIAN_WAIT_MS] == pytest.approx(292.5)
     (span,) = [s for _, s in emitted(outputs) if s.name == sc.SPAN_STEP_RANKS]
     assert span.trace_id == sc.step_trace_id(JOB, 7).to_bytes(16, "big")
+    # It is the root every rank's train.step names as parent.
+    assert span.span_id == sc.step_root_span_id(JOB, 7).to_bytes(8, "big")
+    assert not span.parent_span_id
     assert len(span.links) == 4
     assert {link.attributes[0].value.int_value for link in span.links} == {0, 1, 2, 3}
     assert proc.metrics()["steps_complete"] == 1
@@ -241,7 +244,10 @@ def test_collective_spans_arrival_skew_last_and_missing():
     arrivals = {0: 10.0, 1: 12.0, 2: 95.0, 3: 11.0}
     outs = [proc.process_traces(request(r, [collective_span(100, "0", 42, arrivals[r], 4)]))
             for r in (2, 0, 3, 1)]
-    (attrs,) = [a for a, s in emitted(outs) if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    ((attrs, span),) = [(a, s) for a, s in emitted(outs) if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    assert span.parent_span_id == sc.step_root_span_id(JOB, 100).to_bytes(8, "big")
+    assert span.trace_id == sc.step_trace_id(JOB, 100).to_bytes(16, "big")
+    assert len(span.links) == 4
     assert attrs[sc.RANKS_LAST_ARRIVAL] == 2
     assert attrs[sc.RANKS_ARRIVAL_SKEW_MS] == pytest.approx(85.0)
     assert attrs[sc.RANKS_CLOSED_BY] == "complete"

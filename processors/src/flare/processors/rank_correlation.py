@@ -23,7 +23,9 @@ opening a new window. Jobs silent for `window` are forgotten.
 Spans emitted when a window completes are appended to the request being processed
 (latency is the processing time of that request); those closed by time come out of
 `tick`. Emitted spans have ids derived from (job, step) / (job, pg, seq), so a replay
-re-emits identical spans.
+re-emits identical spans; a `train.step.ranks` span takes the id every rank's
+`train.step` already names as its parent (`semconv.step_root_span_id`), so it is the
+root of the step's trace.
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ class JobState:
     ranks: dict[int, RankHealth] = field(default_factory=dict)
     pg_members: dict[str, set[int]] = field(default_factory=dict)
     pg_member_count: int = 0
+
+
+def _step_root(job: str, step: int) -> bytes:
+    return sc.step_root_span_id(job, step).to_bytes(8, "big")
 
 
 def _bitmap(ranks: Iterable[int]) -> bytearray:
@@ -493,7 +499,9 @@ class RankCorrelation(Processor):
             win, step, self._expected(job), closed_by, pgs, self.max_pg_detail, hanging
         )
         trace_id = self._step_trace_id(job, win)
-        step_span_id = derived_span_id(job.job, step, sc.SPAN_STEP_RANKS)
+        # The id every rank's train.step names as its parent: this span becomes the
+        # root of the step's trace in Jaeger/Tempo.
+        step_span_id = _step_root(job.job, step)
         span = Span(
             trace_id=trace_id, span_id=step_span_id, name=sc.SPAN_STEP_RANKS,
             kind=Span.SPAN_KIND_INTERNAL,
@@ -546,7 +554,7 @@ class RankCorrelation(Processor):
         trace_ids = {a.trace_id for a in arrivals}
         if win.step is not None:
             trace_id = sc.step_trace_id(job.job, win.step).to_bytes(16, "big")
-            parent = derived_span_id(job.job, win.step, sc.SPAN_STEP_RANKS)
+            parent = _step_root(job.job, win.step)
         else:
             trace_id = next(iter(trace_ids))
             parent = b""
