@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import traceback
 
@@ -25,15 +26,23 @@ def add_plumbing_dir(package_file: str) -> None:
         _PLUMBING_DIRS = (*_PLUMBING_DIRS, path)
 
 
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
 def _is_plumbing(filename: str) -> bool:
-    return filename.startswith(_PLUMBING_DIRS)
+    if filename.startswith(_PLUMBING_DIRS):
+        return True
+    # the standard library (threading, queue, selectors) but not site-packages under it
+    return filename.startswith(_STDLIB) and "site-packages" not in filename
 
 
 def user_frame(frame):
-    """The innermost frame, starting at `frame`, outside torch and Flare."""
+    """The innermost frame, starting at `frame`, outside torch, Flare and the standard
+    library; the innermost frame itself when every frame is plumbing."""
+    innermost = frame
     while frame is not None and _is_plumbing(frame.f_code.co_filename):
         frame = frame.f_back
-    return frame
+    return frame if frame is not None else innermost
 
 
 def caller_site(depth: int = 2) -> tuple[str, int, str] | None:

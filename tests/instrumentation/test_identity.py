@@ -1,0 +1,108 @@
+"""Job id chain, the c10d-store agreement, and the `flare` resource detector."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from opentelemetry.sdk.resources import Resource
+
+from flare.instrumentation import identity, semconv
+from flare.instrumentation.resource import FlareResourceDetector
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("FLARE_", "TORCHELASTIC", "SLURM", "MASTER_", "OTEL_")) or key in (
+                "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK"):
+            monkeypatch.delenv(key)
+    identity.current_identity.cache_clear()
+    yield monkeypatch
+    identity.current_identity.cache_clear()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_job_id_chain(clean_env):
+    clean_env.setenv("SLURM_JOB_ID", "4242")
+    assert identity.resolve_job_id() == "4242"
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's placeholder: skipped
+    assert identity.resolve_job_id() == "4242"
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    assert identity.resolve_job_id() == "run-7"
+    clean_env.setenv("FLARE_JOB_ID", "explicit")
+    assert identity.resolve_job_id() == "explicit"
+
+
+def test_ranks_agree_on_a_job_id_through_the_c10d_store(clean_env):
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(port))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(identity.resolve_job_id()))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and len(set(results)) == 1
+    assert server.get(identity.STORE_KEY_JOB_ID).decode() == results[0]
+
+
+def test_job_id_without_a_store_is_still_shared(clean_env, caplog):
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))  # nobody listens
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setattr(identity, "STORE_TIMEOUT_S", 0.5)
+    first = identity.resolve_job_id()
+    assert first == identity.resolve_job_id() and first.startswith("job-")
+    assert any("c10d store" in r.getMessage() for r in caplog.records)
+
+
+def test_detector_describes_the_rank(clean_env):
+    clean_env.setenv("RANK", "3")
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("GROUP_RANK", "1")
+    clean_env.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    clean_env.setenv("FLARE_JOB_ID", "job-x")
+    clean_env.setenv("OTEL_SERVICE_NAME", "trainer")
+    attributes = FlareResourceDetector().detect().attributes
+    assert attributes[semconv.RANK] == 3
+    assert attributes[semconv.LOCAL_RANK] == 1
+    assert attributes[semconv.WORLD_SIZE] == 4
+    assert attributes[semconv.NODE_RANK] == 1
+    assert attributes[semconv.RESTART_COUNT] == 2
+    assert attributes[semconv.JOB_ID] == "job-x"
+    assert attributes[semconv.SERVICE_NAME] == "trainer"
+    assert attributes[semconv.PROCESS_PID] == os.getpid()
+    assert attributes[semconv.HOST_NAME] == socket.gethostname()
+
+
+def test_detector_is_empty_outside_a_rank(clean_env):
+    assert FlareResourceDetector().detect().attributes == {}
+
+
+def test_sdk_runs_the_detector_from_its_entry_point(clean_env):
+    clean_env.setenv("RANK", "2")
+    clean_env.setenv("FLARE_JOB_ID", "job-y")
+    clean_env.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", "otel,flare")
+    resource = Resource.create()
+    assert resource.attributes[semconv.RANK] == 2
+    assert resource.attributes[semconv.JOB_ID] == "job-y"
+    # without the opt-in the SDK does not run it (the instrumentor then puts the rank
+    # on its spans; see test_instrumentor)
+    clean_env.delenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS")
+    identity.current_identity.cache_clear()
+    assert semconv.RANK not in Resource.create().attributes

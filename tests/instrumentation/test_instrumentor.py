@@ -1,0 +1,417 @@
+"""Unit tests: the instrumentor in this process, a real TracerProvider and an in-memory
+exporter, a real (world-size 1) gloo process group."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from torch.utils.data import DataLoader, TensorDataset
+
+import flare.instrumentation as flare_instrumentation
+from flare.instrumentation import identity, semconv, torch_training
+from flare.instrumentation.config import SLOW_CHILD_MS
+from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+
+JOB = "unit-job"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def rank_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("FLARE_", "TORCHELASTIC", "SLURM")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("FLARE_JOB_ID", JOB)
+    monkeypatch.setenv("FLARE_HEARTBEAT_S", "0")
+    monkeypatch.setenv("FLARE_DETAIL_EVERY", "2")
+    # These tests cover this layer alone; the GPU layer's own tests cover its modules
+    # (test_gpu_layer_hooks checks the contract between the two).
+    monkeypatch.setattr(torch_training, "GPU_LAYER_MODULES", ())
+    identity.current_identity.cache_clear()
+    yield monkeypatch
+    identity.current_identity.cache_clear()
+
+
+def make_provider(resource_attributes=None):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource(resource_attributes or {"service.name": "t"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@pytest.fixture
+def instrumented(rank_env):
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    yield exporter
+    instrumentor.uninstrument()
+
+
+def train(steps: int, batch_size: int = 4):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(steps * batch_size, 8), torch.randn(steps * batch_size, 2))
+    for features, target in DataLoader(data, batch_size=batch_size):
+        loss = torch.nn.functional.mse_loss(model(features), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def finished(exporter, name):
+    return [s for s in exporter.get_finished_spans() if s.name == name]
+
+
+def test_optimizer_steps_become_step_spans_with_a_shared_trace_id(instrumented):
+    train(5)
+    steps = finished(instrumented, semconv.SPAN_STEP)
+    # the sixth step opened after the last optimizer step never completes: not exported
+    assert [s.attributes[semconv.STEP] for s in steps] == [0, 1, 2, 3, 4]
+    for span in steps:
+        number = span.attributes[semconv.STEP]
+        assert span.context.trace_id == semconv.step_trace_id(JOB, number)
+        assert span.parent.span_id == semconv.step_root_span_id(JOB, number)
+        assert span.attributes[semconv.STEP_DETAIL] == (number % 2 == 0)
+        assert span.attributes[semconv.STEP_DATALOADER_COUNT] == 1
+        assert span.attributes[semconv.STEP_BACKWARD_MS] > 0
+        # the resource has no flare.rank, so the rank travels on the span
+        assert span.attributes[semconv.RANK] == 0
+        assert span.attributes[semconv.JOB_ID] == JOB
+    for before, after in itertools.pairwise(steps):
+        assert before.end_time == after.start_time  # a step ends where the next begins
+    loader = finished(instrumented, semconv.SPAN_DATALOADER)
+    by_id = {s.context.span_id: s for s in steps}
+    assert sorted(by_id[s.parent.span_id].attributes[semconv.STEP] for s in loader) == [0, 2, 4]
+    assert all(s.attributes[semconv.DATALOADER_WORKERS] == 0 for s in loader)
+
+
+def test_rank_stays_on_the_resource_when_the_detector_ran(rank_env):
+    provider, exporter = make_provider({"service.name": "t", semconv.RANK: 0})
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        train(2)
+    finally:
+        instrumentor.uninstrument()
+    steps = finished(exporter, semconv.SPAN_STEP)
+    assert steps and all(semconv.RANK not in s.attributes for s in steps)
+
+
+def test_uninstrument_restores_every_patch(rank_env):
+    from torch.distributed import distributed_c10d
+    from torch.optim import optimizer as optim_module
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    originals = (torch.autograd.backward, _BaseDataLoaderIter.__next__, dist.all_reduce,
+                 distributed_c10d.all_reduce, distributed_c10d.Work.wait, torch.save,
+                 sys.excepthook, threading.excepthook, list(gc.callbacks),
+                 len(optim_module._global_optimizer_pre_hooks),
+                 len(optim_module._global_optimizer_post_hooks),
+                 signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2))
+    provider, _ = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    assert torch.autograd.backward is not originals[0]
+    assert dist.all_reduce is not originals[2]
+    instrumentor.uninstrument()
+    after = (torch.autograd.backward, _BaseDataLoaderIter.__next__, dist.all_reduce,
+             distributed_c10d.all_reduce, distributed_c10d.Work.wait, torch.save,
+             sys.excepthook, threading.excepthook, list(gc.callbacks),
+             len(optim_module._global_optimizer_pre_hooks),
+             len(optim_module._global_optimizer_post_hooks),
+             signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR2))
+    assert after == originals
+    assert flare_instrumentation.active_runtime() is None
+
+
+def test_no_op_outside_a_training_rank(rank_env):
+    rank_env.delenv("RANK")
+    before = torch.autograd.backward
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        assert torch.autograd.backward is before
+        train(2)
+        assert exporter.get_finished_spans() == ()
+    finally:
+        instrumentor.uninstrument()
+
+
+def test_explicit_step_context_manager_and_error_with_call_site(instrumented):
+    model = torch.nn.Linear(4, 1)
+    for _ in range(3):
+        with flare_instrumentation.step():
+            model(torch.randn(2, 4)).sum().backward()
+
+    def load_shard():
+        raise RuntimeError("corrupt shard 3")
+
+    with pytest.raises(RuntimeError), flare_instrumentation.step():
+        load_shard()
+    steps = finished(instrumented, semconv.SPAN_STEP)
+    assert [s.attributes[semconv.STEP] for s in steps] == [0, 1, 2, 3]
+    failed = steps[-1]
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes[semconv.CODE_CALLSITE].endswith("in load_shard")
+    assert failed.events[0].name == "exception"
+    assert failed.events[0].attributes["exception.type"] == "RuntimeError"
+
+
+def test_traced_functions_and_malformed_entries(rank_env, caplog):
+    rank_env.setenv("FLARE_DETAIL_EVERY", "1")
+    rank_env.setenv("FLARE_TRACED_FUNCTIONS",
+                    "json:dumps, not-an-entry ,no_such_module_xyz:f,os.path:join")
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    with caplog.at_level(logging.WARNING):
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+        try:
+            import json
+
+            model = torch.nn.Linear(2, 1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(torch.randn(1, 2)).sum().backward()
+                json.dumps({"a": 1})
+                os.path.join("a", "b")
+                optimizer.step()
+        finally:
+            instrumentor.uninstrument()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("not-an-entry" in w for w in warnings) == 1
+    assert sum("no_such_module_xyz:f" in w for w in warnings) == 1
+    calls = finished(exporter, semconv.SPAN_PYTHON_CALL)
+    names = {s.attributes[semconv.CODE_FUNCTION] for s in calls}
+    assert {"json.dumps", "os.path.join"} <= names
+    dumps = next(s for s in calls if s.attributes[semconv.CODE_FUNCTION] == "json.dumps")
+    assert dumps.attributes[semconv.CODE_FILEPATH] == __file__
+    step = finished(exporter, semconv.SPAN_STEP)[0]
+    assert step.attributes[semconv.STEP_PYCALL_COUNT] >= 2
+
+
+def test_gc_collections_are_summed_and_detailed(instrumented):
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(1, 2)).sum().backward()
+        gc.collect()
+        optimizer.step()
+    steps = finished(instrumented, semconv.SPAN_STEP)
+    assert all(s.attributes[semconv.STEP_GC_COUNT] >= 1 for s in steps)
+    collections = finished(instrumented, semconv.SPAN_GC)
+    assert any(s.attributes[semconv.GC_GENERATION] == 2 for s in collections)
+    by_parent = {}
+    for span in collections:
+        by_parent.setdefault(span.parent.span_id, []).append(span)
+    assert steps[0].context.span_id in by_parent  # a detail step: every collection
+    # off-detail steps keep only the slow ones (>= SLOW_CHILD_MS)
+    for span in by_parent.get(steps[1].context.span_id, []):
+        assert span.end_time - span.start_time >= SLOW_CHILD_MS * 1e6
+
+
+@pytest.fixture
+def process_group(instrumented):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    yield instrumented
+    dist.destroy_process_group()
+
+
+def test_collectives_get_group_sequence_bytes_and_call_site(process_group):
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):  # step 0 opens at its backward; steps 1 and 2 hold all four calls
+        dist.all_reduce(torch.ones(1024))
+        work = dist.all_reduce(torch.ones(16, dtype=torch.float64), async_op=True)
+        work.wait()
+        dist.broadcast(torch.zeros(8), src=0)
+        dist.barrier()
+        model(torch.randn(1, 2)).sum().backward()
+        optimizer.step()
+    steps = finished(process_group, semconv.SPAN_STEP)
+    summary = steps[1].attributes
+    assert list(summary[semconv.STEP_PG_NAMES]) == ["0"]
+    assert summary[semconv.STEP_PG_COUNTS][0] == 4
+    assert summary[semconv.STEP_PG_BYTES][0] == 4096 + 128 + 32
+    assert summary[semconv.STEP_COLLECTIVE_COUNT] == 4
+    spans = [s for s in process_group.get_finished_spans()
+             if s.name.startswith(semconv.SPAN_COLLECTIVE_PREFIX)
+             and s.parent.span_id == steps[2].context.span_id]  # step 2: a detail step
+    assert sorted(s.name for s in spans) == ["collective.all_reduce", "collective.all_reduce",
+                                             "collective.barrier", "collective.broadcast"]
+    seqs = sorted(s.attributes[semconv.COLL_SEQ] for s in spans)
+    assert seqs == list(range(seqs[0], seqs[0] + 4))  # consecutive per-group sequence ids
+    sync = next(s for s in spans if s.attributes[semconv.COLL_BYTES] == 4096)
+    assert sync.attributes[semconv.COLL_PG] == "0"
+    assert sync.attributes[semconv.COLL_PG_DESC] == "default_pg"
+    assert list(sync.attributes[semconv.COLL_GROUP_RANKS]) == [0]
+    assert sync.attributes[semconv.COLL_BACKEND] == "gloo"
+    assert sync.attributes[semconv.COLL_DTYPE] == "float32"
+    assert sync.attributes[semconv.COLL_SOURCE] == "python"
+    assert sync.attributes[semconv.CODE_CALLSITE].startswith(__file__)
+    asynchronous = next(s for s in spans if s.attributes[semconv.COLL_BYTES] == 128)
+    assert asynchronous.attributes[semconv.COLL_ASYNC] is True
+    assert asynchronous.attributes[semconv.COLL_DTYPE] == "float64"
+
+
+def test_watchdog_reports_a_hang_while_the_main_thread_waits_in_native_code(rank_env):
+    rank_env.setenv("FLARE_HANG_TIMEOUT_S", "0.5")
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        with flare_instrumentation.step():
+            threading.Event().wait(2.0)  # a lock wait in C, the GIL released
+    finally:
+        instrumentor.uninstrument()
+    hangs = finished(exporter, semconv.SPAN_HANG)
+    assert len(hangs) == 1
+    hang = hangs[0]
+    assert hang.attributes[semconv.HANG_OPERATION] == semconv.SPAN_STEP
+    assert hang.attributes[semconv.HANG_TIMEOUT_S] == 0.5
+    assert "test_watchdog_reports_a_hang" in hang.attributes[semconv.HANG_STACKS]
+    assert "test_watchdog_reports_a_hang" in hang.attributes[semconv.CODE_CALLSITE]
+    step = finished(exporter, semconv.SPAN_STEP)[0]
+    assert hang.context.trace_id == step.context.trace_id
+
+
+def test_detail_on_request_flag_file_and_sigusr2(rank_env, tmp_path):
+    flag = tmp_path / "detail"
+    rank_env.setenv("FLARE_DETAIL_EVERY", "0")
+    rank_env.setenv("FLARE_DETAIL_FLAG_FILE", str(flag))
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = flare_instrumentation.active_runtime()
+    watchdog = instrumentor._watchdog
+    try:
+        with flare_instrumentation.step():
+            pass
+        flag.touch()
+        watchdog.tick(1e9, 0)
+        with flare_instrumentation.step():
+            pass
+        flag.unlink()
+        watchdog.tick(2e9, 0)
+        with flare_instrumentation.step():
+            pass
+        os.kill(os.getpid(), signal.SIGUSR2)  # handler runs before the next bytecode
+        with flare_instrumentation.step():
+            pass
+        runtime.request_detail()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        with flare_instrumentation.step():
+            pass
+        with flare_instrumentation.step():
+            pass
+    finally:
+        instrumentor.uninstrument()
+    detail = [s.attributes[semconv.STEP_DETAIL] for s in finished(exporter, semconv.SPAN_STEP)]
+    assert detail == [False, True, False, True, True, False]
+
+
+class RecordingListener:
+    def __init__(self):
+        self.calls = []
+
+    def on_step_start(self, step, detail):
+        self.calls.append(("start", step, detail))
+
+    def on_step_end(self, step, detail, span):
+        span.set_attribute("test.listener", step)
+        self.calls.append(("end", step, detail, span.is_recording()))
+
+
+def test_step_listeners_see_the_step_before_it_ends(instrumented):
+    runtime = flare_instrumentation.active_runtime()
+    listener = RecordingListener()
+    runtime.add_step_listener(listener)
+    with flare_instrumentation.step():
+        assert runtime.step_context is not None
+    runtime.remove_step_listener(listener)
+    with flare_instrumentation.step():
+        pass
+    assert listener.calls == [("start", 0, True), ("end", 0, True, True)]
+    steps = finished(instrumented, semconv.SPAN_STEP)
+    assert steps[0].attributes["test.listener"] == 0
+    assert "test.listener" not in steps[1].attributes
+
+
+class GpuLayerProbe:
+    """Stands in for flare.instrumentation.kernels: records what the instrumentor gives it."""
+
+    def __init__(self, fail_install=False):
+        self.fail_install = fail_install
+        self.installed = None
+        self.uninstalled = None
+
+    def install(self, runtime):
+        if self.fail_install:
+            raise RuntimeError("no profiler here")
+        self.installed = runtime
+        runtime.add_step_listener(self)
+
+    def uninstall(self, runtime):
+        self.uninstalled = runtime
+        runtime.remove_step_listener(self)
+
+    def on_step_start(self, step, detail):
+        pass
+
+    def on_step_end(self, step, detail, span):
+        span.set_attribute("probe.step", step)
+
+
+def test_gpu_layer_hooks(rank_env, caplog):
+    import types
+
+    probe, broken = GpuLayerProbe(), GpuLayerProbe(fail_install=True)
+    for name, impl in (("flare_test_probe_ok", probe), ("flare_test_probe_broken", broken)):
+        module = types.ModuleType(name)
+        module.install, module.uninstall = impl.install, impl.uninstall
+        rank_env.setitem(sys.modules, name, module)
+    rank_env.setattr(torch_training, "GPU_LAYER_MODULES",
+                     ("flare_test_probe_broken", "flare_test_probe_ok", "flare_test_absent"))
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    with caplog.at_level(logging.WARNING):
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = probe.installed
+    try:
+        assert runtime is flare_instrumentation.active_runtime()
+        assert (runtime.rank, runtime.local_rank, runtime.job_id) == (0, 0, JOB)
+        assert runtime.tracer is not None and callable(runtime.request_detail)
+        with flare_instrumentation.step():
+            pass
+    finally:
+        instrumentor.uninstrument()
+    assert probe.uninstalled is runtime
+    assert any("flare_test_probe_broken.install failed" in r.getMessage()
+               for r in caplog.records)
+    assert finished(exporter, semconv.SPAN_STEP)[0].attributes["probe.step"] == 0
