@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import threading
 import time
 
@@ -50,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="first step (0-based) at which the fault is active")
     parser.add_argument("--fault-ms", type=float, default=60.0,
                         help="added cost per step, in milliseconds")
+    parser.add_argument("--step-times", metavar="PATH",
+                        help="rank 0 writes each step's wall time (s) here as JSON")
     return parser.parse_args(argv)
 
 
@@ -191,6 +194,8 @@ def main(argv=None) -> None:
     gc_pressure = None
 
     started = time.perf_counter()
+    step_times: list[float] = []
+    step_started = started
     for step, (features, labels) in enumerate(loader):
         load_shard(step, fault)
         if fault.active("gc", step):
@@ -213,6 +218,9 @@ def main(argv=None) -> None:
         if extra_comm is not None:
             dist.all_reduce(extra_comm)
         optimizer.step()
+        now = time.perf_counter()
+        step_times.append(now - step_started)
+        step_started = now
         if rank == 0 and (step % 50 == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss.item():.4f}", flush=True)
 
@@ -220,6 +228,9 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"done: {args.steps} steps in {elapsed:.2f} s "
               f"({1000 * elapsed / max(args.steps, 1):.1f} ms/step)", flush=True)
+    if rank == 0 and args.step_times:
+        with open(args.step_times, "w") as handle:
+            json.dump(step_times, handle)
     dist.barrier()
     dist.destroy_process_group()
 
