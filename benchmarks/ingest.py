@@ -4,9 +4,14 @@ Measured side by side on the same serialized OTLP requests, single-threaded:
   parse       ExportTraceServiceRequest.FromString only (the ceiling any Python
               collector has: it must at least parse what it receives);
   convert     parse + OTLP → store columns (flare.exporters.otlp_columns);
+  correlate   parse + the rank_correlation processor (its cost on the same path);
   store       parse + convert + one Arrow insert per flush into a DuckDB file through
               the `flare_store` exporter (file opened for the flush only), with the
-              store's indexes; `--index` variants measure each index's insert cost.
+              store's indexes: end to end, from serialized bytes (no parse), with
+              flushes 5x smaller (below DuckDB's row group: written twice), and
+              `--index` variants measuring each extra index's insert cost.
+Rates are spans per CPU-second of the whole process (DuckDB's threads included),
+which is what "per core" means and stays meaningful on a loaded machine.
 
 The spans are what Flare's instrumentation sends (one request per rank per export,
 the SDK's BatchSpanProcessor shape): per rank-step one `train.step` with the full
@@ -14,7 +19,7 @@ summary (17 attributes, five per-PG arrays), two `dataloader.next`, and four
 `collective.all_reduce` spans with 12 attributes (a detail-heavy mix; always-on steps
 have no collective spans).
 
-    .venv/bin/python benchmarks/ingest.py [--spans 200000] [--repeat 3]
+    .venv/bin/python benchmarks/ingest.py [--spans 262144] [--repeat 3] [--index job_step]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from flare.exporters import otlp_columns, store
 from flare.exporters.flare_store import FlareStoreExporter
 from flare.exporters.otlp_columns import SpanColumns
 from flare.instrumentation import semconv as sc
+from flare.processors.rank_correlation import RankCorrelation
 
 PG_NAMES = ["dp", "tp", "pp"]
 
@@ -219,8 +225,15 @@ def measure(payloads: list[bytes], n_spans: int, repeat: int, flush_every: int,
             columns.add_request_python(parse(payload))
         columns.table()
 
+    def correlate() -> None:
+        correlator = RankCorrelation()
+        for payload in payloads:
+            correlator.process_traces(parse(payload))
+        correlator.shutdown()
+
     results = {
         "parse only (ceiling)": best_of(repeat, parse_only),
+        "parse + rank_correlation": best_of(repeat, correlate),
         "parse + convert (C)": best_of(repeat, convert),
         "parse + convert (Python ref)": best_of(1, convert_python),
     }

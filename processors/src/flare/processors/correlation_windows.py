@@ -167,7 +167,6 @@ def step_attributes(
         sc.RANKS_CULPRIT_BASIS: basis,
         sc.RANKS_CULPRIT_WAIT_MS: culprit_wait,
         sc.RANKS_MEDIAN_WAIT_MS: median_wait,
-        sc.RANKS_LAST_ARRIVAL: max(ranks, key=lambda r: (ranks[r].end_ns, r)),
         sc.RANKS_CLOSED_BY: closed_by,
         sc.RANKS_PG_COUNT: len(pgs),
     }
