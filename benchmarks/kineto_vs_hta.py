@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,17 +43,31 @@ print(float(breakdown["idle_time_pctg"].iloc[0]), float(launch[rank]["launch_del
 """
 
 
-def measured(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS MB, stdout) of one child process."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:4])}… failed ({proc.returncode}): {err.strip()[-400:]}")
-    return wall, usage.ru_maxrss / 1024, out
+# Runs the command as its own child and reports that child's wait4 figures. Needed
+# because Linux starts a child's peak-RSS count from the parent's resident set at fork:
+# measured straight from this (large) process, every child would inherit its size.
+_LAUNCHER = r"""
+import os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\n@@measured {time.perf_counter() - start} {usage.ru_maxrss}\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def measured(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS MB, stdout) of one command, in a clean process."""
+    proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True,
+                          text=True)
+    lines = proc.stderr.rstrip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("@@measured"):
+        raise SystemExit(f"{' '.join(cmd[:4])}… failed ({proc.returncode}): "
+                         f"{proc.stderr.strip()[-400:]}")
+    _, wall, rss_kb = lines[-1].split()
+    return float(wall), int(rss_kb) / 1024, proc.stdout
 
 
 def hta_python(requested: str | None) -> tuple[str | None, str]:
@@ -88,13 +101,14 @@ def flare_run(trace: Path, work: Path, diagnose: bool = True) -> dict:
     return result
 
 
-def hta_run(python: str, trace: Path, work: Path) -> dict:
+def hta_run(python: str, trace: Path, work: Path, analyse: bool = True) -> dict:
     trace_dir = work / f"hta-{trace.stem}"
     trace_dir.mkdir(exist_ok=True)
     link = trace_dir / trace.name
     if not link.exists():
         link.symlink_to(trace.resolve())
-    wall, rss, out = measured([python, "-c", HTA_SCRIPT, str(trace_dir)])
+    script = HTA_SCRIPT if analyse else HTA_SCRIPT.split("breakdown =")[0] + "print(0, 0)"
+    wall, rss, out = measured([python, "-c", script, str(trace_dir)])
     idle, launch_median = (float(x) for x in out.split())
     return {"wall_s": wall, "rss_mb": rss, "idle_pct": idle, "launch_delay_median_us": launch_median}
 
@@ -121,10 +135,19 @@ def flare_figures(store: Path) -> tuple[float, float]:
 
 
 def replicate(trace: Path, factor: int, out: Path) -> Path:
-    """The trace's events `factor` times, each copy shifted past the previous one."""
+    """The trace's events `factor` times, each copy shifted past the previous one.
+
+    Factor 0: only the first kernel, its launch and two ProfilerSteps around them.
+    """
     with gzip.open(trace, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"]
+    if factor == 0:
+        kernel = next(e for e in events if e.get("cat") == "kernel")
+        launch = next(e for e in events if e.get("cat") == "cuda_runtime"
+                      and e["args"].get("correlation") == kernel["args"]["correlation"])
+        steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")][:2]
+        events, factor = [launch, kernel, *steps], 1
     stamps = [e["ts"] for e in events if isinstance(e.get("ts"), (int, float))]
     span = max(stamps) - min(stamps) + 1000
     copies = []
@@ -185,14 +208,19 @@ def main() -> int:
                   f"{hta['launch_delay_median_us']:.1f} µs")
             print(f"ratio flare/HTA: wall {flare_wall / hta['wall_s']:.2f}, "
                   f"peak RSS {flare_rss / hta['rss_mb']:.2f}  (target <= 0.50 each)")
-        print("\nmemory against trace size (events replicated):")
+        print("\nmemory against trace size (events replicated; factor 0 = a one-kernel trace,")
+        print("the fixed cost of interpreter, pyarrow, DuckDB / pandas):")
         print(f"{'factor':>6}{'events MB (json)':>18}{'flare import MB':>17}{'HTA MB':>9}")
-        for factor in (int(x) for x in args.sizes.split(",")):
+        for factor in [0, *(int(x) for x in args.sizes.split(","))]:
             trace = args.trace if factor == 1 else replicate(args.trace, factor, work)
+            if factor == 0:
+                trace = trace.rename(trace.with_name("tiny_rank0.json.gz"))
             with gzip.open(trace, "rb") as f:
                 raw_mb = sum(len(chunk) for chunk in iter(lambda: f.read(1 << 20), b"")) / 1e6
             imported = flare_run(trace, work, diagnose=False)
-            hta_mb = hta_run(python, trace, work)["rss_mb"] if python else float("nan")
+            # A one-kernel trace is too small for HTA's analyses: its fixed cost is the load.
+            hta_mb = hta_run(python, trace, work, analyse=factor > 0)["rss_mb"] if python \
+                else float("nan")
             print(f"{factor:>6}{raw_mb:18.1f}{imported['import_rss_mb']:17.0f}{hta_mb:9.0f}")
     return 0
 
