@@ -12,6 +12,8 @@ Printed side by side, in one run:
   parse ceiling     ExportTraceServiceRequest.FromString alone, this process, 1 thread
   front door        the receivers' own share, in this process, 1 thread: parse, check
                     ids, append to a write-ahead log, enqueue (no network, no pipeline)
+  request rate      1-span requests/s on one connection per transport (the HTTP
+                    server's and gRPC's per-request overhead, not the pipeline's)
   <pipeline> <transport>
                     spans/s of wall time, and spans per CPU-second of the collector
                     process (utime + stime from /proc: "per core", independent of how
@@ -170,6 +172,28 @@ def run_transport(name: str, payloads: list[bytes], n_spans: int, clients: int, 
     return {"wall": n_spans / wall, "acked": n_spans / acked, "per_cpu_s": n_spans / cpu, "cpu_s": cpu}
 
 
+def request_rate(n_requests: int = 2000) -> dict[str, float]:
+    """Requests/s of tiny (1-span) requests, one connection, against the embedded pipeline."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans
+
+    request = ExportTraceServiceRequest(resource_spans=[ResourceSpans()])
+    span = request.resource_spans[0].scope_spans.add().spans.add()
+    span.trace_id, span.span_id, span.name = b"\x01" * 16, b"\x02" * 8, "tiny"
+    payloads = [request.SerializeToString()] * n_requests
+    rates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        collector = Collector(Path(tmp), False, PIPELINES["no-correlation"])
+        try:
+            for name, sender, endpoint in (("http", send_http, collector.http),
+                                           ("grpc", send_grpc, collector.grpc)):
+                t0 = time.perf_counter()
+                sender(endpoint, payloads)
+                rates[name] = n_requests / (time.perf_counter() - t0)
+        finally:
+            collector.stop()
+    return rates
+
+
 def front_door(payloads: list[bytes], n_spans: int) -> float:
     """Spans/s through Acceptor.accept with a real WAL; the queue is drained inline."""
     from flare.collector.ingest import Ingest, ItemQueue
@@ -214,6 +238,9 @@ def main() -> int:
     print(f"{'parse ceiling (1 thread)':<28}{parse:>12,.0f} spans/s")
     door = front_door(payloads, n_spans)
     print(f"{'front door (1 thread)':<28}{door:>12,.0f} spans/s ({door / parse:.2f}x of parse ceiling)")
+    rates = request_rate()
+    print(f"{'request rate, 1-span':<28}{rates['http']:>12,.0f} req/s OTLP/HTTP, "
+          f"{rates['grpc']:,.0f} req/s OTLP/gRPC (one connection)")
     runs = [(pipeline, name) for pipeline in (args.pipeline or ["embedded", "no-correlation"])
             for name in ("http", "grpc")]
     for pipeline, name in runs:
