@@ -353,3 +353,36 @@ def test_own_output_is_not_correlated_again():
     proc2 = RankCorrelation(clock=FakeClock())
     proc2.process_traces(outs[-1])
     assert proc2.metrics()["step_spans"] == 1  # rank 3's own span only
+
+
+def test_hang_reports_name_the_rank_that_did_not_join():
+    """Ranks stuck inside all_reduce (pg 0, seq 17) arrived; the one stuck elsewhere
+    is the member the collective.ranks span reports missing."""
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="2s", clock=clock)
+    for rank in range(4):  # a healthy step teaches the correlator who is in PG "0"
+        proc.process_traces(request(rank, [step_span(0, 5.0, pgs={"0": (5.0, 3)})]))
+
+    def hang(rank: int, **attrs: object) -> Span:
+        detected = T0 + 400 * 10**9
+        return Span(trace_id=sc.step_trace_id(JOB, 1).to_bytes(16, "big"),
+                    span_id=next(_ids).to_bytes(8, "big"), name=sc.SPAN_HANG,
+                    start_time_unix_nano=detected, end_time_unix_nano=detected,
+                    attributes=kvs({sc.STEP: 1, sc.HANG_ELAPSED_S: 300.0 + rank, **attrs}))
+
+    for rank in (0, 1, 3):
+        proc.process_traces(request(rank, [hang(rank, **{
+            sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_COLL_OP: "all_reduce",
+            sc.HANG_PG: "0", sc.HANG_SEQ: 17})]))
+    proc.process_traces(request(2, [hang(2, **{sc.HANG_OPERATION: "train.step"})]))
+    assert proc.snapshot()[JOB]["hanging"][2] == "train.step"
+    clock.now += 3 * 10**9
+    ((attrs, span),) = [(a, s) for a, s in emitted(proc.tick(clock.now))
+                        if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    assert attrs[sc.RANKS_MISSING] == [2]
+    assert attrs[sc.COLL_SOURCE] == "hang" and attrs[sc.COLL_SEQ] == 17
+    assert attrs[sc.COLL_OP] == "all_reduce" and attrs[sc.STEP] == 1
+    assert attrs[sc.RANKS_COUNT] == 3 and attrs[sc.RANKS_EXPECTED] == 4
+    # Arrival = detection time minus elapsed: rank 0 (300 s) arrived last.
+    assert attrs[sc.RANKS_LAST_ARRIVAL] == 0
+    assert span.trace_id == sc.step_trace_id(JOB, 1).to_bytes(16, "big")

@@ -65,6 +65,7 @@ class CollectiveWindow(Window):
     step: int | None = None
     group_size: int | None = None
     group_ranks: tuple[int, ...] = ()
+    source: str = "spans"  # "spans": collective spans; "hang": watchdog hang reports
     ranks: dict[int, RankArrival] = field(default_factory=dict)
 
 
@@ -202,7 +203,7 @@ def collective_attributes(
         sc.RANKS_ARRIVAL_SKEW_MS: _ms(max(starts.values()) - min(starts.values())),
         sc.RANKS_LAST_ARRIVAL: max(starts, key=lambda r: (starts[r], r)),
         sc.RANKS_CLOSED_BY: closed_by,
-        sc.COLL_SOURCE: "spans",
+        sc.COLL_SOURCE: window.source,
     }
 
 

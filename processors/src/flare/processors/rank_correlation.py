@@ -8,8 +8,10 @@ possibly late or duplicated. Output, added to the pipeline as spans of their own
   per-PG arrival skew, and the ranks currently reporting hangs;
 - per (job, pg, seq) a `collective.ranks` span (child of the step's `train.step.ranks`)
   from the `collective.<op>` spans of detail steps: arrival skew, last rank to arrive,
-  missing ranks; and from the per-PG step summaries whenever a PG's members did not all
-  reach its last collective of the step;
+  missing ranks; from the per-PG step summaries whenever a PG's members did not all
+  reach its last collective of the step; and from watchdog `flare.hang` reports: the
+  ranks stuck inside (pg, seq) arrived, the members that never did are missing
+  ("which rank did not join?", before any NCCL timeout);
 - per rank, when it was last heard from and whether its watchdog reports a hang
   (`snapshot()`, and counters in `metrics()`).
 
@@ -69,7 +71,9 @@ _COLLECTIVE_KEYS = frozenset((
     sc.STEP, sc.RANK, sc.COLL_OP, sc.COLL_PG, sc.COLL_SEQ, sc.COLL_GROUP_SIZE,
     sc.COLL_GROUP_RANKS,
 ))
-_HANG_KEYS = frozenset((sc.RANK, sc.HANG_OPERATION, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP))
+_HANG_KEYS = frozenset((
+    sc.RANK, sc.STEP, sc.HANG_OPERATION, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP, sc.HANG_ELAPSED_S,
+))
 _HEARTBEAT_KEYS = frozenset((sc.RANK, sc.HEARTBEAT_LAST_STEP))
 _CLOSED_MEMORY_PER_JOB = 4096  # closed windows remembered per job, besides the time bound
 _PG_MEMBER_LIMIT = 65536  # distinct (pg, rank) memberships remembered per job
@@ -266,7 +270,7 @@ class RankCorrelation(Processor):
                 elif name.startswith(sc.SPAN_COLLECTIVE_PREFIX) and name != sc.SPAN_COLLECTIVE_RANKS:
                     self._ingest_collective(job, span, resource_rank, now, completed)
                 elif name == sc.SPAN_HANG:
-                    self._ingest_hang(job, span, resource_rank, now)
+                    self._ingest_hang(job, span, resource_rank, now, completed)
                 elif name == sc.SPAN_HEARTBEAT:
                     self._ingest_heartbeat(job, span, resource_rank, now)
 
@@ -365,38 +369,55 @@ class RankCorrelation(Processor):
             return
         if seq is None or pg is None:
             return  # a collective without (pg, seq) cannot be matched across ranks
-        pg = str(pg)
         health = self._heard(job, rank, now)
         health.last_span_end_ns = max(health.last_span_end_ns, span.end_time_unix_nano)
-        key = (pg, seq)
+        group_ranks = tuple(
+            r for r in (as_int(x) for x in attrs.get(sc.COLL_GROUP_RANKS) or ()) if r is not None
+        )
+        arrival = RankArrival(
+            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
+            start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
+        )
+        self._arrive(
+            job, (str(pg), seq), rank, arrival, now, completed, source="spans",
+            op=str(attrs.get(sc.COLL_OP) or ""), step=as_int(attrs.get(sc.STEP)),
+            group_size=as_int(attrs.get(sc.COLL_GROUP_SIZE)), group_ranks=group_ranks,
+        )
+
+    def _arrive(
+        self, job: JobState, key: tuple[str, int], rank: int, arrival: RankArrival, now: int,
+        completed: list[tuple[JobState, Window, str]], source: str, op: str,
+        step: int | None, group_size: int | None = None, group_ranks: tuple[int, ...] = (),
+    ) -> None:
+        """Record that `rank` reached collective `key` = (pg, seq)."""
         closed = job.closed_collectives.get(key)
         if closed is not None:
             self._counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
             return
         win = job.collectives.get(key)
         if win is None:
-            group_ranks = tuple(r for r in (as_int(x) for x in attrs.get(sc.COLL_GROUP_RANKS) or ()) if r is not None)
             win = job.collectives[key] = CollectiveWindow(
-                key=key, first_arrival_ns=now, op=str(attrs.get(sc.COLL_OP) or ""),
-                step=as_int(attrs.get(sc.STEP)),
-                group_size=as_int(attrs.get(sc.COLL_GROUP_SIZE)), group_ranks=group_ranks,
+                key=key, first_arrival_ns=now, op=op, step=step, group_size=group_size,
+                group_ranks=group_ranks, source=source,
             )
         if rank in win.ranks:
             self._counters["duplicate_spans"] += 1
             return
-        if win.step is None:
-            win.step = as_int(attrs.get(sc.STEP))
-        win.ranks[rank] = RankArrival(
-            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
-            start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-        )
+        win.step = step if win.step is None else win.step
+        win.op = win.op or op
+        win.group_size = win.group_size or group_size
+        win.group_ranks = win.group_ranks or group_ranks
+        win.ranks[rank] = arrival
         win.cost += ARRIVAL_ENTRY_BYTES
         self._state_bytes += ARRIVAL_ENTRY_BYTES
         size = win.group_size or len(win.group_ranks)
         if size and len(win.ranks) >= size:
             completed.append((job, job.collectives.pop(key), "complete"))
 
-    def _ingest_hang(self, job: JobState, span: Span, resource_rank: int | None, now: int) -> None:
+    def _ingest_hang(
+        self, job: JobState, span: Span, resource_rank: int | None, now: int,
+        completed: list[tuple[JobState, Window, str]],
+    ) -> None:
         self._counters["hang_spans"] += 1
         attrs = pick(span.attributes, _HANG_KEYS)
         rank = as_int(attrs.get(sc.RANK, resource_rank))
@@ -405,12 +426,27 @@ class RankCorrelation(Processor):
             return
         health = self._heard(job, rank, now)
         where = str(attrs.get(sc.HANG_OPERATION) or "unknown")
-        if attrs.get(sc.HANG_PG) is not None:
-            where += f" pg={attrs[sc.HANG_PG]}"
-        if attrs.get(sc.HANG_SEQ) is not None:
-            where += f" seq={attrs[sc.HANG_SEQ]}"
+        pg, seq = attrs.get(sc.HANG_PG), as_int(attrs.get(sc.HANG_SEQ))
+        if pg is not None:
+            where += f" pg={pg}"
+        if seq is not None:
+            where += f" seq={seq}"
         health.hang = where
         health.hang_since_ns = span.start_time_unix_nano
+        if pg is None or seq is None:
+            return
+        # A rank stuck inside collective (pg, seq) has arrived at it; the members that
+        # never report arriving there are the ones the group waits for ("which rank
+        # did not join?"), answered before any NCCL timeout fires.
+        elapsed_ns = int((as_float(attrs.get(sc.HANG_ELAPSED_S)) or 0.0) * 1e9)
+        arrival = RankArrival(
+            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
+            start_ns=span.start_time_unix_nano - elapsed_ns, end_ns=span.end_time_unix_nano,
+        )
+        self._arrive(
+            job, (str(pg), seq), rank, arrival, now, completed, source="hang",
+            op=str(attrs.get(sc.HANG_COLL_OP) or ""), step=as_int(attrs.get(sc.STEP)),
+        )
 
     def _ingest_heartbeat(self, job: JobState, span: Span, resource_rank: int | None, now: int) -> None:
         self._counters["heartbeat_spans"] += 1
