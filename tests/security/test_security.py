@@ -177,3 +177,31 @@ def test_read_endpoint_with_matching_backend_options(secured_collector, certs):
         JaegerBackend(url, bearer_token=TOKEN).jobs()  # server certificate not trusted
     with pytest.raises(BackendError, match="not https"):
         JaegerBackend(f"http://{collector.query_endpoint}", **client)
+
+
+def test_cli_reads_client_credentials_from_the_environment(
+    secured_collector, certs, monkeypatch, capsys
+):
+    """`flare diagnose --backend jaeger+https://…` with FLARE_BACKEND_* set: no secret
+    on the command line, and without them one clear error line."""
+    import json
+
+    from flare.diagnostics.cli import main as flare_main
+
+    collector, _ = secured_collector
+    with _grpc_channel(collector, certs, "client") as channel:
+        trace_service_pb2_grpc.TraceServiceStub(channel).Export(
+            _request("jobC"), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=10)
+    collector.flush()
+    spec = f"jaeger+https://{collector.query_endpoint}"
+    monkeypatch.setenv("FLARE_BACKEND_CA_FILE", certs["ca"] + ".pem")
+    monkeypatch.setenv("FLARE_BACKEND_CERT_FILE", certs["client"] + ".pem")
+    monkeypatch.setenv("FLARE_BACKEND_KEY_FILE", certs["client"] + ".key")
+    monkeypatch.setenv("FLARE_BACKEND_TOKEN", TOKEN)
+    assert flare_main(["diagnose", "--backend", spec, "--job", "jobC", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["job"] == "jobC" and report["anomalies"] == []
+    monkeypatch.setenv("FLARE_BACKEND_TOKEN", "wrong")
+    assert flare_main(["diagnose", "--backend", spec, "--job", "jobC"]) != 0
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and err.count("\n") == 1

@@ -210,6 +210,13 @@ ENV_HEARTBEAT_S = "FLARE_HEARTBEAT_S"
 ENV_DETAIL_FLAG_FILE = "FLARE_DETAIL_FLAG_FILE"
 ENV_KERNEL_WINDOWS = "FLARE_KERNEL_WINDOWS"  # "0" turns the sampled kernel windows off
 ENV_NVML_INTERVAL_S = "FLARE_NVML_INTERVAL_S"  # NVML poll period; "0" turns NVML off
+# Client credentials for `flare diagnose --backend jaeger+https://…|tempo+https://…`
+# (and --follow) when no option is given: a CA bundle, a client certificate and key
+# for mutual TLS, and a bearer token (kept out of command lines and shell history).
+ENV_BACKEND_CA_FILE = "FLARE_BACKEND_CA_FILE"
+ENV_BACKEND_CERT_FILE = "FLARE_BACKEND_CERT_FILE"
+ENV_BACKEND_KEY_FILE = "FLARE_BACKEND_KEY_FILE"
+ENV_BACKEND_TOKEN = "FLARE_BACKEND_TOKEN"
 DEFAULT_DETAIL_EVERY = 100
 
 

@@ -19,6 +19,7 @@ import base64
 import binascii
 import http.client
 import json
+import os
 import ssl
 import time
 import urllib.parse
@@ -56,6 +57,12 @@ class HttpClient:
         parsed = urllib.parse.urlsplit(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise BackendError(f"{product} URL {base_url!r} is not http(s)://HOST:PORT")
+        # Unset options fall back to the FLARE_BACKEND_* environment variables, so a
+        # token never has to appear on a command line.
+        ca_file = ca_file or os.environ.get(sc.ENV_BACKEND_CA_FILE) or None
+        cert_file = cert_file or os.environ.get(sc.ENV_BACKEND_CERT_FILE) or None
+        key_file = key_file or os.environ.get(sc.ENV_BACKEND_KEY_FILE) or None
+        bearer_token = bearer_token or os.environ.get(sc.ENV_BACKEND_TOKEN) or None
         if (cert_file is None) != (key_file is None):
             raise BackendError("a client certificate needs both cert_file and key_file")
         self.product = product
