@@ -338,8 +338,7 @@ class CollectiveTracker:
         names = sorted(set(runtime.totals.pg) | {n for n, s in now_seqs.items()
                                                   if s > started.get(n, s)})
         if names:
-            infos = self.groups.infos_by_name()
-            counts, waits, sizes, last_seqs, descs = [], [], [], [], []
+            counts, waits, sizes, last_seqs = [], [], [], []
             for name in names:
                 totals = runtime.totals.pg.get(name)
                 python_count = totals.python_count if totals else 0
@@ -348,9 +347,8 @@ class CollectiveTracker:
                 waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
                 sizes.append(totals.bytes if totals else 0)
                 last_seqs.append(now_seqs.get(name, -1))
-                descs.append(infos[name].desc if name in infos else "")
             span.set_attributes({
-                semconv.STEP_PG_NAMES: names, semconv.STEP_PG_DESCS: descs,
+                semconv.STEP_PG_NAMES: names,
                 semconv.STEP_PG_COUNTS: counts, semconv.STEP_PG_WAIT_MS: waits,
                 semconv.STEP_PG_BYTES: sizes, semconv.STEP_PG_LAST_SEQ: last_seqs,
                 semconv.STEP_COLLECTIVE_COUNT: sum(counts),

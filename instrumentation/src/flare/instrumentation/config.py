@@ -22,7 +22,9 @@ HANG_STEP_MULTIPLE = 10.0
 # Off-detail steps still emit a child span for any single operation at least this slow,
 # so a 2 s dataloader stall is visible as a span without waiting for a detail step.
 SLOW_CHILD_MS = 100.0
-FLIGHT_RECORDER_BUFFER = 2000
+# Entries kept by the flight recorder when Flare turns it on. A dump (detail steps and
+# hang reports only) costs time linear in this; 512 covers several steps of DDP.
+FLIGHT_RECORDER_BUFFER = 512
 
 
 def _number(name: str, default: float | None, minimum: float) -> float | None:

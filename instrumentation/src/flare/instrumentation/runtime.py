@@ -223,7 +223,6 @@ class Runtime:
         gc_ms = totals.gc_ns / 1e6
         wait_ns = sum(pg.wait_ns for pg in totals.pg.values())
         attributes = {
-            semconv.STEP_DURATION_MS: round(wall_ms, 3),
             semconv.STEP_DATALOADER_MS: round(dataloader_ms, 3),
             semconv.STEP_DATALOADER_COUNT: totals.dataloader_count,
             semconv.STEP_GC_MS: round(gc_ms, 3),

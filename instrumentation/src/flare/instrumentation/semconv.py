@@ -243,9 +243,7 @@ def step_root_span_id(job_id: str, step: int) -> int:
     return int.from_bytes(digest, "big") or 1
 
 # ---------------------------------------------------------------- added by the instrumentation
-STEP_PG_DESCS = "flare.step.pg.descs"  # parallel to STEP_PG_NAMES
 STEP_BACKWARD_MS = "flare.step.backward_ms"  # wall time inside autograd backward
-STEP_DURATION_MS = "flare.step.duration_ms"
 DATALOADER_INDEX = "flare.dataloader.index"  # fetch number within the step
 COLL_P2P_PEER = "flare.collective.peer"
 HANG_THREAD = "flare.hang.thread"
