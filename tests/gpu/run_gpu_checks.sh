@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Flare's GPU checks: one script, one GPU (an H200 is the reference), under 8 minutes.
+#
+#   tests/gpu/run_gpu_checks.sh            results under $OUT (default ./gpu-results)
+#
+# 1. a 2-process DDP job (tests/gpu/train_gpu.py) under `flare run`, rank 1 doing extra
+#    bf16 GEMMs from step 60; kernel windows every 20th step, NVML every second;
+# 2. tests/gpu/check_gpu_results.py checks the store and the diagnosis: kernel spans,
+#    issue latency, GEMM TFLOPS, void share, device-timed NCCL collectives, NVML metrics
+#    and step clock state, and the slowdown labelled on rank 1;
+# 3. benchmarks/kernel_window_overhead.py on the GPU.
+#
+# Environment: PYTHON (default python3, whose torch must see the GPU). If Flare is not
+# importable there, a venv with --system-site-packages is made and the five Flare
+# folders are installed into it editable; FLARE_WHEELS=DIR installs the missing
+# dependencies (opentelemetry-*, duckdb, …) from wheels in DIR instead of an index.
+# NCCL refuses two ranks on one GPU, so with a single GPU the job uses gloo on CUDA
+# tensors and the NCCL check reports N/A; a 1-rank NCCL job then covers NCCL kernels.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-./gpu-results}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+PY=${PYTHON:-python3}
+exec > >(tee -a "$LOG") 2>&1
+echo "== flare GPU checks $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader || true
+
+if ! "$PY" -c "import flare.diagnostics.cli, flare.instrumentation.kernels" 2>/dev/null; then
+  VENV=${FLARE_GPU_VENV:-/tmp/flare-gpu-venv}
+  "$PY" -m venv --system-site-packages "$VENV" || exit 2
+  PIP=("$VENV/bin/python" -m pip install -q --no-cache-dir)
+  if [ -n "${FLARE_WHEELS:-}" ]; then
+    "${PIP[@]}" --no-index --no-deps "$FLARE_WHEELS"/*.whl || exit 2
+  fi
+  "${PIP[@]}" --no-deps --no-build-isolation -e instrumentation -e processors -e exporters \
+    -e otel-collector -e diagnostics || exit 2
+  PY="$VENV/bin/python"
+fi
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 2
+
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+BACKEND=gloo
+[ "$GPUS" -ge 2 ] && BACKEND=nccl
+export FLARE_DETAIL_EVERY=20 FLARE_NVML_INTERVAL_S=1 OTEL_METRIC_EXPORT_INTERVAL=2000
+STORE="$OUT/gpu.duckdb"
+rm -f "$STORE"
+echo "== 2-rank DDP job, backend $BACKEND"
+timeout 300 "$PY" -m flare.diagnostics.cli run --store "$STORE" --job gpu-check --format json \
+  -o "$OUT/diagnosis.json" -- "$PY" -m torch.distributed.run --nproc_per_node 2 \
+  tests/gpu/train_gpu.py --steps 300 --slow-rank 1 --slow-from 60 --backend "$BACKEND" \
+  > "$OUT/run.log" 2>&1
+echo "flare run exit status $?"
+tail -5 "$OUT/run.log"
+
+STATUS=0
+"$PY" tests/gpu/check_gpu_results.py --store "$STORE" --diagnosis "$OUT/diagnosis.json" \
+  --slow-rank 1 --backend "$BACKEND" --out "$OUT" || STATUS=1
+
+if [ "$BACKEND" = gloo ]; then
+  echo "== 1-rank NCCL job: NCCL kernels in windows, device-timed collectives"
+  NSTORE=/tmp/flare-gpu-nccl.duckdb
+  rm -f "$NSTORE"
+  timeout 120 "$PY" -m flare.diagnostics.cli run --store "$NSTORE" --job gpu-nccl --no-diagnose \
+    -- "$PY" -m torch.distributed.run --nproc_per_node 1 tests/gpu/train_gpu.py --steps 60 \
+    --slow-rank -1 --backend nccl > "$OUT/run_nccl.log" 2>&1
+  echo "flare run (nccl) exit status $?"
+  "$PY" - "$NSTORE" <<'PY' || STATUS=1
+import sys
+from flare.diagnostics.backends.store import StoreBackend
+from flare.instrumentation import semconv as sc
+job = StoreBackend(sys.argv[1]).job_data("gpu-nccl")
+kernels = job.spans([sc.SPAN_KERNEL], attributes=[sc.KERNEL_CATEGORY, sc.KERNEL_NAME])
+comm = [n for n, c in zip(kernels.column(sc.KERNEL_NAME).to_pylist(),
+                          kernels.column(sc.KERNEL_CATEGORY).to_pylist()) if c == "communication"]
+coll = job.spans([sc.SPAN_COLLECTIVE_PREFIX + "*"], attributes=[sc.COLL_DEVICE_START_NS])
+timed = sum(v is not None for v in coll.column(sc.COLL_DEVICE_START_NS).to_pylist())
+print(f"{'PASS' if comm else 'FAIL'} NCCL kernels in kernel windows {{'count': {len(comm)}, 'names': {sorted(set(comm))[:3]}}}")
+print(f"{'PASS' if timed else 'FAIL'} NCCL collectives timed on the device {{'spans': {coll.num_rows}, 'device_timed': {timed}}}")
+sys.exit(0 if comm and timed else 1)
+PY
+fi
+
+echo "== kernel window overhead on the GPU"
+timeout 240 "$PY" benchmarks/kernel_window_overhead.py --steps 300 \
+  > "$OUT/kernel_window_overhead.txt" 2>&1 || STATUS=1
+cat "$OUT/kernel_window_overhead.txt"
+echo "== done, status $STATUS"
+exit $STATUS
