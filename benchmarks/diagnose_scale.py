@@ -131,6 +131,22 @@ def measure(path: str) -> tuple[float, int, dict]:
     return elapsed, peak_kb, json.loads(result.stdout)
 
 
+def per_detector(path: str) -> list[tuple[str, float]]:
+    """Seconds each detector adds (the shared step summary is charged to the first)."""
+    from flare.diagnostics import registry
+    from flare.diagnostics.backends.store import StoreBackend
+    from flare.diagnostics.model import DiagnosisConfig
+    from flare.diagnostics.pipeline import CachedJobData
+
+    job = CachedJobData(StoreBackend(path).job_data(JOB))
+    out = []
+    for name, detect in registry.discover().items():
+        started = time.perf_counter()
+        detect(job, DiagnosisConfig())
+        out.append((name, time.perf_counter() - started))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
@@ -150,6 +166,8 @@ def main() -> int:
         print(f"flare diagnose: {elapsed:.1f} s wall, peak RSS {peak_kb / 1024:.0f} MiB "
               f"({args.ranks} ranks x {args.steps} steps)")
         print(f"anomalies: {found}")
+        print("per detector (in-process, same store): " + ", ".join(
+            f"{name} {seconds:.1f} s" for name, seconds in per_detector(path)))
         culprit = fault_rank(args.ranks)
         ok = any(k == "straggler" and r == [culprit] and c == "compute" for k, r, c, _ in found)
         print(f"diagnosis correct: {'yes' if ok else 'NO'} (expected a straggler on rank {culprit}, cause compute)")

@@ -138,8 +138,9 @@ class DiagnosisConfig:
     # Added: a change point must also stand this many noise units (MAD) above the noise.
     fail_slow_min_score: float = 4.0
     # Added: a straggler's own step time (without waiting) must be this much slower than its
-    # peers', as a ratio peers/culprit (NVIDIA resiliency's relative score threshold is 0.75).
-    straggler_max_relative_score: float = 0.8
+    # peers', as a ratio peers/culprit (NVIDIA resiliency flags < 0.75; the noise rule below
+    # does most of the filtering, so this only asks for a visible 10%).
+    straggler_max_relative_score: float = 0.9
     # Added: ...and exceed them by this many units of the job's own rank-to-rank noise
     # (MAD of each rank's time around its step's median), so a noisy machine where
     # ranks take turns being slow does not produce stragglers.

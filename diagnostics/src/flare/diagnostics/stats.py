@@ -57,9 +57,9 @@ def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
     k = int(ks[int(np.argmax(t))])
     before = float(np.median(values[:k]))
     after = float(np.median(values[k:]))
-    # Noise of the usual (earlier) regime, floored at 5% of its level so that a very
+    # Noise of the usual (earlier) regime, floored at 2% of its level so that a very
     # quiet series does not turn a trivial wobble into a large score.
-    noise = max(mad(values[:k]), 0.05 * abs(before), 1e-9)
+    noise = max(mad(values[:k]), 0.02 * abs(before), 1e-9)
     shift = after / before - 1 if before > 0 else 0.0
     return ChangePoint(index=int(index_of[k]), before=before, after=after, shift=shift,
                        score=abs(after - before) / noise)

@@ -23,7 +23,7 @@ _SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
 
 class StoreBackend:
     def __init__(self, path: str | os.PathLike[str], open_timeout_s: float = 30.0,
-                 memory_limit: str = "512MB") -> None:
+                 memory_limit: str = "256MB") -> None:
         self.path = Path(path)
         self.memory_limit = memory_limit
         self.name = f"store:{self.path}"
