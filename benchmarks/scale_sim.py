@@ -348,6 +348,26 @@ class LatencyProbe(threading.Thread):
         return sorted(self.seen[s] - self.acked[s] for s in self.seen if s in self.acked)
 
 
+def wait_drained(collectors: list[CollectorProc], timeout_s: float) -> float:
+    """Seconds until every collector's write-ahead log is committed to its store."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        metrics = [c.metrics() for c in collectors]
+        if all(m.get("flare_collector_wal_last_lsn", 0.0) <= m.get("flare_collector_wal_committed_lsn", 0.0)
+               and m.get("flare_collector_queue_bytes", 0.0) == 0 for m in metrics):
+            break
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def stored_rank_steps(path: str) -> int:
+    con = store.open_reader(path, timeout_s=30)
+    try:
+        return int(con.execute("SELECT count(*) FROM spans WHERE name = ?", [sc.SPAN_STEP]).fetchone()[0])
+    finally:
+        con.close()
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -449,9 +469,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{[int(b) for b in backlog[-1][1]]}  wal backlog {[int(b) for b in backlog[-1][2]]}",
                       flush=True)
         wall = time.monotonic() - t_start
-        time.sleep(3)  # let the last windows close and flush
         final = [c.metrics() for c in collectors]
         cpu = [c.cpu_seconds() - c0 for c, c0 in zip(collectors, cpu_start, strict=True)]
+        # Until every acknowledged request is in the store: how far behind the run was.
+        drain_s = wait_drained(collectors, timeout_s=900)
+        time.sleep(2)  # the last correlation windows close by time
     finally:
         probe.stop_event.set()
         probe.join(timeout=10)
@@ -463,8 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     accepted = [m.get("flare_collector_accepted_spans_total", 0.0) for m in final]
     lat = probe.latencies()
     store_bytes = sum(os.path.getsize(c.store_path) for c in collectors)
-    sim_hours = args.steps * (args.step_ms / 1000 + 0.05) / 3600
-    per_rank_hour = store_bytes / (mesh.world * sim_hours)
+    rank_steps = sum(stored_rank_steps(c.store_path) for c in collectors)
+    # Bytes per stored rank-step (detail steps included at their rate) × steps per hour.
+    steps_per_hour = 3600 / (args.step_ms / 1000 + 0.05)
+    per_rank_hour = store_bytes / max(rank_steps, 1) * steps_per_hour
     result = {
         "ranks": mesh.world, "mesh": [mesh.tp, mesh.pp, mesh.dp], "collectors": args.collectors,
         "steps": args.steps, "speed_steps_per_s": args.speed, "wall_s": round(wall, 1),
@@ -481,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         "correlation_latency_s": {"p50": round(percentile(lat, 0.5), 2),
                                   "p95": round(percentile(lat, 0.95), 2),
                                   "max": round(lat[-1], 2) if lat else None},
-        "store_bytes": store_bytes,
+        "drain_after_last_step_s": round(drain_s, 1),
+        "store_bytes": store_bytes, "stored_rank_steps": rank_steps,
         "store_mb_per_rank_hour": round(per_rank_hour / 1e6, 3),
         "store_mb_per_rank_day": round(per_rank_hour * 24 / 1e6, 2),
     }

@@ -231,3 +231,15 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
     written = [json.loads(a)[sc.ANOMALY_KIND] for _, a in anomaly_rows(path)]
     assert sorted(written) == sorted(set(written))  # each label stored exactly once
     assert {"fail_slow", "straggler"} <= set(written)
+
+
+def test_window_memory_is_bounded_by_rows(tmp_path):
+    from flare.diagnostics.backends import open_backend
+    from flare.diagnostics.follow import IncrementalJobData
+
+    path = str(tmp_path / "store.duckdb")
+    write_steps(path, job_spans("jobW", world=4, steps=300), 0, 299)
+    data = IncrementalJobData(open_backend(f"store:{path}").job_data("jobW"), max_rows=400)
+    data.refresh()
+    assert data.window_rows <= 4 * 101  # 100 steps kept (the floor), not 300
+    assert data.steps_range() == (199, 299)

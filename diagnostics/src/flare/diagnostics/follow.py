@@ -56,16 +56,19 @@ SAME_ONSET_STEPS = 25
 class IncrementalJobData:
     """A JobData whose step spans come from a local window refreshed incrementally.
 
-    `refresh()` fetches the steps after the last complete one; everything a detector
+    `refresh()` fetches the steps after the last complete one and keeps the last
+    `max_steps` steps, fewer when ranks × steps would pass `max_rows` (memory stays
+    bounded at thousands of ranks); everything a detector
     asks about `train.step` is answered from the window (through `ArrowJobData`, so
     answers match a one-shot diagnosis), anything else goes to the backend.
     """
 
-    def __init__(self, inner: JobData, max_steps: int = 5000) -> None:
+    def __init__(self, inner: JobData, max_steps: int = 5000, max_rows: int = 2_000_000) -> None:
         self.inner = inner
         self.job = inner.job
         self.backend = inner.backend
         self.max_steps = max_steps
+        self.max_rows = max_rows
         self._window: pa.Table | None = None
         self.complete_step = -1  # every step ≤ this is final in the window
         self.fetched_rows = 0
@@ -100,7 +103,9 @@ class IncrementalJobData:
         # A step is complete once every rank has reported a later one.
         self.complete_step = max(self.complete_step, min(laggard - 1, newest - 1),
                                  newest - MAX_OPEN_STEPS)
-        oldest_kept = newest - self.max_steps
+        # The window holds at most `max_rows` step spans: fewer steps for more ranks.
+        ranks = max(1, len(per_rank))
+        oldest_kept = newest - max(MAX_OPEN_STEPS * 2, min(self.max_steps, self.max_rows // ranks))
         if pc.min(steps["step"]).as_py() < oldest_kept:
             self._window = window.filter(
                 pc.fill_null(pc.greater_equal(window["step"], oldest_kept), False)
