@@ -6,6 +6,8 @@ pipeline worker thread drives them as in the collector.
 
 from __future__ import annotations
 
+import time
+
 from flare.collector.ingest import Item, ItemQueue
 from flare.collector.pipeline import Pipeline, Stage, Worker
 from flare.collector.telemetry import Counters
@@ -92,3 +94,49 @@ def test_split_batches_are_all_stored_before_the_commit(tmp_path, helpers):
         assert worker.stop(5)
     assert _stored(tmp_path) == 150  # shutdown drains the rest
     assert exporter.read_meta(KEY) == str(last)
+
+
+def test_background_flush_never_claims_what_it_did_not_write(tmp_path, helpers):
+    """Requests keep arriving while a flush waits on the store; the position stays exact."""
+    counters = Counters()
+    exporter = FlareStoreExporter(path=str(tmp_path / "s.duckdb"), timeout_s=30)
+    pipeline = Pipeline("traces", "traces", [], [("flare_store", exporter)], counters)
+    wal = WriteAheadLog(tmp_path / "wal")
+    wal.open(0)
+    queue = ItemQueue(1 << 30)
+    worker = Worker(queue, [pipeline], {"flare_store": exporter}, wal, KEY, counters, flush_interval_s=0.1)
+    worker.load_markers()
+    worker.start()
+
+    def snapshot():
+        con = store.open_reader(tmp_path / "s.duckdb", timeout_s=30)
+        try:
+            marker = con.execute("SELECT value FROM flare_meta WHERE key = ?", [KEY]).fetchone()
+            return int(marker[0]) if marker else 0, con.execute("SELECT count(*) FROM spans").fetchone()[0]
+        finally:
+            con.close()
+
+    try:
+        for i in range(5):
+            _send(helpers, queue, wal, 10, i * 10)
+        assert worker.flush()
+        reader = store.open_reader(tmp_path / "s.duckdb")  # the next flushes must wait
+        try:
+            for i in range(5, 20):
+                _send(helpers, queue, wal, 10, i * 10)
+                time.sleep(0.03)  # spread over several flush intervals
+            assert reader.execute("SELECT count(*) FROM spans").fetchone() == (50,)
+        finally:
+            reader.close()
+        seen = set()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            marker, rows = snapshot()
+            assert rows == 10 * marker  # every span up to the marker, and nothing more
+            seen.add(marker)
+            if marker == 20:
+                break
+            time.sleep(0.05)  # let the collector's writer in between our reads
+        assert marker == 20 and len(seen) >= 1
+    finally:
+        worker.stop(5)

@@ -49,9 +49,12 @@ class ItemQueue:
         # An empty queue takes any single request, so one large request cannot wedge it.
         return self.bytes + nbytes <= self.max_bytes or not self._items
 
-    def put(self, item: Any, nbytes: int = 0) -> None:
+    def put(self, item: Any, nbytes: int = 0, front: bool = False) -> None:
         with self._ready:
-            self._items.append(item)
+            if front:
+                self._items.appendleft(item)
+            else:
+                self._items.append(item)
             self.bytes += nbytes
             self._ready.notify()
 

@@ -3,7 +3,8 @@
 One worker consumes the ingest queue in log order. Each item runs through the
 processors of every pipeline of its signal and is handed to that pipeline's
 exporters. Every `flush_interval` the worker ticks the processors (the correlator
-emits closed windows then), flushes the *durable* exporters — those whose `flush`
+emits closed windows then), flushes the *durable* exporters (on a flusher thread,
+while it goes on processing; see ExportGate) — those whose `flush`
 takes a `commit_marker`, i.e. `flare_store` — with the log position everything up to
 which they now hold, and frees the write-ahead log behind the lowest such position.
 
@@ -113,6 +114,7 @@ class Pipeline:
         # Exporter id -> lsn it already holds; set while replaying the log after a
         # crash so each exporter gets exactly what it is missing.
         self.skip_upto: dict[str, int] = {}
+        self.gate: ExportGate | None = None
 
     def push(self, request: Any, lsns: list[int]) -> None:
         self._run(request, lsns, 0)
@@ -163,14 +165,60 @@ class Pipeline:
         for exporter_id, exporter in self.exporters:
             if newest is not None and newest <= self.skip_upto.get(exporter_id, 0):
                 continue
-            try:
-                if traces:
-                    exporter.export_traces(request)
-                else:
-                    exporter.export_metrics(request)
-            except Exception as exc:
-                self.counters.add("export_errors", exporter=exporter_id)
-                log.error("exporter %s failed to take a batch: %s", exporter_id, exc)
+            if self.gate is not None and self.gate.holds(exporter_id):
+                self.gate.waiting.append((self, exporter_id, exporter, request, traces))
+                continue
+            self.deliver(exporter_id, exporter, request, traces)
+
+    def deliver(self, exporter_id: str, exporter: Any, request: Any, traces: bool) -> None:
+        try:
+            if traces:
+                exporter.export_traces(request)
+            else:
+                exporter.export_metrics(request)
+        except Exception as exc:
+            self.counters.add("export_errors", exporter=exporter_id)
+            log.error("exporter %s failed to take a batch: %s", exporter_id, exc)
+
+
+class ExportGate:
+    """Holds batches for the durable exporters while their flush runs on its own thread.
+
+    The flush writes what the exporter buffered when it was called, under the log
+    position computed at that moment; batches fed meanwhile wait here and are handed
+    over when it returns, so the recorded position stays exact while the processors
+    keep working during the store's I/O.
+    """
+
+    def __init__(self, durable_ids: set[str]) -> None:
+        self.durable_ids = frozenset(durable_ids)
+        self.closed = False
+        self.waiting: list[tuple[Pipeline, str, Any, Any, bool]] = []
+
+    def holds(self, exporter_id: str) -> bool:
+        return self.closed and exporter_id in self.durable_ids
+
+    def open(self) -> None:
+        self.closed = False
+        waiting, self.waiting = self.waiting, []
+        for pipeline, exporter_id, exporter, request, traces in waiting:
+            pipeline.deliver(exporter_id, exporter, request, traces)
+
+
+@dataclass
+class _FlushResult:
+    mark: int
+    targets: list[str]
+    started: float
+    errors: dict[str, Exception] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _FlushDone:
+    """Queued by the flusher thread to wake the worker."""
+
+    result: _FlushResult
 
 
 @dataclass
@@ -215,6 +263,10 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._flush_error_logged: dict[str, str] = {}
         self.flush_seconds_last = 0.0
+        self.gate = ExportGate(set(self.durable))
+        for pipeline in pipelines:
+            pipeline.gate = self.gate
+        self._inflight: _FlushResult | None = None  # a flush running on its own thread
 
     # ------------------------------------------------------------ start-up
     def load_markers(self) -> int:
@@ -274,6 +326,9 @@ class Worker:
             item = self.queue.get(max(0.0, next_flush - time.monotonic()))
             if isinstance(item, Item):
                 self._feed(item)
+            elif isinstance(item, _FlushDone):
+                if item.result is self._inflight:
+                    self._complete(item.result)
             elif isinstance(item, _Flush):
                 item.ok = self.flush_cycle()
                 item.done.set()
@@ -283,7 +338,8 @@ class Worker:
                 item.done.set()
                 return
             if time.monotonic() >= next_flush:
-                self.flush_cycle()
+                if self._inflight is None:
+                    self._start_background_flush()
                 next_flush = time.monotonic() + self.flush_interval_s
 
     def _feed(self, item: Item) -> None:
@@ -308,6 +364,38 @@ class Worker:
         return min(min(held) - 1, self.last_fed_lsn) if held else self.last_fed_lsn
 
     def flush_cycle(self, final: bool = False) -> bool:
+        """Tick (or shut down) the processors and flush the durable exporters, in this thread."""
+        self._await_inflight()
+        result = self._prepare(final)
+        self._write(result)
+        return self._finish(result)
+
+    def _start_background_flush(self) -> None:
+        """The periodic flush: store I/O on its own thread while processing continues."""
+        result = self._prepare(final=False)
+        if not result.targets:
+            self._finish(result)
+            return
+        self._inflight = result
+        self.gate.closed = True
+
+        def run() -> None:
+            self._write(result)
+            self.queue.put(_FlushDone(result), front=True)
+
+        threading.Thread(target=run, name="flare-flush", daemon=True).start()
+
+    def _await_inflight(self) -> None:
+        if self._inflight is not None:
+            self._inflight.done.wait()
+            self._complete(self._inflight)
+
+    def _complete(self, result: _FlushResult) -> None:
+        self._inflight = None
+        self._finish(result)
+        self.gate.open()
+
+    def _prepare(self, final: bool) -> _FlushResult:
         started = time.perf_counter()
         now_ns = time.time_ns()
         for pipeline in self.pipelines:
@@ -320,26 +408,39 @@ class Worker:
                 self.counters.add("pipeline_errors", pipeline=pipeline.id)
                 log.error("pipeline %s failed while ticking: %s", pipeline.id, exc)
         mark = self.watermark()
-        ok = True
-        for exporter_id, exporter in self.durable.items():
-            if not final and not self._has_news(exporter_id, exporter, mark):
-                continue  # keep the store file free for readers when idle
-            try:
-                exporter.flush(commit_marker=(self.marker_key, str(mark)))
-            except Exception as exc:
-                ok = False
+        targets = [
+            exporter_id for exporter_id, exporter in self.durable.items()
+            # An idle collector leaves the store file alone, free for readers.
+            if final or self._has_news(exporter_id, exporter, mark)
+        ]
+        return _FlushResult(mark, targets, started)
+
+    def _write(self, result: _FlushResult) -> None:
+        try:
+            for exporter_id in result.targets:
+                try:
+                    self.durable[exporter_id].flush(commit_marker=(self.marker_key, str(result.mark)))
+                except Exception as exc:
+                    result.errors[exporter_id] = exc
+        finally:
+            result.done.set()
+
+    def _finish(self, result: _FlushResult) -> bool:
+        for exporter_id in result.targets:
+            exc = result.errors.get(exporter_id)
+            if exc is not None:
                 self.counters.add("flush_errors", exporter=exporter_id)
                 self._log_flush_error(exporter_id, exc)
                 continue
-            self.committed[exporter_id] = mark
+            self.committed[exporter_id] = result.mark
             if self._flush_error_logged.pop(exporter_id, None) is not None:
                 log.warning("exporter %s flushes again", exporter_id)
-        durable_upto = min(self.committed.values()) if self.committed else mark
+        durable_upto = min(self.committed.values()) if self.committed else result.mark
         if self.wal is not None:
             self.wal.commit(durable_upto)
         self._release(durable_upto if self.durable else None)
-        self.flush_seconds_last = time.perf_counter() - started
-        return ok
+        self.flush_seconds_last = time.perf_counter() - result.started
+        return not result.errors
 
     def _has_news(self, exporter_id: str, exporter: Any, mark: int) -> bool:
         if self.committed.get(exporter_id) != mark:
