@@ -116,19 +116,25 @@ def build(path: str, ranks: int, steps: int) -> dict[str, int]:
     return counts
 
 
-def measure(path: str) -> tuple[float, int, dict]:
+def measure(path: str) -> tuple[float, float, int, dict]:
+    """Wall seconds, CPU seconds (user+sys: what the diagnosis costs whatever else
+    shares the machine), peak RSS in KiB, and the JSON report."""
     start = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = usage.ru_maxrss
+    cpu_before = usage.ru_utime + usage.ru_stime
     result = subprocess.run(
         [sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store", path, "--format", "json"],
         capture_output=True, text=True)
     elapsed = time.perf_counter() - start
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_kb = usage.ru_maxrss
+    cpu = usage.ru_utime + usage.ru_stime - cpu_before
     if result.returncode != 0:
         raise SystemExit(f"flare diagnose failed: {result.stderr.strip()}")
     if peak_kb <= before:
         peak_kb = before  # the first child sets the high-water mark
-    return elapsed, peak_kb, json.loads(result.stdout)
+    return elapsed, cpu, peak_kb, json.loads(result.stdout)
 
 
 def per_detector(path: str) -> list[tuple[str, float]]:
@@ -161,10 +167,12 @@ def main() -> int:
             print(f"built {path}: {sum(counts.values()):,} spans "
                   f"({', '.join(f'{k} {v:,}' for k, v in sorted(counts.items()))}) "
                   f"in {time.perf_counter() - started:.1f} s, {os.path.getsize(path) / 2**20:.0f} MiB")
-        elapsed, peak_kb, report = measure(path)
+        load = os.getloadavg()[0]
+        elapsed, cpu, peak_kb, report = measure(path)
         found = [(a["kind"], a["ranks"], a["cause"], a["first_step"]) for a in report["anomalies"]]
-        print(f"flare diagnose: {elapsed:.1f} s wall, peak RSS {peak_kb / 1024:.0f} MiB "
-              f"({args.ranks} ranks x {args.steps} steps)")
+        print(f"flare diagnose: {elapsed:.1f} s wall, {cpu:.1f} s CPU, peak RSS {peak_kb / 1024:.0f} MiB "
+              f"({args.ranks} ranks x {args.steps} steps; load average {load:.1f} on "
+              f"{os.cpu_count()} CPUs when it started)")
         print(f"anomalies: {found}")
         print("per detector (in-process, same store): " + ", ".join(
             f"{name} {seconds:.1f} s" for name, seconds in per_detector(path)))
