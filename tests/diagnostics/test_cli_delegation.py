@@ -1,0 +1,45 @@
+"""`flare collector` and `flare import-kineto` delegate to their components; errors stay one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FLARE = str(Path(sys.executable).parent / "flare")
+KINETO = Path("/work/shared/data/kineto/nccl2ranks_rank0.json.gz")
+
+
+def _flare(*args, cwd=None, timeout=120):
+    return subprocess.run([FLARE, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def test_collector_with_a_missing_config_is_one_line(tmp_path):
+    result = _flare("collector", "--config", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_import_kineto_then_diagnose(tmp_path):
+    if not KINETO.exists():
+        pytest.skip("shared Kineto traces are not on this machine")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(KINETO, traces)
+    store = tmp_path / "k.duckdb"
+    result = _flare("import-kineto", str(traces), "--store", str(store), "--job", "kineto")
+    assert result.returncode == 0, result.stderr
+    assert "imported 1 trace file(s)" in result.stdout
+    report = _flare("diagnose", "--store", str(store), "--format", "json")
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout)["job"] == "kineto"
+
+
+def test_import_kineto_of_nothing_is_one_line(tmp_path):
+    result = _flare("import-kineto", str(tmp_path / "missing"), "--store", str(tmp_path / "s.duckdb"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("flare: error:") and "Traceback" not in result.stderr
