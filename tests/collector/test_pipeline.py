@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 
 from flare.collector.ingest import Item, ItemQueue
-from flare.collector.pipeline import Pipeline, Stage, Worker
+from flare.collector.pipeline import Pipeline, Stage
 from flare.collector.telemetry import Counters
 from flare.collector.wal import SIGNAL_TRACES, WriteAheadLog
+from flare.collector.worker import Worker
 from flare.exporters import store
 from flare.exporters.flare_store import FlareStoreExporter
 from flare.processors.batch import BatchProcessor

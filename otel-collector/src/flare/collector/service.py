@@ -32,11 +32,12 @@ from flare.collector.extensions import HttpExtension, metrics_responder, query_r
 from flare.collector.grpc_receiver import GrpcReceiver
 from flare.collector.http_receiver import HttpReceiver
 from flare.collector.ingest import Ingest, ItemQueue
-from flare.collector.pipeline import Pipeline, Stage, Worker, parse_record
+from flare.collector.pipeline import Pipeline, Stage
 from flare.collector.receiver import Acceptor
 from flare.collector.security_hooks import bearer_auth
 from flare.collector.telemetry import Registry, Source
 from flare.collector.wal import SIGNAL_METRICS, SIGNAL_TRACES, WriteAheadLog
+from flare.collector.worker import Worker, parse_record
 
 log = logging.getLogger(__name__)
 

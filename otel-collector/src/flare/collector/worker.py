@@ -1,0 +1,356 @@
+"""The pipeline worker: one thread that drives the pipelines in log order.
+
+It consumes the ingest queue and feeds each item to the pipelines of its signal.
+Every `flush_interval` it ticks the processors (the correlator emits closed windows
+then) and flushes the *durable* exporters — those whose `flush` takes a
+`commit_marker`, i.e. `flare_store` — with the log position everything up to which
+they now hold, then frees the write-ahead log behind the lowest such position. The
+periodic flush runs on a flusher thread while the worker goes on processing;
+batches for the durable exporters wait at the ExportGate meanwhile, so the recorded
+position stays exact.
+
+Forwarding exporters (`otlp`) queue and send on their own threads; the worker never
+waits for them except at shutdown, within the deadline, so a dead forward target
+cannot stall the store path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from flare.collector.ingest import Item, ItemQueue
+from flare.collector.pipeline import ExportGate, Pipeline
+from flare.collector.telemetry import Counters
+from flare.collector.wal import SIGNAL_METRICS, SIGNAL_TRACES, WriteAheadLog
+
+log = logging.getLogger(__name__)
+
+
+def is_durable(exporter: Any) -> bool:
+    """An exporter that can record a log position atomically with its data."""
+    try:
+        params = inspect.signature(exporter.flush).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return "commit_marker" in params and hasattr(exporter, "read_meta")
+
+
+@dataclass
+class _FlushResult:
+    mark: int
+    targets: list[str]
+    started: float
+    errors: dict[str, Exception] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _FlushDone:
+    """Queued by the flusher thread to wake the worker."""
+
+    result: _FlushResult
+
+
+@dataclass
+class _Flush:
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
+@dataclass
+class _Stop:
+    deadline: float  # time.monotonic() by which draining must end
+    done: threading.Event = field(default_factory=threading.Event)
+    drained: bool = False
+
+
+class Worker:
+    def __init__(
+        self,
+        queue: ItemQueue,
+        pipelines: list[Pipeline],
+        exporters: dict[str, Any],
+        wal: WriteAheadLog | None,
+        marker_key: str,
+        counters: Counters,
+        flush_interval_s: float,
+    ) -> None:
+        self.queue = queue
+        self.pipelines = pipelines
+        self.by_signal = {
+            SIGNAL_TRACES: [p for p in pipelines if p.signal == "traces"],
+            SIGNAL_METRICS: [p for p in pipelines if p.signal == "metrics"],
+        }
+        self.exporters = exporters
+        self.durable = {eid: e for eid, e in exporters.items() if is_durable(e)}
+        self.wal = wal
+        self.marker_key = marker_key
+        self.counters = counters
+        self.flush_interval_s = flush_interval_s
+        self.last_fed_lsn = 0
+        self.committed: dict[str, int] = {}  # durable exporter id -> lsn it holds
+        self._unreleased: list[Item] = []  # admitted items not yet durable downstream
+        self._thread: threading.Thread | None = None
+        self._flush_error_logged: dict[str, str] = {}
+        self.flush_seconds_last = 0.0
+        self.gate = ExportGate(set(self.durable))
+        for pipeline in pipelines:
+            pipeline.gate = self.gate
+        self._inflight: _FlushResult | None = None  # a flush running on its own thread
+
+    # ------------------------------------------------------------ start-up
+    def load_markers(self) -> int:
+        """Read each durable exporter's committed lsn; return where replay starts."""
+        for exporter_id, exporter in self.durable.items():
+            value = exporter.read_meta(self.marker_key)
+            self.committed[exporter_id] = int(value) if value else 0
+        return min(self.committed.values()) if self.committed else 0
+
+    def replay(self, records: Callable[[], Any], parse: Callable[[int, bytes], Any]) -> int:
+        """Feed the log tail through the pipelines before receivers open; return count."""
+        for pipeline in self.pipelines:
+            pipeline.skip_upto = dict(self.committed)
+        count = 0
+        pending_bytes = 0
+        for record in records():
+            request = parse(record.signal, record.payload)
+            if request is None:
+                continue
+            self._feed(Item(record.lsn, record.signal, request, len(record.payload)))
+            count += 1
+            pending_bytes += len(record.payload)
+            if pending_bytes >= 64 << 20:  # bound memory on a long tail
+                self.flush_cycle()
+                pending_bytes = 0
+        self.flush_cycle()
+        for pipeline in self.pipelines:
+            pipeline.skip_upto = {}
+        return count
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="flare-pipeline", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ control
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Process everything queued so far and flush it durably; True on success."""
+        request = _Flush()
+        self.queue.put(request)
+        if not request.done.wait(timeout_s):
+            return False
+        return request.ok
+
+    def stop(self, deadline_s: float) -> bool:
+        """Drain the queue and shut the processors and exporters down; True if drained."""
+        request = _Stop(time.monotonic() + deadline_s)
+        self.queue.put(request)
+        if self._thread is None:
+            return True
+        self._thread.join(deadline_s + 1.0)
+        return request.drained
+
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        next_flush = time.monotonic() + self.flush_interval_s
+        while True:
+            item = self.queue.get(max(0.0, next_flush - time.monotonic()))
+            if isinstance(item, Item):
+                self._feed(item)
+            elif isinstance(item, _FlushDone):
+                if item.result is self._inflight:
+                    self._complete(item.result)
+            elif isinstance(item, _Flush):
+                item.ok = self.flush_cycle()
+                item.done.set()
+                next_flush = time.monotonic() + self.flush_interval_s
+            elif isinstance(item, _Stop):
+                item.drained = self._drain(item.deadline)
+                item.done.set()
+                return
+            if time.monotonic() >= next_flush:
+                if self._inflight is None:
+                    self._start_background_flush()
+                next_flush = time.monotonic() + self.flush_interval_s
+
+    def _feed(self, item: Item) -> None:
+        pipelines = self.by_signal.get(item.signal, ())
+        for index, pipeline in enumerate(pipelines):
+            request = item.request
+            if index < len(pipelines) - 1:  # later pipelines must see it unmodified
+                request = type(request)()
+                request.CopyFrom(item.request)
+            try:
+                pipeline.push(request, [item.lsn] if item.lsn else [])
+            except Exception as exc:
+                self.counters.add("pipeline_errors", pipeline=pipeline.id)
+                log.error("pipeline %s failed on a request: %s", pipeline.id, exc)
+        self.last_fed_lsn = max(self.last_fed_lsn, item.lsn)
+        if item.admitted:
+            self._unreleased.append(item)
+
+    def watermark(self) -> int:
+        """The highest lsn such that every lsn up to it has reached the exporters."""
+        held = [h for p in self.pipelines if (h := p.oldest_held()) is not None]
+        return min(min(held) - 1, self.last_fed_lsn) if held else self.last_fed_lsn
+
+    def flush_cycle(self, final: bool = False) -> bool:
+        """Tick (or shut down) the processors and flush the durable exporters, in this thread."""
+        self._await_inflight()
+        result = self._prepare(final)
+        self._write(result)
+        return self._finish(result)
+
+    def _start_background_flush(self) -> None:
+        """The periodic flush: store I/O on its own thread while processing continues."""
+        result = self._prepare(final=False)
+        if not result.targets:
+            self._finish(result)
+            return
+        self._inflight = result
+        self.gate.closed = True
+
+        def run() -> None:
+            self._write(result)
+            self.queue.put(_FlushDone(result), front=True)
+
+        threading.Thread(target=run, name="flare-flush", daemon=True).start()
+
+    def _await_inflight(self) -> None:
+        if self._inflight is not None:
+            self._inflight.done.wait()
+            self._complete(self._inflight)
+
+    def _complete(self, result: _FlushResult) -> None:
+        self._inflight = None
+        self._finish(result)
+        self.gate.open()
+
+    def _prepare(self, final: bool) -> _FlushResult:
+        started = time.perf_counter()
+        now_ns = time.time_ns()
+        for pipeline in self.pipelines:
+            try:
+                if final:
+                    pipeline.shutdown()
+                else:
+                    pipeline.tick(now_ns)
+            except Exception as exc:
+                self.counters.add("pipeline_errors", pipeline=pipeline.id)
+                log.error("pipeline %s failed while ticking: %s", pipeline.id, exc)
+        mark = self.watermark()
+        targets = [
+            exporter_id for exporter_id, exporter in self.durable.items()
+            # An idle collector leaves the store file alone, free for readers.
+            if final or self._has_news(exporter_id, exporter, mark)
+        ]
+        return _FlushResult(mark, targets, started)
+
+    def _write(self, result: _FlushResult) -> None:
+        try:
+            for exporter_id in result.targets:
+                try:
+                    self.durable[exporter_id].flush(commit_marker=(self.marker_key, str(result.mark)))
+                except Exception as exc:
+                    result.errors[exporter_id] = exc
+        finally:
+            result.done.set()
+
+    def _finish(self, result: _FlushResult) -> bool:
+        for exporter_id in result.targets:
+            exc = result.errors.get(exporter_id)
+            if exc is not None:
+                self.counters.add("flush_errors", exporter=exporter_id)
+                self._log_flush_error(exporter_id, exc)
+                continue
+            self.committed[exporter_id] = result.mark
+            if self._flush_error_logged.pop(exporter_id, None) is not None:
+                log.warning("exporter %s flushes again", exporter_id)
+        durable_upto = min(self.committed.values()) if self.committed else result.mark
+        if self.wal is not None:
+            self.wal.commit(durable_upto)
+        self._release(durable_upto if self.durable else None)
+        self.flush_seconds_last = time.perf_counter() - result.started
+        return not result.errors
+
+    def _has_news(self, exporter_id: str, exporter: Any, mark: int) -> bool:
+        if self.committed.get(exporter_id) != mark:
+            return True
+        buffered = getattr(exporter, "buffered", None)
+        return bool(buffered()) if callable(buffered) else True
+
+    def _release(self, durable_upto: int | None) -> None:
+        """Give admitted bytes back to the memory limiters once they are durable."""
+        keep = []
+        for item in self._unreleased:
+            if durable_upto is None or item.lsn == 0 or item.lsn <= durable_upto:
+                for limiter in item.admitted:
+                    limiter.release(item.nbytes)
+            else:
+                keep.append(item)
+        self._unreleased = keep
+
+    def _log_flush_error(self, exporter_id: str, exc: Exception) -> None:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if self._flush_error_logged.get(exporter_id) != text:
+            log.error("exporter %s could not flush (data stays in the write-ahead log): %s", exporter_id, text)
+            self._flush_error_logged[exporter_id] = text
+
+    def _drain(self, deadline: float) -> bool:
+        while time.monotonic() < deadline:
+            item = self.queue.get(0.0)
+            if item is None:
+                break
+            if isinstance(item, Item):
+                self._feed(item)
+            elif isinstance(item, _Flush):
+                item.done.set()
+        else:
+            log.warning("drain deadline reached with %d requests queued; they stay in the write-ahead log", len(self.queue))
+            self.flush_cycle()
+            return False
+        ok = self.flush_cycle(final=True)
+        self._shutdown_exporters(deadline)
+        return ok
+
+    def _shutdown_exporters(self, deadline: float) -> None:
+        """Shut exporters down in parallel; forwarders get what is left of the deadline."""
+        threads = []
+        for exporter_id, exporter in self.exporters.items():
+            thread = threading.Thread(
+                target=_shutdown_one, args=(exporter_id, exporter), daemon=True,
+                name=f"flare-shutdown-{exporter_id}",
+            )
+            thread.start()
+            threads.append((exporter_id, thread))
+        for exporter_id, thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("exporter %s did not shut down within the deadline", exporter_id)
+
+
+def _shutdown_one(exporter_id: str, exporter: Any) -> None:
+    try:
+        exporter.shutdown()
+    except Exception as exc:
+        log.error("exporter %s failed to shut down: %s", exporter_id, exc)
+
+
+def parse_record(signal: int, payload: bytes) -> Any:
+    """Decode a logged request; None (and a warning) for a record that will not parse."""
+    cls = ExportTraceServiceRequest if signal == SIGNAL_TRACES else ExportMetricsServiceRequest
+    try:
+        return cls.FromString(payload)
+    except Exception as exc:
+        log.warning("skipping an undecodable write-ahead log record: %s", exc)
+        return None
