@@ -164,7 +164,7 @@ def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | N
     if fmt == "json":
         text = json.dumps(diagnosis.to_json(), indent=2) + "\n"
     elif fmt == "html":
-        text = report_html.render(diagnosis, job_data, config)
+        text = report_html.render(diagnosis, diagnosis.job_data or job_data, config)
     else:
         colour = output is None and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         text = report_text.render(diagnosis, colour=colour)

@@ -75,6 +75,8 @@ class Diagnosis:
     anomalies: list[Anomaly]
     evidence_links: dict[str, list[tuple[str, str]]]
     detector_errors: dict[str, str]
+    # The cached view the detectors read: reports reuse its aggregates, not re-query.
+    job_data: JobData | None = None
 
     def to_json(self) -> dict:
         return {
@@ -108,7 +110,7 @@ def diagnose(
     for anomaly in anomalies:
         if not anomaly.trace_ids:
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
-    return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors)
+    return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached)
 
 
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
