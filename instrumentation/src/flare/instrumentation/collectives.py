@@ -124,6 +124,7 @@ class CollectiveRecord:
 @dataclass
 class _StepCollectives:
     seq_at_start: dict[str, int] = field(default_factory=dict)
+    seq_at_end: dict[str, int] = field(default_factory=dict)
     python_keys: set = field(default_factory=set)  # (pg name, seq) seen from Python
     backward_windows: list = field(default_factory=list)  # (start, graph done, end)
 
@@ -165,9 +166,12 @@ class CollectiveTracker:
             except (AttributeError, TypeError):
                 _log.info("flare: Work.wait cannot be wrapped; async waits are not timed")
         self.runtime.add_step_listener(self)
+        self.runtime.summary_contributors.append(self.add_step_summary)
 
     def uninstall(self) -> None:
         self.runtime.remove_step_listener(self)
+        if self.add_step_summary in self.runtime.summary_contributors:
+            self.runtime.summary_contributors.remove(self.add_step_summary)
         self._patches.restore_all()
         self._pending.clear()
 
@@ -331,34 +335,36 @@ class CollectiveTracker:
     def on_step_start(self, step: int, detail: bool) -> None:
         self._step = _StepCollectives(seq_at_start=self.groups.sequence_snapshot())
 
-    def on_step_end(self, step: int, detail: bool, span) -> None:
+    def add_step_summary(self, summary: dict) -> None:
+        """Always-on per-group arrays for the step span (a Runtime summary contributor)."""
         runtime = self.runtime
         now_seqs = self.groups.sequence_snapshot()
+        self._step.seq_at_end = now_seqs
         started = self._step.seq_at_start
         names = sorted(set(runtime.totals.pg) | {n for n, s in now_seqs.items()
                                                   if s > started.get(n, s)})
+        counts, waits, sizes, last_seqs = [], [], [], []
+        for name in names:
+            totals = runtime.totals.pg.get(name)
+            python_count = totals.python_count if totals else 0
+            delta = now_seqs.get(name, 0) - started.get(name, now_seqs.get(name, 0))
+            counts.append(max(delta, python_count))
+            waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
+            sizes.append(totals.bytes if totals else 0)
+            last_seqs.append(now_seqs.get(name, -1))
         if names:
-            counts, waits, sizes, last_seqs = [], [], [], []
-            for name in names:
-                totals = runtime.totals.pg.get(name)
-                python_count = totals.python_count if totals else 0
-                delta = now_seqs.get(name, 0) - started.get(name, now_seqs.get(name, 0))
-                counts.append(max(delta, python_count))
-                waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
-                sizes.append(totals.bytes if totals else 0)
-                last_seqs.append(now_seqs.get(name, -1))
-            span.set_attributes({
-                semconv.STEP_PG_NAMES: names,
-                semconv.STEP_PG_COUNTS: counts, semconv.STEP_PG_WAIT_MS: waits,
-                semconv.STEP_PG_BYTES: sizes, semconv.STEP_PG_LAST_SEQ: last_seqs,
-                semconv.STEP_COLLECTIVE_COUNT: sum(counts),
-                semconv.STEP_COLLECTIVE_BYTES: sum(sizes),
-            })
-        else:
-            span.set_attributes({semconv.STEP_COLLECTIVE_COUNT: 0,
-                                 semconv.STEP_COLLECTIVE_BYTES: 0})
+            summary[semconv.STEP_PG_NAMES] = names
+            summary[semconv.STEP_PG_COUNTS] = counts
+            summary[semconv.STEP_PG_WAIT_MS] = waits
+            summary[semconv.STEP_PG_BYTES] = sizes
+            summary[semconv.STEP_PG_LAST_SEQ] = last_seqs
+        summary[semconv.STEP_COLLECTIVE_COUNT] = sum(counts)
+        summary[semconv.STEP_COLLECTIVE_BYTES] = sum(sizes)
+
+    def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:
-            self._emit_flight_recorder(runtime.step_start_ns, now_seqs, started)
+            self._emit_flight_recorder(self.runtime.step_start_ns, self._step.seq_at_end,
+                                       self._step.seq_at_start)
 
     def _emit_flight_recorder(self, step_start_ns: int, now_seqs: dict, started: dict) -> None:
         """Detail step: C++-issued collectives of this step, as spans."""

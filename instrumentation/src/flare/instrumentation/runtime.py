@@ -82,9 +82,12 @@ class Runtime:
 
         self.step_number = 0  # the step in progress, or the next one to begin
         self.step_open = False
-        self.step_span = None
-        self.step_context = None  # OTel Context holding the step span, for children
+        self._step_span = None
+        self._step_context = None
         self.step_detail = False
+        # Callables adding always-on attributes to the step summary dict at step end
+        # (cheaper than listeners setting attributes on the span one call at a time).
+        self.summary_contributors: list = []
         self.step_start_ns = 0
         self.totals = StepTotals()
         self.last_step_end_ns = 0
@@ -144,56 +147,89 @@ class Runtime:
         return detail
 
     def begin_step(self, start_ns: int | None = None) -> None:
+        """Open the next step. Its span is created lazily -- at the step's end with all
+        its attributes in one pass, or earlier if something needs its context (a hang
+        report, an error) -- because span creation is most of the per-step cost."""
         if self.step_open or not self.enabled:
             return
-        start_ns = start_ns or time.time_ns()
+        self.step_detail = self._decide_detail(self.step_number)
+        self.step_start_ns = start_ns or time.time_ns()
+        self.totals = StepTotals()
+        self._children = []
+        self._step_span = None
+        self._step_context = None
+        self.step_open = True
+        self._notify("on_step_start", self.step_number, self.step_detail)
+
+    def _start_step_span(self, attributes: dict):
         step = self.step_number
         job = self.identity.job_id
         root = NonRecordingSpan(SpanContext(
             trace_id=semconv.step_trace_id(job, step),
             span_id=semconv.step_root_span_id(job, step),
             is_remote=True, trace_flags=_SAMPLED))
-        attributes = {semconv.STEP: step}
+        attributes[semconv.STEP] = step
         attributes.update(self.span_attributes)
-        span = self.tracer.start_span(semconv.SPAN_STEP, context=trace.set_span_in_context(root),
-                                      start_time=start_ns, attributes=attributes)
-        self.step_span = span
-        self.step_context = trace.set_span_in_context(span)
-        self.step_detail = self._decide_detail(step)
-        self.step_start_ns = start_ns
-        self.totals = StepTotals()
-        self._children = []
-        self.step_open = True
-        self._notify("on_step_start", step, self.step_detail)
+        return self.tracer.start_span(semconv.SPAN_STEP, context=trace.set_span_in_context(root),
+                                      start_time=self.step_start_ns, attributes=attributes)
+
+    @property
+    def step_span(self):
+        """The span of the step in progress (created now if it does not exist yet)."""
+        if not self.step_open:
+            return None
+        with self._lock:
+            if self._step_span is None:
+                self._step_span = self._start_step_span({})
+            return self._step_span
+
+    @property
+    def step_context(self):
+        """OTel Context holding the step span, for children (None between steps)."""
+        span = self.step_span
+        if span is None:
+            return None
+        if self._step_context is None:
+            self._step_context = trace.set_span_in_context(span)
+        return self._step_context
 
     def end_step(self, end_ns: int | None = None) -> None:
         if not self.step_open:
             return
         end_ns = end_ns or time.time_ns()
-        span = self.step_span
-        self._set_summary(span, end_ns)
+        summary = self._summary(end_ns)
+        for contributor in self.summary_contributors:
+            contributor(summary)
+        with self._lock:
+            if self._step_span is None:
+                self._step_span = self._start_step_span(summary)
+            else:
+                self._step_span.set_attributes(summary)
+            span = self._step_span
         self._notify("on_step_end", self.step_number, self.step_detail, span)
         children, self._children = self._children, []
-        for name, start, end, attributes in children:
-            # a collection can also run inside this bookkeeping, after end_ns was taken
-            start, end = min(start, end_ns), min(end, end_ns)
-            child = self.tracer.start_span(name, context=self.step_context, start_time=start,
-                                           attributes=attributes)
-            child.end(end_time=end)
+        if children:
+            context = self.step_context
+            for name, start, end, attributes in children:
+                # a collection can also run inside this bookkeeping, after end_ns was taken
+                start, end = min(start, end_ns), min(end, end_ns)
+                child = self.tracer.start_span(name, context=context, start_time=start,
+                                               attributes=attributes)
+                child.end(end_time=end)
         span.end(end_time=end_ns)
         self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = end_ns
         self.step_number += 1
         self.step_open = False
-        self.step_span = None
-        self.step_context = None
+        self._step_span = None
+        self._step_context = None
 
     def abandon_step(self) -> None:
         """Forget an open step that will never complete (never exported: not ended)."""
         self._children = []
         self.step_open = False
-        self.step_span = None
-        self.step_context = None
+        self._step_span = None
+        self._step_context = None
 
     def fail_step(self, exception: BaseException | None, description: str,
                   callsite: str | None, extra: dict | None = None) -> None:
@@ -216,7 +252,7 @@ class Runtime:
         else:
             span.end()
 
-    def _set_summary(self, span, end_ns: int) -> None:
+    def _summary(self, end_ns: int) -> dict:
         totals = self.totals
         wall_ms = (end_ns - self.step_start_ns) / 1e6
         dataloader_ms = totals.dataloader_ns / 1e6
@@ -235,7 +271,7 @@ class Runtime:
                                                - wait_ns / 1e6), 3),
             semconv.STEP_DETAIL: self.step_detail,
         }
-        span.set_attributes(attributes)
+        return attributes
 
     def median_step_s(self) -> float | None:
         recent = list(self.recent_step_s)
