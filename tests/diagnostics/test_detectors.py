@@ -127,3 +127,24 @@ def test_callsite_formats():
                       '  File "/usr/lib/python3.11/site-packages/torch/x.py", line 9, in f\n')
     assert user_callsite(traceback_text) == "/a/main.py:3 in <module>"
     assert user_callsite(None) is None
+
+
+def test_collective_slow_per_process_group():
+    from flare.diagnostics.detectors import collective_slow
+
+    t = 1_800_000_000_000_000_000
+    rows = []
+    for seq in range(24):
+        for rank in range(4):
+            slow_link = 2.0 if seq >= 12 else 1.0  # the group's transfer takes twice as long
+            ms = 10.0 * slow_link * (1.02 if seq % 2 else 0.99) + (5.0 if rank == 1 else 0.0)
+            row = _span("collective.all_reduce", rank, seq, t + seq * 10**8 + rank, {
+                sc.COLL_PG: "7", sc.COLL_SEQ: seq, sc.COLL_BYTES: 64 * 2**20, sc.COLL_OP: "all_reduce"})
+            row["duration_ns"] = int(ms * 1e6)
+            rows.append(row)
+    found = collective_slow.detect(_job(pa.concat_tables([job_spans("j", 4, 24), _extra(rows)])),
+                                   DiagnosisConfig())
+    assert len(found) == 1
+    assert found[0].cause == "communication" and found[0].first_step == 12
+    assert found[0].evidence["pg"] == "7"
+    assert found[0].evidence["gbps_after"] < 0.6 * found[0].evidence["gbps_before"]

@@ -1,9 +1,13 @@
 """Collective slow: communication itself got slower than it usually is in this job.
 
-The pure transfer time of a step's collectives is the wait of the rank that arrived
-last (it waited for nobody), so waiting for stragglers is excluded. Divided into
-the bytes moved, it is the job's effective bandwidth; a persistent drop against the
-job's own earlier steps (a change point) is labelled with cause `communication`.
+The pure transfer time of a collective is the time of the rank that arrived last (it
+waited for nobody), so waiting for stragglers is excluded. Divided into the bytes
+moved, it is an effective bandwidth; a persistent drop against the group's own
+earlier collectives (a change point) is labelled with cause `communication`.
+
+Two views: per process group from the sampled `collective.*` detail spans (matched
+across ranks by (pg, seq); the group's bandwidth over its own history), and for the
+whole job from the always-on step summary (the least collective wait of each step).
 """
 
 from __future__ import annotations
@@ -15,12 +19,64 @@ import numpy as np
 from flare.diagnostics import frame as frames
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import change_point, nanmedian
+from flare.instrumentation import semconv as sc
 
 _MIN_SHIFT = 0.25  # transfer time per byte up by at least this much
 _MIN_COMM_SHARE = 0.05  # and communication a visible share of the step
 
 
+_GROUP_MIN_SEGMENT = 3  # detail collectives are sampled: a few points per regime suffice
+
+
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    found = _per_group(job, config)
+    return found or _whole_job(job, config)
+
+
+def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    spans = job.spans(["collective.*"], [sc.COLL_PG, sc.COLL_SEQ, sc.COLL_BYTES, sc.COLL_OP],
+                      columns=["rank", "step", "duration_ns"])
+    if spans.num_rows == 0:
+        return []
+    # (pg, seq) → the last arrival's time (the least duration) and the bytes moved.
+    by_call: dict[tuple[str, int], list] = {}
+    for rank, step, duration, pg, seq, size, op in zip(
+            spans["rank"].to_pylist(), spans["step"].to_pylist(), spans["duration_ns"].to_pylist(),
+            spans[sc.COLL_PG].to_pylist(), spans[sc.COLL_SEQ].to_pylist(),
+            spans[sc.COLL_BYTES].to_pylist(), spans[sc.COLL_OP].to_pylist(), strict=False):
+        if pg is None or seq is None or not duration or not size:
+            continue
+        entry = by_call.setdefault((pg, seq), [duration, size, step, op, set()])
+        entry[0] = min(entry[0], duration)
+        entry[4].add(rank)
+    groups: dict[str, list[tuple[int, float, int | None, str | None, int]]] = {}
+    for (pg, seq), (duration, size, step, op, ranks) in by_call.items():
+        if len(ranks) >= 2:
+            groups.setdefault(pg, []).append((seq, size / (duration / 1e9) / 1e9, step, op, len(ranks)))
+    anomalies = []
+    for pg, calls in sorted(groups.items()):
+        calls.sort()
+        gbps = np.array([c[1] for c in calls])
+        point = change_point(1.0 / gbps, _GROUP_MIN_SEGMENT)
+        if point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score:
+            continue
+        before = float(np.median(gbps[:point.index]))
+        after = float(np.median(gbps[point.index:]))
+        first_step = next((c[2] for c in calls[point.index:] if c[2] is not None), None)
+        anomalies.append(Anomaly(
+            kind="collective_slow", ranks=[], cause="communication", first_step=first_step,
+            last_step=calls[-1][2], impact=min(1.0, 1 - after / before),
+            confidence=min(0.99, 1 - math.exp(-point.score / config.fail_slow_min_score)),
+            summary=f"process group {pg} runs its collectives at {after:.2f} GB/s from step "
+                    f"{first_step}, down from its usual {before:.2f} GB/s ({after / before - 1:+.0%})",
+            evidence={"pg": pg, "gbps_before": round(before, 4), "gbps_after": round(after, 4),
+                      "first_seq": calls[point.index][0], "collectives": len(calls),
+                      "group_size": max(c[4] for c in calls)},
+        ))
+    return anomalies
+
+
+def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
