@@ -18,7 +18,8 @@ children of the step span:
 Cost: between windows the listener does one boolean test per step. A window costs the
 profiler's start/stop plus the (background) conversion; `benchmarks/
 kernel_window_overhead.py` measures it amortized at the default rate.
-Off with `FLARE_KERNEL_WINDOWS=0`; silently absent when torch is not installed, and a
+Kineto's own stderr log lines are silenced (`KINETO_LOG_LEVEL=6`) unless the user set a
+level. Off with `FLARE_KERNEL_WINDOWS=0`; silently absent when torch is not installed, and a
 window is skipped when the user already runs a profiler.
 """
 
@@ -286,6 +287,10 @@ def install(runtime: Any) -> KernelWindows | None:
         return None
     if id(runtime) in _installed:
         return _installed[id(runtime)]
+    # Kineto prints two log lines per profiler start/stop on stderr of every rank; read
+    # when the profiler first initialises, so this quiets Flare's windows unless the
+    # user chose a level.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         windows = KernelWindows(runtime)
     except ImportError:
