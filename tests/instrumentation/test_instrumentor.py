@@ -415,3 +415,55 @@ def test_gpu_layer_hooks(rank_env, caplog):
     assert any("flare_test_probe_broken.install failed" in r.getMessage()
                for r in caplog.records)
     assert finished(exporter, semconv.SPAN_STEP)[0].attributes["probe.step"] == 0
+
+
+def test_a_replaced_optimizer_becomes_the_step_clock(instrumented):
+    model = torch.nn.Linear(2, 1)
+    for _ in range(2):  # e.g. a warm-up optimizer, then the main one
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(1, 2)).sum().backward()
+            optimizer.step()
+        del optimizer
+        gc.collect()
+    steps = finished(instrumented, semconv.SPAN_STEP)
+    assert [s.attributes[semconv.STEP] for s in steps] == [0, 1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_thread_exception_becomes_an_error_span(instrumented):
+    def checkpoint_writer():
+        raise OSError("disk full")
+
+    with flare_instrumentation.step():
+        thread = threading.Thread(target=checkpoint_writer, name="ckpt")
+        thread.start()
+        thread.join()
+    errors = finished(instrumented, semconv.SPAN_ERROR)
+    assert len(errors) == 1
+    error = errors[0]
+    assert error.status.status_code is StatusCode.ERROR
+    assert error.attributes[semconv.HANG_THREAD] == "ckpt"
+    assert error.attributes[semconv.CODE_CALLSITE].endswith("in checkpoint_writer")
+    assert error.events[0].attributes["exception.type"] == "OSError"
+    step = finished(instrumented, semconv.SPAN_STEP)[0]
+    assert error.parent.span_id == step.context.span_id
+
+
+def test_groups_created_before_instrumentation_are_still_traced(rank_env):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        for _ in range(2):
+            with flare_instrumentation.step():
+                dist.all_reduce(torch.ones(2))
+    finally:
+        instrumentor.uninstrument()
+        dist.destroy_process_group()
+    steps = finished(exporter, semconv.SPAN_STEP)
+    assert [s.attributes[semconv.STEP_PG_COUNTS][0] for s in steps] == [1, 1]
+    spans = finished(exporter, "collective.all_reduce")
+    assert spans and spans[0].attributes[semconv.COLL_PG] == "0"

@@ -5,11 +5,14 @@ A step runs from the end of the previous optimizer step to the end of this one, 
 batch fetch, forward and backward all fall inside it. The first step begins at the
 first batch fetch, backward or optimizer step. With several optimizers, the first one
 to step is the step clock (its post-hook closes the step); all ranks pick the same one.
+When the clock optimizer is gone (replaced after a warm-up phase), the next one to step
+becomes the clock.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.runtime import Runtime
@@ -21,7 +24,7 @@ class StepHooks:
     def __init__(self, runtime: Runtime, collectives=None):
         self.runtime = runtime
         self.collectives = collectives  # CollectiveTracker or None (no torch.distributed)
-        self._clock_optimizer_id: int | None = None
+        self._clock: weakref.ref | None = None
         self._handles: list = []
         self._patches = Patches()
 
@@ -54,9 +57,10 @@ class StepHooks:
         runtime = self.runtime
         if not runtime.enabled or runtime.explicit_steps:
             return
-        if self._clock_optimizer_id is None:
-            self._clock_optimizer_id = id(optimizer)
-        elif id(optimizer) != self._clock_optimizer_id:
+        clock = self._clock() if self._clock is not None else None
+        if clock is None:
+            self._clock = weakref.ref(optimizer)
+        elif clock is not optimizer:
             return
         now = time.time_ns()
         runtime.end_step(now)
