@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: drain did not finish within {deadline:.1f} s; "
               "the rest stays in the write-ahead log for the next start", file=sys.stderr)
         return 1
+    logging.getLogger("flare.collector").info("stopped: drained")
     return 0
 
 

@@ -92,9 +92,11 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "flare-collector"
-    sys_version = ""
     timeout = 120  # idle keep-alive connections end, so their threads do too
     server: _Server
+
+    def version_string(self) -> str:
+        return self.server_version
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
