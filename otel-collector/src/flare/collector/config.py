@@ -369,6 +369,8 @@ def parse(doc: dict[str, Any]) -> ServiceConfig:
             raise ConfigError("service.flush_interval must be positive")
     if "drain_timeout" in service:
         cfg.drain_timeout_s = parse_duration(service["drain_timeout"], "service.drain_timeout")
+    if service.get("telemetry"):
+        log.warning("service.telemetry is ignored; the flare_metrics extension serves self-metrics")
     if "queue_max_size" in service:
         cfg.queue_max_bytes = parse_size(service["queue_max_size"], "service.queue_max_size")
     used = {r for p in pipelines for r in p.receivers}

@@ -29,6 +29,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from flare.collector.errors import StartError
 from flare.collector.ingest import Item, ItemQueue
 from flare.collector.pipeline import ExportGate, Pipeline
 from flare.collector.telemetry import Counters
@@ -131,12 +132,22 @@ class Worker:
             count += 1
             pending_bytes += len(record.payload)
             if pending_bytes >= 64 << 20:  # bound memory on a long tail
-                self.flush_cycle()
+                self._replay_flush()
                 pending_bytes = 0
         self.flush_cycle()
         for pipeline in self.pipelines:
             pipeline.skip_upto = {}
         return count
+
+    def _replay_flush(self, attempts: int = 3) -> None:
+        """Flush mid-replay; a store that stays unwritable stops the start, not memory."""
+        for _ in range(attempts):
+            if self.flush_cycle():
+                return
+        raise StartError(
+            "cannot write the store while replaying the write-ahead log "
+            "(see the error above); the log is kept for the next start"
+        )
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="flare-pipeline", daemon=True)
