@@ -360,10 +360,15 @@ def wait_drained(collectors: list[CollectorProc], timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def stored_rank_steps(path: str) -> int:
+def stored_rank_steps(path: str) -> tuple[int, int]:
+    """(train.step rows, bytes in used blocks). A short run leaves many free blocks in
+    the file (each flush appends); a long-running store reuses them, so the used
+    blocks are the steady-state size and the file size is what a short run costs."""
     con = store.open_reader(path, timeout_s=30)
     try:
-        return int(con.execute("SELECT count(*) FROM spans WHERE name = ?", [sc.SPAN_STEP]).fetchone()[0])
+        rows = int(con.execute("SELECT count(*) FROM spans WHERE name = ?", [sc.SPAN_STEP]).fetchone()[0])
+        block_size, used = con.execute("SELECT block_size, used_blocks FROM pragma_database_size()").fetchone()
+        return rows, int(block_size) * int(used)
     finally:
         con.close()
 
@@ -485,10 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     accepted = [m.get("flare_collector_accepted_spans_total", 0.0) for m in final]
     lat = probe.latencies()
     store_bytes = sum(os.path.getsize(c.store_path) for c in collectors)
-    rank_steps = sum(stored_rank_steps(c.store_path) for c in collectors)
+    sizes = [stored_rank_steps(c.store_path) for c in collectors]
+    rank_steps = sum(n for n, _ in sizes)
+    used_bytes = sum(b for _, b in sizes)
     # Bytes per stored rank-step (detail steps included at their rate) × steps per hour.
     steps_per_hour = 3600 / (args.step_ms / 1000 + 0.05)
     per_rank_hour = store_bytes / max(rank_steps, 1) * steps_per_hour
+    used_per_rank_day = used_bytes / max(rank_steps, 1) * steps_per_hour * 24
     result = {
         "ranks": mesh.world, "mesh": [mesh.tp, mesh.pp, mesh.dp], "collectors": args.collectors,
         "steps": args.steps, "speed_steps_per_s": args.speed, "wall_s": round(wall, 1),
@@ -509,17 +517,21 @@ def main(argv: list[str] | None = None) -> int:
         "store_bytes": store_bytes, "stored_rank_steps": rank_steps,
         "store_mb_per_rank_hour": round(per_rank_hour / 1e6, 3),
         "store_mb_per_rank_day": round(per_rank_hour * 24 / 1e6, 2),
+        "store_used_blocks_mb_per_rank_day": round(used_per_rank_day / 1e6, 2),
     }
     if not args.no_diagnose:
-        times, found = [], []
+        times, found, per_store = [], [], []
         for c in collectors:
             seconds, anomalies = diagnose_store(c.store_path, JOB)
             times.append(round(seconds, 2))
             found.extend(anomalies)
-        stragglers = [a for a in found if a["kind"] == "straggler"]
+            stragglers = [a for a in anomalies if a["kind"] == "straggler"]
+            per_store.append(bool(stragglers) and all(a["ranks"] == [culprit] for a in stragglers))
         result["diagnosis_s_per_store"] = times
         result["anomalies"] = sorted({(a["kind"], tuple(a["ranks"]), a["cause"]) for a in found})
-        result["culprit_found"] = bool(stragglers) and all(a["ranks"] == [culprit] for a in stragglers)
+        # Each store holds whole steps (a 1/K interleave): each must name the culprit.
+        result["culprit_found_per_store"] = per_store
+        result["culprit_found"] = all(per_store)
     print(json.dumps(result), flush=True)
     return 0
 
