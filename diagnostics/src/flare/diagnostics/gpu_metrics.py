@@ -38,7 +38,11 @@ _SPAN_COLUMNS = ("rank", "step", "start_ns", "end_ns", "duration_ns", "trace_id"
 
 def gpu_activities(job, attributes: Sequence[str] = KERNEL_ATTRIBUTES,
                    ranks: Sequence[int] | None = None) -> pa.Table:
-    """Kernel spans that ran on a GPU (CPU operators of CPU-only windows excluded)."""
+    """Kernel spans that ran on a GPU (CPU operators of CPU-only windows excluded).
+
+    The GPU detectors all ask with the default attributes, so the diagnosis pipeline's
+    cache answers them with one query.
+    """
     table = job.spans([sc.SPAN_KERNEL], attributes=list(attributes), ranks=ranks,
                       columns=list(_SPAN_COLUMNS))
     if table.num_rows == 0 or sc.KERNEL_DEVICE not in table.column_names:

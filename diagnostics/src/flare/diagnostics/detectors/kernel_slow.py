@@ -30,9 +30,7 @@ MIN_TIME_SHARE = 0.01
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
-    table = gm.gpu_activities(job, attributes=(
-        sc.KERNEL_DEVICE, sc.KERNEL_NAME, sc.KERNEL_CATEGORY, sc.KERNEL_SHAPE, sc.KERNEL_DTYPE,
-        sc.KERNEL_ACHIEVED_TFLOPS))
+    table = gm.gpu_activities(job)
     if table.num_rows == 0:
         return []
     table = table.append_column("key", pc.binary_join_element_wise(
