@@ -17,7 +17,10 @@ already in the backend are read back at start).
 
 Health and the service's own metrics are on a small HTTP endpoint: `/healthz`
 (200 while the last poll succeeded, 503 during an outage) and `/metrics`
-(Prometheus text).
+(Prometheus text: the service's counters, plus the per-rank gauges the Grafana
+dashboard reads — step time, collective wait, culprit share, anomalies by kind and
+rank — so a deployment that keeps its spans in Tempo or Jaeger gets the dashboard
+from the follow service alone).
 """
 
 from __future__ import annotations
@@ -164,6 +167,53 @@ class IncrementalJobData:
         return 0 if self._window is None else self._window.num_rows
 
 
+# ---------------------------------------------------------------- dashboard gauges
+
+
+def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
+                culprit_steps: int = 100) -> list[tuple[str, dict[str, str], float]]:
+    """The per-rank gauges of the Grafana dashboard, from the follow window.
+
+    Same names and meaning as the collector's `query_api.RankGauges`, so the dashboard
+    works with either scrape target: mean step time and collective wait over the last
+    `recent_steps` complete steps, and each rank's share of the last `culprit_steps`
+    steps in which it waited least (the culprit, ARCHITECTURE §4).
+    """
+    last = data.complete_step
+    if last < 0:
+        return []
+    wait_key = sc.STEP_COLLECTIVE_WAIT_MS
+    table = data.step_summary([wait_key], first_step=max(0, last - culprit_steps + 1),
+                              last_step=last)
+    if table.num_rows == 0:
+        return []
+    rows = table.to_pylist()
+    out: list[tuple[str, dict[str, str], float]] = []
+    recent: dict[int, list[tuple[float, float | None]]] = {}
+    least: dict[int, tuple[float, int]] = {}
+    for row in rows:
+        if row["step"] > last - recent_steps:
+            recent.setdefault(row["rank"], []).append((row["duration_ms"], row[wait_key]))
+        wait = row[wait_key]
+        if wait is not None and (row["step"] not in least or wait < least[row["step"]][0]):
+            least[row["step"]] = (wait, row["rank"])
+    for rank, values in sorted(recent.items()):
+        labels = {"job": data.job, "rank": str(rank)}
+        out.append(("flare_rank_step_seconds", labels,
+                    sum(d for d, _ in values) / len(values) / 1e3))
+        waits = [w for _, w in values if w is not None]
+        if waits:
+            out.append(("flare_rank_wait_seconds", labels, sum(waits) / len(waits) / 1e3))
+    if least:
+        counts: dict[int, int] = {}
+        for _, rank in least.values():
+            counts[rank] = counts.get(rank, 0) + 1
+        for rank, count in sorted(counts.items()):
+            out.append(("flare_rank_culprit_ratio", {"job": data.job, "rank": str(rank)},
+                        count / len(least)))
+    return out
+
+
 # ---------------------------------------------------------------- labels
 
 
@@ -228,6 +278,8 @@ class FollowMetrics:
         self.window_rows = 0
         self.fetched_rows = 0
         self.pending = 0
+        self.rank_gauges: list[tuple[str, dict[str, str], float]] = []
+        self.anomalies_by_rank: dict[tuple[str, str, str], int] = {}  # (job, kind, rank)
 
     def prometheus(self) -> str:
         with self.lock:
@@ -258,6 +310,17 @@ class FollowMetrics:
                 f'flare_follow_anomalies_total{{kind="{kind}"}} {count}'
                 for kind, count in sorted(self.anomalies.items())
             ]
+            samples = list(self.rank_gauges) + [
+                ("flare_anomalies", {"job": job, "kind": kind, "rank": rank}, float(count))
+                for (job, kind, rank), count in sorted(self.anomalies_by_rank.items())
+            ]
+            typed: set[str] = set()
+            for name, labels, value in samples:
+                if name not in typed:
+                    lines.append(f"# TYPE {name} gauge")
+                    typed.add(name)
+                rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+                lines.append(f"{name}{{{rendered}}} {value:.6g}")
             return "\n".join(lines) + "\n"
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -270,6 +333,10 @@ class FollowMetrics:
                 "complete_step": self.steps_complete,
                 "last_error": self.last_error or None,
             }
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class HealthServer:
@@ -353,6 +420,9 @@ class FollowService:
             assert self.data is not None
             self.data.refresh()
             diagnosis = pipeline.diagnose(self.data, self.config, warn=self._warn)
+            gauges = rank_gauges(self.data)
+            with self.metrics.lock:
+                self.metrics.rank_gauges = gauges
         except BackendError as exc:
             self._record_poll(started, ok=False, error=str(exc))
             return []
@@ -410,6 +480,9 @@ class FollowService:
             self.labeller.remember(anomaly)
             with self.metrics.lock:
                 self.metrics.anomalies[anomaly.kind] = self.metrics.anomalies.get(anomaly.kind, 0) + 1
+                for rank in anomaly.ranks or ["none"]:
+                    key = (self.job, anomaly.kind, str(rank))
+                    self.metrics.anomalies_by_rank[key] = self.metrics.anomalies_by_rank.get(key, 0) + 1
             print(_alert_line(anomaly), file=self.out, flush=True)
         self.pending = []
         with self.metrics.lock:
