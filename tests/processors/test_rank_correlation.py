@@ -11,8 +11,17 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from flare.instrumentation import semconv as sc
-from flare.processors import REGISTRY
+from flare.processors import REGISTRY, span_select
 from flare.processors.rank_correlation import SCOPE_NAME, RankCorrelation
+
+
+@pytest.fixture(autouse=True, params=["c_picker", "python_reference"])
+def picker(request, monkeypatch):
+    """Every test runs with the C span picker (when built) and the Python reference."""
+    if request.param == "python_reference":
+        monkeypatch.setattr(span_select, "_span_select", None)
+    return request.param
+
 
 JOB = "job-a"
 T0 = 1_700_000_000_000_000_000

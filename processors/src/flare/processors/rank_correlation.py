@@ -58,23 +58,25 @@ from flare.processors.correlation_windows import (
     step_attributes,
     summary_collective_attributes,
 )
-from flare.processors.otlp_values import as_float, as_int, derived_span_id, key_values, pick
+from flare.processors.otlp_values import as_float, as_int, derived_span_id, key_values
+from flare.processors.span_select import Selection, SpanRecord
 
 SCOPE_NAME = "flare.processors.rank_correlation"
 
-_RESOURCE_KEYS = frozenset((sc.SERVICE_NAME, sc.JOB_ID, sc.RANK, sc.WORLD_SIZE))
-_STEP_KEYS = frozenset((
-    sc.STEP, sc.RANK, sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_PG_NAMES, sc.STEP_PG_WAIT_MS,
-    sc.STEP_PG_LAST_SEQ,
-))
-_COLLECTIVE_KEYS = frozenset((
-    sc.STEP, sc.RANK, sc.COLL_OP, sc.COLL_PG, sc.COLL_SEQ, sc.COLL_GROUP_SIZE,
-    sc.COLL_GROUP_RANKS,
-))
-_HANG_KEYS = frozenset((
-    sc.RANK, sc.STEP, sc.HANG_OPERATION, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP, sc.HANG_ELAPSED_S,
-))
-_HEARTBEAT_KEYS = frozenset((sc.RANK, sc.HEARTBEAT_LAST_STEP))
+# What the correlator reads; everything else passes through untouched (and unparsed).
+_SELECTION = Selection(
+    names=(sc.SPAN_STEP, sc.SPAN_HANG, sc.SPAN_HEARTBEAT),
+    prefix=sc.SPAN_COLLECTIVE_PREFIX,
+    excluded=(sc.SPAN_COLLECTIVE_RANKS,),
+    skip_scope=SCOPE_NAME,  # our own output coming back (a collector chained to itself)
+    span_keys=(
+        sc.STEP, sc.RANK, sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_PG_NAMES, sc.STEP_PG_WAIT_MS,
+        sc.STEP_PG_LAST_SEQ, sc.COLL_OP, sc.COLL_PG, sc.COLL_SEQ, sc.COLL_GROUP_SIZE,
+        sc.COLL_GROUP_RANKS, sc.HANG_OPERATION, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP,
+        sc.HANG_ELAPSED_S, sc.HEARTBEAT_LAST_STEP,
+    ),
+    resource_keys=(sc.SERVICE_NAME, sc.JOB_ID, sc.RANK, sc.WORLD_SIZE),
+)
 _CLOSED_MEMORY_PER_JOB = 4096  # closed windows remembered per job, besides the time bound
 _PG_MEMBER_LIMIT = 65536  # distinct (pg, rank) memberships remembered per job
 
@@ -104,6 +106,10 @@ class JobState:
     ranks: dict[int, RankHealth] = field(default_factory=dict)
     pg_members: dict[str, set[int]] = field(default_factory=dict)
     pg_member_count: int = 0
+
+
+def _ranks(values: Iterable[object]) -> tuple[int, ...]:
+    return tuple(r for r in (as_int(v) for v in values) if r is not None)
 
 
 def _step_root(job: str, step: int) -> bytes:
@@ -162,8 +168,8 @@ class RankCorrelation(Processor):
         now = self._clock()
         with self._lock:
             completed: list[tuple[JobState, Window, str]] = []
-            for resource_spans in request.resource_spans:
-                self._ingest_resource(resource_spans, now, completed)
+            for resource, records in _SELECTION.select(request):
+                self._ingest_resource(resource, records, now, completed)
             if self._state_bytes > self.max_state_bytes:
                 completed.extend(self._over_budget())
             emitted = self._emit(completed)
@@ -243,9 +249,9 @@ class RankCorrelation(Processor):
 
     # ------------------------------------------------------------ ingest
     def _ingest_resource(
-        self, resource_spans: ResourceSpans, now: int, completed: list[tuple[JobState, Window, str]]
+        self, resource: dict[str, Any], records: list[SpanRecord], now: int,
+        completed: list[tuple[JobState, Window, str]],
     ) -> None:
-        resource = pick(resource_spans.resource.attributes, _RESOURCE_KEYS)
         service = resource.get(sc.SERVICE_NAME)
         service = "" if service is None else str(service)
         job_id = resource.get(sc.JOB_ID)
@@ -260,19 +266,16 @@ class RankCorrelation(Processor):
         resource_rank = as_int(resource.get(sc.RANK))
         if resource_rank is not None:
             self._heard(job, resource_rank, now)
-        for scope_spans in resource_spans.scope_spans:
-            if scope_spans.scope.name == SCOPE_NAME:
-                continue  # our own output coming back (a collector chained to itself)
-            for span in scope_spans.spans:
-                name = span.name
-                if name == sc.SPAN_STEP:
-                    self._ingest_step(job, span, resource_rank, now, completed)
-                elif name.startswith(sc.SPAN_COLLECTIVE_PREFIX) and name != sc.SPAN_COLLECTIVE_RANKS:
-                    self._ingest_collective(job, span, resource_rank, now, completed)
-                elif name == sc.SPAN_HANG:
-                    self._ingest_hang(job, span, resource_rank, now, completed)
-                elif name == sc.SPAN_HEARTBEAT:
-                    self._ingest_heartbeat(job, span, resource_rank, now)
+        for record in records:
+            name = record[0]
+            if name == sc.SPAN_STEP:
+                self._ingest_step(job, record, resource_rank, now, completed)
+            elif name == sc.SPAN_HANG:
+                self._ingest_hang(job, record, resource_rank, now, completed)
+            elif name == sc.SPAN_HEARTBEAT:
+                self._ingest_heartbeat(job, record, resource_rank, now)
+            else:  # collective.<op>: the selection keeps nothing else
+                self._ingest_collective(job, record, resource_rank, now, completed)
 
     def _heard(self, job: JobState, rank: int, now: int) -> RankHealth:
         health = job.ranks.get(rank)
@@ -286,11 +289,11 @@ class RankCorrelation(Processor):
         return self.expected_ranks or job.world_size
 
     def _ingest_step(
-        self, job: JobState, span: Span, resource_rank: int | None, now: int,
+        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
         completed: list[tuple[JobState, Window, str]],
     ) -> None:
         self._counters["step_spans"] += 1
-        attrs = pick(span.attributes, _STEP_KEYS)
+        _, trace_id, span_id, start_ns, end_ns, attrs = record
         rank = as_int(attrs.get(sc.RANK, resource_rank))
         step = as_int(attrs.get(sc.STEP))
         if rank is None:
@@ -300,7 +303,6 @@ class RankCorrelation(Processor):
             self._counters["spans_without_step"] += 1
             return
         health = self._heard(job, rank, now)
-        end_ns = span.end_time_unix_nano
         health.last_span_end_ns = max(health.last_span_end_ns, end_ns)
         health.last_step = step if health.last_step is None else max(health.last_step, step)
         if health.hang and end_ns > health.hang_since_ns:
@@ -317,8 +319,7 @@ class RankCorrelation(Processor):
             seqs = (seqs + (-1,) * len(names))[: len(names)]
             self._learn_members(job, names, rank)
         entry = RankStep(
-            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
-            start_ns=span.start_time_unix_nano, end_ns=end_ns,
+            span_id=span_id, trace_id=trace_id, start_ns=start_ns, end_ns=end_ns,
             collective_wait_ms=as_float(attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)),
             pg_names=names, pg_wait_ms=waits, pg_last_seq=seqs,
         )
@@ -356,11 +357,11 @@ class RankCorrelation(Processor):
                 job.pg_member_count += 1
 
     def _ingest_collective(
-        self, job: JobState, span: Span, resource_rank: int | None, now: int,
+        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
         completed: list[tuple[JobState, Window, str]],
     ) -> None:
         self._counters["collective_spans"] += 1
-        attrs = pick(span.attributes, _COLLECTIVE_KEYS)
+        _, trace_id, span_id, start_ns, end_ns, attrs = record
         rank = as_int(attrs.get(sc.RANK, resource_rank))
         seq = as_int(attrs.get(sc.COLL_SEQ))
         pg = attrs.get(sc.COLL_PG)
@@ -370,24 +371,20 @@ class RankCorrelation(Processor):
         if seq is None or pg is None:
             return  # a collective without (pg, seq) cannot be matched across ranks
         health = self._heard(job, rank, now)
-        health.last_span_end_ns = max(health.last_span_end_ns, span.end_time_unix_nano)
-        group_ranks = tuple(
-            r for r in (as_int(x) for x in attrs.get(sc.COLL_GROUP_RANKS) or ()) if r is not None
-        )
-        arrival = RankArrival(
-            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
-            start_ns=span.start_time_unix_nano, end_ns=span.end_time_unix_nano,
-        )
+        if end_ns > health.last_span_end_ns:
+            health.last_span_end_ns = end_ns
         self._arrive(
-            job, (str(pg), seq), rank, arrival, now, completed, source="spans",
-            op=str(attrs.get(sc.COLL_OP) or ""), step=as_int(attrs.get(sc.STEP)),
-            group_size=as_int(attrs.get(sc.COLL_GROUP_SIZE)), group_ranks=group_ranks,
+            job, (pg if type(pg) is str else str(pg), seq), rank,
+            RankArrival(span_id, trace_id, start_ns, end_ns), now, completed, source="spans",
+            op=attrs.get(sc.COLL_OP) or "", step=as_int(attrs.get(sc.STEP)),
+            group_size=as_int(attrs.get(sc.COLL_GROUP_SIZE)),
+            group_ranks=attrs.get(sc.COLL_GROUP_RANKS) or (),
         )
 
     def _arrive(
         self, job: JobState, key: tuple[str, int], rank: int, arrival: RankArrival, now: int,
-        completed: list[tuple[JobState, Window, str]], source: str, op: str,
-        step: int | None, group_size: int | None = None, group_ranks: tuple[int, ...] = (),
+        completed: list[tuple[JobState, Window, str]], source: str, op: object,
+        step: int | None, group_size: int | None = None, group_ranks: Iterable[object] = (),
     ) -> None:
         """Record that `rank` reached collective `key` = (pg, seq)."""
         closed = job.closed_collectives.get(key)
@@ -397,16 +394,20 @@ class RankCorrelation(Processor):
         win = job.collectives.get(key)
         if win is None:
             win = job.collectives[key] = CollectiveWindow(
-                key=key, first_arrival_ns=now, op=op, step=step, group_size=group_size,
-                group_ranks=group_ranks, source=source,
+                key=key, first_arrival_ns=now, op=str(op), step=step, group_size=group_size,
+                group_ranks=_ranks(group_ranks), source=source,
             )
         if rank in win.ranks:
             self._counters["duplicate_spans"] += 1
             return
-        win.step = step if win.step is None else win.step
-        win.op = win.op or op
-        win.group_size = win.group_size or group_size
-        win.group_ranks = win.group_ranks or group_ranks
+        if win.step is None:
+            win.step = step
+        if not win.op:
+            win.op = str(op)
+        if not win.group_size:
+            win.group_size = group_size
+        if not win.group_ranks and group_ranks:
+            win.group_ranks = _ranks(group_ranks)
         win.ranks[rank] = arrival
         win.cost += ARRIVAL_ENTRY_BYTES
         self._state_bytes += ARRIVAL_ENTRY_BYTES
@@ -415,11 +416,11 @@ class RankCorrelation(Processor):
             completed.append((job, job.collectives.pop(key), "complete"))
 
     def _ingest_hang(
-        self, job: JobState, span: Span, resource_rank: int | None, now: int,
+        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
         completed: list[tuple[JobState, Window, str]],
     ) -> None:
         self._counters["hang_spans"] += 1
-        attrs = pick(span.attributes, _HANG_KEYS)
+        _, trace_id, span_id, start_ns, end_ns, attrs = record
         rank = as_int(attrs.get(sc.RANK, resource_rank))
         if rank is None:
             self._counters["spans_without_rank"] += 1
@@ -432,7 +433,7 @@ class RankCorrelation(Processor):
         if seq is not None:
             where += f" seq={seq}"
         health.hang = where
-        health.hang_since_ns = span.start_time_unix_nano
+        health.hang_since_ns = start_ns
         if pg is None or seq is None:
             return
         # A rank stuck inside collective (pg, seq) has arrived at it; the members that
@@ -440,22 +441,23 @@ class RankCorrelation(Processor):
         # did not join?"), answered before any NCCL timeout fires.
         elapsed_ns = int((as_float(attrs.get(sc.HANG_ELAPSED_S)) or 0.0) * 1e9)
         arrival = RankArrival(
-            span_id=bytes(span.span_id), trace_id=bytes(span.trace_id),
-            start_ns=span.start_time_unix_nano - elapsed_ns, end_ns=span.end_time_unix_nano,
+            span_id=span_id, trace_id=trace_id, start_ns=start_ns - elapsed_ns, end_ns=end_ns,
         )
         self._arrive(
             job, (str(pg), seq), rank, arrival, now, completed, source="hang",
             op=str(attrs.get(sc.HANG_COLL_OP) or ""), step=as_int(attrs.get(sc.STEP)),
         )
 
-    def _ingest_heartbeat(self, job: JobState, span: Span, resource_rank: int | None, now: int) -> None:
+    def _ingest_heartbeat(
+        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int
+    ) -> None:
         self._counters["heartbeat_spans"] += 1
-        attrs = pick(span.attributes, _HEARTBEAT_KEYS)
+        end_ns, attrs = record[4], record[5]
         rank = as_int(attrs.get(sc.RANK, resource_rank))
         if rank is None:
             return
         health = self._heard(job, rank, now)
-        health.last_span_end_ns = max(health.last_span_end_ns, span.end_time_unix_nano)
+        health.last_span_end_ns = max(health.last_span_end_ns, end_ns)
         last_step = as_int(attrs.get(sc.HEARTBEAT_LAST_STEP))
         if last_step is not None:
             health.last_step = last_step if health.last_step is None else max(health.last_step, last_step)

@@ -1,0 +1,443 @@
+/* The few spans and attributes the rank correlator reads, straight from OTLP bytes.
+ *
+ * Why this exists: the correlator sees every span the collector receives, and through
+ * the protobuf Python API each attribute access allocates wrapper objects (~15 us per
+ * collective span). Scanning the wire format and materialising only the wanted spans
+ * and keys costs a small fraction of that. span_select.py holds the Python reference
+ * this must match (tests/processors/test_span_select.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ wire reading */
+typedef struct {
+    const uint8_t *p;
+    const uint8_t *end;
+} Reader;
+
+typedef struct {
+    uint32_t num;
+    int wt;
+    uint64_t v;
+    const uint8_t *data;
+    size_t len;
+} Field;
+
+static int read_varint(Reader *r, uint64_t *out) {
+    uint64_t v = 0;
+    int shift = 0;
+    while (r->p < r->end && shift < 64) {
+        uint8_t b = *r->p++;
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *out = v;
+            return 0;
+        }
+        shift += 7;
+    }
+    return -1;
+}
+
+static uint64_t le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+/* 0 = read a field, 1 = end of message, -1 = malformed */
+static int next_field(Reader *r, Field *f) {
+    uint64_t key, n;
+    if (r->p >= r->end) return 1;
+    if (read_varint(r, &key)) return -1;
+    f->num = (uint32_t)(key >> 3);
+    f->wt = (int)(key & 7);
+    if (f->num == 0) return -1;
+    switch (f->wt) {
+    case 0:
+        return read_varint(r, &f->v);
+    case 1:
+        if (r->end - r->p < 8) return -1;
+        f->v = le64(r->p);
+        r->p += 8;
+        return 0;
+    case 2:
+        if (read_varint(r, &n)) return -1;
+        if ((uint64_t)(r->end - r->p) < n) return -1;
+        f->data = r->p;
+        f->len = (size_t)n;
+        r->p += n;
+        return 0;
+    case 5:
+        if (r->end - r->p < 4) return -1;
+        f->v = (uint64_t)r->p[0] | ((uint64_t)r->p[1] << 8) | ((uint64_t)r->p[2] << 16) |
+               ((uint64_t)r->p[3] << 24);
+        r->p += 4;
+        return 0;
+    default:
+        return -1; /* groups are not used by OTLP */
+    }
+}
+
+/* The field of the AnyValue oneof that is set (the last one on the wire wins). */
+static int anyvalue_field(const uint8_t *p, size_t n, Field *out) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc, have = 0;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num >= 1 && f.num <= 7) {
+            int want = (f.num == 2 || f.num == 3) ? 0 : (f.num == 4 ? 1 : 2);
+            if (f.wt != want) return -1;
+            *out = f;
+            have = 1;
+        }
+    }
+    if (rc < 0) return -1;
+    return have; /* 0: no value (JSON null) */
+}
+
+/* One KeyValue: key and value slices. */
+static int keyvalue_parts(const uint8_t *p, size_t n, Field *key, Field *value, int *has_value) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    key->data = (const uint8_t *)"";
+    key->len = 0;
+    *has_value = 0;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num == 1) {
+            if (f.wt != 2) return -1;
+            *key = f;
+        } else if (f.num == 2) {
+            if (f.wt != 2) return -1;
+            *value = f;
+            *has_value = 1;
+        }
+    }
+    return rc < 0 ? -1 : 0;
+}
+
+
+#define MAX_DEPTH 32
+
+static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth);
+
+static PyObject *kvlist_py(const uint8_t *p, size_t n, int depth) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    PyObject *dict = PyDict_New();
+    if (!dict) return NULL;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 1) continue;
+        Field key, value;
+        int has_value;
+        if (f.wt != 2 || keyvalue_parts(f.data, f.len, &key, &value, &has_value)) goto bad;
+        PyObject *k = PyUnicode_DecodeUTF8((const char *)key.data, (Py_ssize_t)key.len, "replace");
+        if (!k) goto fail;
+        PyObject *v = has_value ? anyvalue_py(value.data, value.len, depth + 1) : Py_NewRef(Py_None);
+        if (!v) {
+            Py_DECREF(k);
+            goto fail;
+        }
+        int err = PyDict_SetItem(dict, k, v);
+        Py_DECREF(k);
+        Py_DECREF(v);
+        if (err) goto fail;
+    }
+    if (rc < 0) goto bad;
+    return dict;
+bad:
+    PyErr_SetString(PyExc_ValueError, "malformed OTLP attributes");
+fail:
+    Py_DECREF(dict);
+    return NULL;
+}
+
+/* otlp_values.plain(): scalars as themselves, arrays as tuples, maps as dicts. */
+static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth) {
+    Field f = {0};
+    if (depth > MAX_DEPTH) {
+        PyErr_SetString(PyExc_ValueError, "OTLP attribute nested too deeply");
+        return NULL;
+    }
+    int have = anyvalue_field(p, n, &f);
+    if (have < 0) {
+        PyErr_SetString(PyExc_ValueError, "malformed OTLP AnyValue");
+        return NULL;
+    }
+    if (!have) return Py_NewRef(Py_None);
+    switch (f.num) {
+    case 1: return PyUnicode_DecodeUTF8((const char *)f.data, (Py_ssize_t)f.len, "replace");
+    case 2: return PyBool_FromLong(f.v != 0);
+    case 3: return PyLong_FromLongLong((long long)(int64_t)f.v);
+    case 4: {
+        double d;
+        memcpy(&d, &f.v, 8);
+        return PyFloat_FromDouble(d);
+    }
+    case 5: {
+        Reader r = {f.data, f.data + f.len};
+        Field item;
+        int rc;
+        PyObject *list = PyList_New(0);
+        if (!list) return NULL;
+        while ((rc = next_field(&r, &item)) == 0) {
+            if (item.num != 1) continue;
+            if (item.wt != 2) {
+                rc = -1;
+                break;
+            }
+            PyObject *v = anyvalue_py(item.data, item.len, depth + 1);
+            if (!v || PyList_Append(list, v)) {
+                Py_XDECREF(v);
+                Py_DECREF(list);
+                return NULL;
+            }
+            Py_DECREF(v);
+        }
+        if (rc < 0) {
+            Py_DECREF(list);
+            PyErr_SetString(PyExc_ValueError, "malformed OTLP ArrayValue");
+            return NULL;
+        }
+        PyObject *tuple = PyList_AsTuple(list);
+        Py_DECREF(list);
+        return tuple;
+    }
+    case 6: return kvlist_py(f.data, f.len, depth + 1);
+    case 7: return PyBytes_FromStringAndSize((const char *)f.data, (Py_ssize_t)f.len);
+    }
+    PyErr_SetString(PyExc_ValueError, "malformed OTLP AnyValue");
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ selection */
+typedef struct {
+    const char *text;
+    Py_ssize_t len;
+} Str;
+
+#define MAX_STRS 64
+
+static int strs_from_tuple(PyObject *tuple, Str *out, Py_ssize_t *count, const char *what) {
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > MAX_STRS) {
+        PyErr_Format(PyExc_TypeError, "%s must be a tuple of at most %d str", what, MAX_STRS);
+        return -1;
+    }
+    *count = PyTuple_GET_SIZE(tuple);
+    for (Py_ssize_t i = 0; i < *count; i++) {
+        out[i].text = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(tuple, i), &out[i].len);
+        if (!out[i].text) return -1;
+    }
+    return 0;
+}
+
+static int str_in(const Str *set, Py_ssize_t count, const uint8_t *p, size_t n) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if ((size_t)set[i].len == n && memcmp(set[i].text, p, n) == 0) return 1;
+    return 0;
+}
+
+/* {key: value} of the wanted keys among the KeyValues in field `field_num` (last wins). */
+static PyObject *pick(const uint8_t *p, size_t n, uint32_t field_num, const Str *keys,
+                      Py_ssize_t n_keys) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    PyObject *dict = PyDict_New();
+    if (!dict) return NULL;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != field_num || f.wt != 2) continue;
+        Field key, value;
+        int has_value;
+        if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) {
+            rc = -1;
+            break;
+        }
+        if (!str_in(keys, n_keys, key.data, key.len)) continue;
+        PyObject *k = PyUnicode_DecodeUTF8((const char *)key.data, (Py_ssize_t)key.len, "replace");
+        PyObject *v = k ? (has_value ? anyvalue_py(value.data, value.len, 0) : Py_NewRef(Py_None)) : NULL;
+        if (!v || PyDict_SetItem(dict, k, v)) {
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+            Py_DECREF(dict);
+            return NULL;
+        }
+        Py_DECREF(k);
+        Py_DECREF(v);
+    }
+    if (rc < 0) {
+        Py_DECREF(dict);
+        PyErr_SetString(PyExc_ValueError, "malformed OTLP attributes");
+        return NULL;
+    }
+    return dict;
+}
+
+typedef struct {
+    Str exact[MAX_STRS], excluded[MAX_STRS], span_keys[MAX_STRS], resource_keys[MAX_STRS];
+    Py_ssize_t n_exact, n_excluded, n_span_keys, n_resource_keys;
+    const char *prefix, *skip_scope;
+    Py_ssize_t prefix_len, skip_scope_len;
+} Selection;
+
+static int wanted_name(const Selection *sel, const uint8_t *p, size_t n) {
+    if (str_in(sel->exact, sel->n_exact, p, n)) return 1;
+    return n >= (size_t)sel->prefix_len && memcmp(p, sel->prefix, (size_t)sel->prefix_len) == 0 &&
+           !str_in(sel->excluded, sel->n_excluded, p, n);
+}
+
+/* Append (name, trace_id, span_id, start, end, attrs) when the span is wanted. 0 ok, -1 error */
+static int select_span(const Selection *sel, const uint8_t *p, size_t n, PyObject *out) {
+    Reader r = {p, p + n};
+    Field f, trace = {0}, span_id = {0}, name = {0};
+    uint64_t start = 0, end = 0;
+    int rc;
+    trace.data = span_id.data = name.data = (const uint8_t *)"";
+    while ((rc = next_field(&r, &f)) == 0) {
+        switch (f.num) {
+        case 1: if (f.wt == 2) trace = f; else rc = -1; break;
+        case 2: if (f.wt == 2) span_id = f; else rc = -1; break;
+        case 5: if (f.wt == 2) name = f; else rc = -1; break;
+        case 7: if (f.wt == 1) start = f.v; else rc = -1; break;
+        case 8: if (f.wt == 1) end = f.v; else rc = -1; break;
+        default: break;
+        }
+        if (rc < 0) break;
+    }
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "malformed OTLP span");
+        return -1;
+    }
+    if (!wanted_name(sel, name.data, name.len)) return 0;
+    PyObject *attrs = pick(p, n, 9, sel->span_keys, sel->n_span_keys);
+    if (!attrs) return -1;
+    PyObject *record = Py_BuildValue(
+        "(Ny#y#KKN)", PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"),
+        (const char *)trace.data, (Py_ssize_t)trace.len, (const char *)span_id.data,
+        (Py_ssize_t)span_id.len, (unsigned long long)start, (unsigned long long)end, attrs);
+    if (!record) return -1;
+    int err = PyList_Append(out, record);
+    Py_DECREF(record);
+    return err;
+}
+
+static int scope_is_skipped(const Selection *sel, const uint8_t *p, size_t n) {
+    Reader r = {p, p + n};
+    Field f;
+    while (next_field(&r, &f) == 0)
+        if (f.num == 1 && f.wt == 2)
+            return f.len == (size_t)sel->skip_scope_len && memcmp(f.data, sel->skip_scope, f.len) == 0;
+    return 0;
+}
+
+static int select_resource(const Selection *sel, const uint8_t *p, size_t n, PyObject *result) {
+    Reader r = {p, p + n};
+    Field f, resource = {0};
+    int rc;
+    resource.data = (const uint8_t *)"";
+    while ((rc = next_field(&r, &f)) == 0)
+        if (f.num == 1 && f.wt == 2) resource = f;
+    if (rc < 0) goto malformed;
+    PyObject *spans = PyList_New(0);
+    if (!spans) return -1;
+    r.p = p;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 2) continue;
+        if (f.wt != 2) {
+            rc = -1;
+            break;
+        }
+        Reader sr = {f.data, f.data + f.len};
+        Field sf;
+        int skip = 0;
+        while ((rc = next_field(&sr, &sf)) == 0)
+            if (sf.num == 1 && sf.wt == 2) skip = scope_is_skipped(sel, sf.data, sf.len);
+        if (rc < 0) break;
+        if (skip) continue;
+        sr.p = f.data;
+        while ((rc = next_field(&sr, &sf)) == 0) {
+            if (sf.num != 2) continue;
+            if (sf.wt != 2) {
+                rc = -1;
+                break;
+            }
+            if (select_span(sel, sf.data, sf.len, spans)) {
+                Py_DECREF(spans);
+                return -1;
+            }
+        }
+        if (rc < 0) break;
+    }
+    if (rc < 0) {
+        Py_DECREF(spans);
+        goto malformed;
+    }
+    PyObject *attrs = pick(resource.data, resource.len, 1, sel->resource_keys, sel->n_resource_keys);
+    if (!attrs) {
+        Py_DECREF(spans);
+        return -1;
+    }
+    PyObject *entry = Py_BuildValue("(NN)", attrs, spans);
+    if (!entry) return -1;
+    int err = PyList_Append(result, entry);
+    Py_DECREF(entry);
+    return err;
+malformed:
+    PyErr_SetString(PyExc_ValueError, "malformed OTLP ResourceSpans");
+    return -1;
+}
+
+static PyObject *select_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer payload;
+    PyObject *exact, *excluded, *span_keys, *resource_keys, *prefix, *skip_scope;
+    Selection sel;
+    if (!PyArg_ParseTuple(args, "y*O!UO!UO!O!", &payload, &PyTuple_Type, &exact, &prefix,
+                          &PyTuple_Type, &excluded, &skip_scope, &PyTuple_Type, &span_keys,
+                          &PyTuple_Type, &resource_keys))
+        return NULL;
+    PyObject *result = NULL;
+    if (strs_from_tuple(exact, sel.exact, &sel.n_exact, "names") ||
+        strs_from_tuple(excluded, sel.excluded, &sel.n_excluded, "excluded") ||
+        strs_from_tuple(span_keys, sel.span_keys, &sel.n_span_keys, "span_keys") ||
+        strs_from_tuple(resource_keys, sel.resource_keys, &sel.n_resource_keys, "resource_keys") ||
+        !(sel.prefix = PyUnicode_AsUTF8AndSize(prefix, &sel.prefix_len)) ||
+        !(sel.skip_scope = PyUnicode_AsUTF8AndSize(skip_scope, &sel.skip_scope_len)))
+        goto done;
+    result = PyList_New(0);
+    if (!result) goto done;
+    Reader r = {payload.buf, (const uint8_t *)payload.buf + payload.len};
+    Field f;
+    int rc;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 1) continue;
+        if (f.wt != 2 || select_resource(&sel, f.data, f.len, result)) {
+            rc = -1;
+            break;
+        }
+    }
+    if (rc < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "malformed OTLP ExportTraceServiceRequest");
+        Py_CLEAR(result);
+    }
+done:
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"select_spans", select_spans, METH_VARARGS,
+     "select_spans(payload, names, prefix, excluded, skip_scope, span_keys, resource_keys)\n"
+     "-> [(resource_attrs, [(name, trace_id, span_id, start_ns, end_ns, attrs), ...]), ...]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_span_select", "OTLP bytes to the spans the correlator reads.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__span_select(void) { return PyModule_Create(&module); }

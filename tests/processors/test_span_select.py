@@ -1,0 +1,125 @@
+"""The C span picker (_span_select) returns exactly what the Python reference returns."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from flare.instrumentation import semconv as sc
+from flare.processors import rank_correlation, span_select
+
+SOURCE = Path(span_select.__file__).with_name("_span_select.c")
+SELECTION = rank_correlation._SELECTION
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    """The installed C module, or one compiled here from the same source."""
+    if span_select._span_select is not None:
+        return span_select._span_select
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler: the Python reference is what runs here")
+    out = tmp_path_factory.mktemp("fast") / ("_span_select" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    str(SOURCE), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("_span_select", out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def val(v: object) -> AnyValue:
+    if v is None:
+        return AnyValue()
+    if isinstance(v, bool):
+        return AnyValue(bool_value=v)
+    if isinstance(v, int):
+        return AnyValue(int_value=v)
+    if isinstance(v, float):
+        return AnyValue(double_value=v)
+    if isinstance(v, bytes):
+        return AnyValue(bytes_value=v)
+    if isinstance(v, dict):
+        return AnyValue(kvlist_value=KeyValueList(values=[KeyValue(key=k, value=val(x)) for k, x in v.items()]))
+    if isinstance(v, (list, tuple)):
+        return AnyValue(array_value=ArrayValue(values=[val(x) for x in v]))
+    return AnyValue(string_value=str(v))
+
+
+def kvs(attrs: dict[str, object]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=val(v)) for k, v in attrs.items()]
+
+
+def request() -> ExportTraceServiceRequest:
+    rng = random.Random(5)
+    spans = []
+    for name in (sc.SPAN_STEP, "collective.all_reduce", sc.SPAN_HANG, sc.SPAN_HEARTBEAT,
+                 sc.SPAN_COLLECTIVE_RANKS, sc.SPAN_DATALOADER, "kernel", "collective.", "collectiv"):
+        spans.append(Span(
+            name=name, trace_id=rng.randbytes(16), span_id=rng.randbytes(8),
+            start_time_unix_nano=rng.getrandbits(63), end_time_unix_nano=rng.getrandbits(63),
+            attributes=kvs({
+                sc.STEP: rng.randrange(100), sc.STEP_COLLECTIVE_WAIT_MS: math.inf,  # (NaN never compares equal)
+                sc.STEP_PG_NAMES: ["0", "tp1"], sc.STEP_PG_WAIT_MS: [1.5, -0.0],
+                sc.STEP_PG_LAST_SEQ: [3, -1], "unwanted": "x" * 50, sc.COLL_PG: {"nested": [1]},
+                sc.COLL_SEQ: b"\x00\x01", sc.RANK: None, sc.HANG_OPERATION: "παράδειγμα",
+            }),
+        ))
+    spans.append(Span(name=sc.SPAN_STEP))  # no ids, no attributes
+    dup = Span(name=sc.SPAN_STEP, attributes=kvs({sc.STEP: 1}) + kvs({sc.STEP: 2}))  # last wins
+    return ExportTraceServiceRequest(resource_spans=[
+        ResourceSpans(resource={"attributes": kvs({sc.SERVICE_NAME: "s", sc.JOB_ID: "j", sc.RANK: 3,
+                                                   sc.WORLD_SIZE: 8, "host.name": "h"})},
+                      scope_spans=[ScopeSpans(spans=spans),
+                                   ScopeSpans(scope={"name": rank_correlation.SCOPE_NAME}, spans=spans),
+                                   ScopeSpans(spans=[dup])]),
+        ResourceSpans(scope_spans=[ScopeSpans(spans=spans[:2])]),
+        ResourceSpans(),
+    ])
+
+
+def test_c_and_python_select_the_same(fast, monkeypatch):
+    monkeypatch.setattr(span_select, "_span_select", fast)
+    req = request()
+    c_out = SELECTION.select(req)
+    py_out = SELECTION.select_python(req)
+    assert c_out == py_out
+    names = [record[0] for record in c_out[0][1]]
+    assert names == [sc.SPAN_STEP, "collective.all_reduce", sc.SPAN_HANG, sc.SPAN_HEARTBEAT,
+                     "collective.", sc.SPAN_STEP, sc.SPAN_STEP]
+    assert c_out[0][0] == {sc.SERVICE_NAME: "s", sc.JOB_ID: "j", sc.RANK: 3, sc.WORLD_SIZE: 8}
+    assert c_out[0][1][-1][5] == {sc.STEP: 2}
+    assert c_out[2] == ({}, [])
+
+
+@pytest.mark.parametrize("cut", [1, 7, 40])
+def test_malformed_bytes_raise_value_error(fast, monkeypatch, cut):
+    monkeypatch.setattr(span_select, "_span_select", fast)
+    payload = request().SerializeToString()
+    with pytest.raises(ValueError):
+        SELECTION.select_payload(payload[:-cut])
+
+
+def test_random_corruption_never_crashes(fast, monkeypatch):
+    monkeypatch.setattr(span_select, "_span_select", fast)
+    rng = random.Random(9)
+    good = bytearray(request().SerializeToString())
+    for _ in range(300):
+        bad = bytearray(good)
+        for _ in range(rng.randint(1, 8)):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        try:
+            SELECTION.select_payload(bytes(bad))
+        except ValueError:
+            pass
