@@ -139,9 +139,12 @@ def test_compute_slowdown_is_a_straggler_and_fail_slow_with_onset(store):
         assert (fail_slow[0] - onset) / 1e9 <= 30
 
 
-@pytest.mark.parametrize("fault, rank, cause", [("input", 1, "input"), ("gc", 3, "gc"), ("cpu", 1, "cpu")])
-def test_rank_level_causes(store, fault, rank, cause):
-    run = FlareRun(store, fault, fault, rank=rank)
+# The gc fault grows a live object graph until a full collection takes --fault-ms; a
+# smaller pause keeps the run short on a shared 2-core host.
+@pytest.mark.parametrize("fault, rank, cause, fault_ms", [
+    ("input", 1, "input", 60.0), ("gc", 3, "gc", 30.0), ("cpu", 1, "cpu", 60.0)])
+def test_rank_level_causes(store, fault, rank, cause, fault_ms):
+    run = FlareRun(store, fault, fault, rank=rank, fault_ms=fault_ms)
     report = run.finish()
     labels = _labels(report, rank)
     assert labels, json.dumps(report, indent=1)

@@ -18,9 +18,11 @@ import numpy as np
 from flare.diagnostics import frame as frames
 from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import mad, nanmedian, runs
+from flare.diagnostics.stats import change_point, mad, nanmedian, runs
 
 _MIN_DENSITY = 0.7  # culprit in at least this share of the run's steps
+# The part of a step whose jump dates a cause's onset (CPU starvation shows in compute).
+_CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute"}
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
@@ -59,8 +61,20 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
                  if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= _MIN_DENSITY]
         if not spans:
             continue
+        first_warm = int(np.argmax(warm)) if warm.any() else 0
         cols = np.concatenate([_trim(deviation[row], a, b) for a, b in spans])
+        cols = cols[cols >= _onset(deviation[row], first_warm, int(cols[0]), int(cols[-1]), persist)]
         anomaly = _label(frame, config, int(row), cols, mask, share)
+        # The onset of the named cause is sharper than that of the whole step: place
+        # first_step where that component of the rank's step jumped.
+        component = _CAUSE_COMPONENT.get(anomaly.cause)
+        if component is not None:
+            part = frame.parts[component].astype(np.float64)
+            part_deviation = part - nanmedian(part, axis=0)[None, :]
+            start = _onset(part_deviation[row], first_warm, int(cols[0]), int(cols[-1]), persist)
+            if start != int(cols[0]):
+                cols = np.arange(start, int(cols[-1]) + 1)
+                anomaly = _label(frame, config, int(row), cols, mask, share)
         anomaly.evidence["job_noise_ms"] = round(noise_ms, 3)
         # Arriving last by chance (a descheduled process, noise) is not being slower:
         # the rank's own time must really exceed its peers', beyond the job's noise.
@@ -81,6 +95,21 @@ def _trim(deviation: np.ndarray, first: int, last: int) -> np.ndarray:
     if level <= 0 or strong.size == 0:
         return np.arange(first, last + 1)
     return np.arange(first + int(strong[0]), first + int(strong[-1]) + 1)
+
+
+def _onset(deviation: np.ndarray, first_warm: int, first: int, last: int, persist: int) -> int:
+    """Where the rank's own excess really began: the change point of its deviation from
+    the step median, from warm-up to the end of the run. Being the last to arrive can
+    start early by chance (one slow step bridging into the run); the level shift of the
+    rank's own time cannot. Falls back to the run's start."""
+    point = change_point(deviation[first_warm:last + 1], persist)
+    if point is None:
+        return first
+    start = first_warm + point.index
+    level = float(np.nanmedian(deviation[first:last + 1]))
+    if point.after - point.before >= 0.5 * level > 0 and first - 3 <= start <= last:
+        return start
+    return first
 
 
 def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.ndarray,
