@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -228,3 +229,16 @@ def test_sigkill_of_one_rank_loses_nothing_from_the_others():
                   if rank_of(s) == 2 and s["start_ns"] > killed_at + 1e9]
     assert not late_beats
     assert any(rank_of(s) == 2 for s in by_name(spans, "flare.heartbeat"))
+
+
+def test_unreachable_endpoint_never_disturbs_training():
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    job = TorchrunJob(f"http://127.0.0.1:{port}", ["--steps", "40"], FLARE_HEARTBEAT_S=1,
+                      FLARE_DETAIL_EVERY=10).start()
+    assert job.wait(timeout=180) == 0, job.output[-3000:]
+    assert "done: 40 steps" in job.output
+    assert "Traceback" not in job.output
+    print(f"unreachable endpoint: job finished in {time.monotonic() - started:.1f} s")

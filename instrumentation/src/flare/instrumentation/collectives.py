@@ -9,8 +9,10 @@ wait of Python-issued ones, plus DDP's exposed gradient-sync wait measured at th
 backward. Detail steps: one `collective.<op>` span per collective.
 
 Wait time is the wall time the calling thread spent blocked: the blocking call itself,
-or `Work.wait()` for async calls. (On CUDA the calls return at enqueue; device timing
-there is the GPU layer's kernel window.)
+or `Work.wait()` for async calls. On CUDA, where calls return at enqueue, each
+Python-issued collective is also timed on the device with pooled CUDA events polled by a
+background thread (device_timing.py): `flare.collective.device_ms` and, per step,
+`flare.step.pg.device_ms`.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ class CollectiveRecord:
     peer: int | None = None
     wait_ns: int = 0
     pending_works: int = 0
+    device_token: object = None  # CUDA start event while the device time is pending
+    device_ms: float | None = None
+    attributes: dict | None = None  # the emitted child's attributes, until its step ends
 
     @property
     def pg_name(self) -> str:
@@ -140,6 +145,7 @@ class CollectiveTracker:
         self._step = _StepCollectives()
         self._pending: dict[int, tuple[object, CollectiveRecord]] = {}
         self._local = threading.local()
+        self._device_timer = None  # created at the first CUDA collective
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -169,6 +175,9 @@ class CollectiveTracker:
         self.runtime.summary_contributors.append(self.add_step_summary)
 
     def uninstall(self) -> None:
+        if self._device_timer is not None:
+            self._device_timer.stop()
+            self._device_timer = None
         self.runtime.remove_step_listener(self)
         if self.add_step_summary in self.runtime.summary_contributors:
             self.runtime.summary_contributors.remove(self.add_step_summary)
@@ -207,6 +216,7 @@ class CollectiveTracker:
                 in_flight[semconv.COLL_PG] = info.name
             if seq_before is not None and spec.op not in P2P:
                 in_flight[semconv.COLL_SEQ] = seq_before + 1
+            device_token = tracker._device_begin(data)
             op = runtime.push_op(span_name, start, in_flight, site)
             local.depth = 1
             try:
@@ -221,7 +231,10 @@ class CollectiveTracker:
             seq = tracker.groups.sequence(pg)
             record = CollectiveRecord(spec.op, info, seq if spec.op not in P2P else None,
                                       nbytes, dtype, start, end, site, is_async,
-                                      peer if isinstance(peer, int) else None)
+                                      peer if isinstance(peer, int) else None,
+                                      device_token=device_token)
+            if device_token is not None and not is_async:
+                tracker._device_end(record)
             tracker._launched(record, result)
             return result
 
@@ -274,6 +287,8 @@ class CollectiveTracker:
         self._emit(record)
 
     def _waited(self, record: CollectiveRecord, start: int, end: int) -> None:
+        if record.device_token is not None:  # the caller's stream now waits on the work
+            self._device_end(record)
         self.runtime.totals.pg_totals(record.pg_name).wait_ns += end - start
         record.wait_ns += end - start
         record.end_ns = max(record.end_ns, end)
@@ -311,8 +326,45 @@ class CollectiveTracker:
         site = format_site(record.site)
         if site:
             attributes[semconv.CODE_CALLSITE] = site
+        if record.device_ms is not None:
+            self._add_device_attributes(record, attributes)
+        else:
+            record.attributes = attributes  # the device time may still arrive
         runtime.emit_child(semconv.collective_span_name(record.op), record.start_ns,
                            record.end_ns, attributes)
+
+    # ------------------------------------------------------------------ CUDA device time
+    def _device_begin(self, data):
+        first = data[0] if isinstance(data, (list, tuple)) and data else data
+        if not getattr(first, "is_cuda", False):
+            return None
+        if self._device_timer is None:
+            from flare.instrumentation.device_timing import CudaEventTimer
+
+            self._device_timer = CudaEventTimer()
+        return self._device_timer.begin()
+
+    def _device_end(self, record: CollectiveRecord) -> None:
+        token, record.device_token = record.device_token, None
+        self._device_timer.end(token, lambda ms: self.device_done(record, ms))
+
+    def device_done(self, record: CollectiveRecord, device_ms: float) -> None:
+        """On the poller thread: a collective's device time is known."""
+        record.device_ms = device_ms
+        runtime = self.runtime
+        if runtime.step_open:
+            runtime.totals.pg_totals(record.pg_name).device_ns += int(device_ms * 1e6)
+        if record.attributes is not None:
+            self._add_device_attributes(record, record.attributes)
+
+    @staticmethod
+    def _add_device_attributes(record: CollectiveRecord, attributes: dict) -> None:
+        attributes[semconv.COLL_DEVICE_MS] = round(record.device_ms, 4)
+        if record.pg is not None:
+            bandwidth = busbw_gbps(record.op, record.nbytes, record.pg.size,
+                                   int(record.device_ms * 1e6))
+            if bandwidth is not None:
+                attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
 
     def record_backward(self, start: int, graph_done: int, end: int,
                         seqs_before: dict[str, int] | None) -> None:
@@ -343,7 +395,7 @@ class CollectiveTracker:
         started = self._step.seq_at_start
         names = sorted(set(runtime.totals.pg) | {n for n, s in now_seqs.items()
                                                   if s > started.get(n, s)})
-        counts, waits, sizes, last_seqs = [], [], [], []
+        counts, waits, sizes, last_seqs, device = [], [], [], [], []
         for name in names:
             totals = runtime.totals.pg.get(name)
             python_count = totals.python_count if totals else 0
@@ -352,6 +404,9 @@ class CollectiveTracker:
             waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
             sizes.append(totals.bytes if totals else 0)
             last_seqs.append(now_seqs.get(name, -1))
+            device.append(round(totals.device_ns / 1e6, 3) if totals else 0.0)
+        if any(device):
+            summary[semconv.STEP_PG_DEVICE_MS] = device
         if names:
             summary[semconv.STEP_PG_NAMES] = names
             summary[semconv.STEP_PG_COUNTS] = counts

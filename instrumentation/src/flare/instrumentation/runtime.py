@@ -34,6 +34,7 @@ class PgTotals:
     wait_ns: int = 0
     python_count: int = 0
     bytes: int = 0
+    device_ns: int = 0  # CUDA only: device time of collectives that completed this step
 
 
 @dataclass
@@ -213,8 +214,9 @@ class Runtime:
             for name, start, end, attributes in children:
                 # a collection can also run inside this bookkeeping, after end_ns was taken
                 start, end = min(start, end_ns), min(end, end_ns)
+                # dict(): one atomic copy, as the CUDA event poller may still add keys
                 child = self.tracer.start_span(name, context=context, start_time=start,
-                                               attributes=attributes)
+                                               attributes=dict(attributes))
                 child.end(end_time=end)
         span.end(end_time=end_ns)
         self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)

@@ -246,6 +246,8 @@ def step_root_span_id(job_id: str, step: int) -> int:
 STEP_BACKWARD_MS = "flare.step.backward_ms"  # wall time inside autograd backward
 DATALOADER_INDEX = "flare.dataloader.index"  # fetch number within the step
 COLL_P2P_PEER = "flare.collective.peer"
+COLL_DEVICE_MS = "flare.collective.device_ms"  # CUDA: device time between pooled events
+STEP_PG_DEVICE_MS = "flare.step.pg.device_ms"  # CUDA: device time per group (parallel)
 HANG_THREAD = "flare.hang.thread"
 HEARTBEAT_STEP_OPEN_S = "flare.heartbeat.step_open_s"
 ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
