@@ -12,6 +12,9 @@ Printed side by side, in one run:
   parse ceiling     ExportTraceServiceRequest.FromString alone, this process, 1 thread
   front door        the receivers' own share, in this process, 1 thread: parse, check
                     ids, append to a write-ahead log, enqueue (no network, no pipeline)
+  no transport      the same pipeline in this process, requests handed straight to
+                    the receivers' accept(): spans per CPU-second of this process, so
+                    the difference to the lines below is what the transports cost
   request rate      1-span requests/s on one connection per transport (the HTTP
                     server's and gRPC's per-request overhead, not the pipeline's)
   <pipeline> <transport>
@@ -194,6 +197,27 @@ def request_rate(n_requests: int = 2000) -> dict[str, float]:
     return rates
 
 
+def in_process(payloads: list[bytes], n_spans: int, processors: list[str]) -> float:
+    """Spans per CPU-second through a Collector in this process, without a transport."""
+    from flare.collector.receiver import TRACES
+    from flare.collector.service import Collector as InProcessCollector
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = collector_config(Path(tmp) / "bench.duckdb", False, processors)
+        config["extensions"].pop("flare_metrics")
+        config["service"]["extensions"].remove("flare_metrics")
+        collector = InProcessCollector(config)
+        collector.start()
+        try:
+            cpu0 = time.process_time()
+            for payload in payloads:
+                collector.acceptor.accept(TRACES, payload, "bench")
+            collector.flush(timeout_s=600)
+            return n_spans / (time.process_time() - cpu0)
+        finally:
+            collector.stop()
+
+
 def front_door(payloads: list[bytes], n_spans: int) -> float:
     """Spans/s through Acceptor.accept with a real WAL; the queue is drained inline."""
     from flare.collector.ingest import Ingest, ItemQueue
@@ -241,7 +265,11 @@ def main() -> int:
     rates = request_rate()
     print(f"{'request rate, 1-span':<28}{rates['http']:>12,.0f} req/s OTLP/HTTP, "
           f"{rates['grpc']:,.0f} req/s OTLP/gRPC (one connection)")
-    runs = [(pipeline, name) for pipeline in (args.pipeline or ["embedded", "no-correlation"])
+    pipelines = args.pipeline or ["embedded", "no-correlation"]
+    for pipeline in pipelines:
+        rate = in_process(payloads, n_spans, PIPELINES[pipeline])
+        print(f"{pipeline + ' no transport':<28}{'':>12} {rate:,.0f} spans per CPU-second (in process)")
+    runs = [(pipeline, name) for pipeline in pipelines
             for name in ("http", "grpc")]
     for pipeline, name in runs:
         result = run_transport(name, payloads, n_spans, args.clients, args.fsync, PIPELINES[pipeline])
