@@ -9,7 +9,7 @@ import time
 import pytest
 
 from flare.collector import query_api
-from flare.collector.query_api import QueryServer, handle, parse_go_duration_ns, rfc3339_ns_text
+from flare.collector.query_api import handle, parse_go_duration_ns, rfc3339_ns_text
 from flare.diagnostics.backends import open_backend
 from flare.diagnostics.backends.jaeger import JaegerBackend
 from flare.diagnostics.synthetic import Fault, job_spans
@@ -146,36 +146,43 @@ def test_go_durations():
         parse_go_duration_ns("soon", "d")
 
 
-def test_jaeger_adapter_reads_the_read_endpoint_like_the_store(store_path):
-    server = QueryServer(store_path, "127.0.0.1:0").start()
-    try:
-        direct = open_backend(f"store:{store_path}").job_data("jobA")
-        for legacy in (False, True):
-            backend = open_backend(f"jaeger+{server.url}")
-            if legacy:
-                backend._api_v3 = False  # the internal /api path, as on an old Jaeger
-            assert backend.jobs() == ["jobA"]
-            remote = backend.job_data("jobA")
-            attrs = [sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_COMPUTE_MS]
-            a = {(r["rank"], r["step"]): r for r in direct.step_summary(attrs).to_pylist()}
-            b = {(r["rank"], r["step"]): r for r in remote.step_summary(attrs).to_pylist()}
-            assert len(a) == 4 * 30 and a.keys() == b.keys()
-            for key, x in a.items():
-                y = b[key]
-                # the internal /api speaks microseconds
-                assert x["duration_ms"] == pytest.approx(y["duration_ms"], abs=1e-3)
-                assert x[sc.STEP_COLLECTIVE_WAIT_MS] == pytest.approx(y[sc.STEP_COLLECTIVE_WAIT_MS])
-            assert remote.spans(["train.step"], first_step=5, last_step=6, ranks=[1]).num_rows == 2
-            backend.close()
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def read_endpoint(store_path):
+    """The collector's `flare_query` extension over the module's store."""
+    from flare.collector.config import embedded_config
+    from flare.collector.service import Collector
+
+    config = embedded_config(store_path)
+    config["extensions"]["flare_query"] = {"endpoint": "127.0.0.1:0"}
+    config["service"]["extensions"].append("flare_query")
+    collector = Collector(config)
+    collector.start()
+    yield f"http://{collector.query_endpoint}"
+    collector.stop()
 
 
-def test_adapter_and_endpoint_agree_on_a_busy_window(store_path):
+def test_jaeger_adapter_reads_the_read_endpoint_like_the_store(store_path, read_endpoint):
+    direct = open_backend(f"store:{store_path}").job_data("jobA")
+    for legacy in (False, True):
+        backend = open_backend(f"jaeger+{read_endpoint}")
+        if legacy:
+            backend._api_v3 = False  # the internal /api path, as on an old Jaeger
+        assert backend.jobs() == ["jobA"]
+        remote = backend.job_data("jobA")
+        attrs = [sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_COMPUTE_MS]
+        a = {(r["rank"], r["step"]): r for r in direct.step_summary(attrs).to_pylist()}
+        b = {(r["rank"], r["step"]): r for r in remote.step_summary(attrs).to_pylist()}
+        assert len(a) == 4 * 30 and a.keys() == b.keys()
+        for key, x in a.items():
+            y = b[key]
+            # the internal /api speaks microseconds
+            assert x["duration_ms"] == pytest.approx(y["duration_ms"], abs=1e-3)
+            assert x[sc.STEP_COLLECTIVE_WAIT_MS] == pytest.approx(y[sc.STEP_COLLECTIVE_WAIT_MS])
+        assert remote.spans(["train.step"], first_step=5, last_step=6, ranks=[1]).num_rows == 2
+        backend.close()
+
+
+def test_adapter_and_endpoint_agree_on_a_busy_window(read_endpoint):
     """Depth far below the trace count: the adapter's window splitting still sees all."""
-    server = QueryServer(store_path, "127.0.0.1:0").start()
-    try:
-        backend = JaegerBackend(server.url, search_depth=7)
-        assert backend.fetch("jobA", ["train.step"]).num_rows == 4 * 30
-    finally:
-        server.stop()
+    backend = JaegerBackend(read_endpoint, search_depth=7)
+    assert backend.fetch("jobA", ["train.step"]).num_rows == 4 * 30

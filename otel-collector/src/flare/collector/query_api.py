@@ -8,26 +8,22 @@ Serves the two APIs Jaeger clients speak, straight from the DuckDB file:
   (`/api/services`, `/api/services/{s}/operations`, `/api/traces`, `/api/traces/{id}`):
   Jaeger's JSON model.
 
-`handle()` is transport-free (method, path, query → status, headers, body) so the
-collector's HTTP server, a test or a WSGI shim can all host it; `QueryServer` is the
-small threaded HTTP(S) server the `flare_query` extension runs. Every request opens the
-store read-only for its own duration, so the collector's flushes are never blocked for
-long and nothing here can write.
+`handle()` is transport-free (method, path, query → status, headers, body): the
+collector's `flare_query` extension hosts it behind its HTTP(S) server, which applies
+the extension's TLS and bearer-token settings first. Every request opens the store
+read-only for its own duration, so the collector's flushes are never blocked for long
+and nothing here can write.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import ssl
-import sys
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
 
 from flare.exporters import store
 
@@ -565,111 +561,6 @@ _ROUTES = {
     "ui_find": _ui_find,
     "ui_trace": _ui_trace,
 }
-
-
-# ---------------------------------------------------------------- the HTTP server
-
-
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-    handshake_failures = 0
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client without a valid certificate fails the TLS handshake inside the
-        # handler; that is a rejected request, not a server fault worth a traceback.
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ssl.SSLError, ConnectionError, TimeoutError)):
-            self.handshake_failures += 1
-            return
-        print(f"flare query endpoint: request from {client_address[0]} failed: {exc!r}",
-              file=sys.stderr)
-
-
-class QueryServer:
-    """The `flare_query` extension: `handle()` behind a threaded HTTP(S) server.
-
-    `tls` is the receivers' TLS block (`cert_file`, `key_file`, optional
-    `client_ca_file` for mTLS); `auth` is `{bearer_token: ...}`. Rejected requests are
-    counted on `auth.rejected` and never reach the store.
-    """
-
-    def __init__(
-        self,
-        store_path: str,
-        endpoint: str = "127.0.0.1:16686",
-        tls: Mapping[str, Any] | None = None,
-        auth: Mapping[str, Any] | None = None,
-    ) -> None:
-        from flare.collector import security
-
-        host, _, port = endpoint.rpartition(":")
-        self.store_path = store_path
-        self.auth = security.BearerAuth.from_config(auth) if auth else None
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:
-                self._answer("GET")
-
-            def do_POST(self) -> None:
-                self._answer("POST")
-
-            def _answer(self, method: str) -> None:
-                if server.auth is not None and not server.auth.check(
-                    self.headers.get("Authorization")
-                ):
-                    status, headers, body = _error(401, "missing or invalid bearer token")
-                    headers["WWW-Authenticate"] = "Bearer"
-                else:
-                    url = urlsplit(self.path)
-                    status, headers, body = handle(
-                        server.store_path, method, url.path, parse_qs(url.query),
-                        dict(self.headers),
-                    )
-                self.send_response(status)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # access logs would flood the collector's output
-
-        self._httpd = _QuietServer((host or "127.0.0.1", int(port or 0)), Handler)
-        if tls:
-            context = security.ssl_context(tls)
-            # The handshake runs lazily in the request's own thread, so a slow or
-            # hostile client cannot stall the accept loop.
-            self._httpd.socket = context.wrap_socket(
-                self._httpd.socket, server_side=True, do_handshake_on_connect=False
-            )
-        self.scheme = "https" if tls else "http"
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        return int(self._httpd.server_address[1])
-
-    @property
-    def url(self) -> str:
-        host = self._httpd.server_address[0]
-        return f"{self.scheme}://{host}:{self.port}"
-
-    def start(self) -> QueryServer:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="flare-query-api", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
 
 
 # ---------------------------------------------------------------- dashboard gauges
