@@ -141,3 +141,24 @@ def test_background_flush_never_claims_what_it_did_not_write(tmp_path, helpers):
         assert marker == 20 and len(seen) >= 1
     finally:
         worker.stop(5)
+
+
+def test_restart_with_an_empty_log_keeps_the_committed_position(tmp_path, helpers):
+    FlareStoreExporter(path=str(tmp_path / "s.duckdb")).flush(commit_marker=(KEY, "1000"))
+    counters = Counters()
+    exporter = FlareStoreExporter(path=str(tmp_path / "s.duckdb"))
+    pipeline = Pipeline("traces", "traces", [], [("flare_store", exporter)], counters)
+    wal = WriteAheadLog(tmp_path / "wal")
+    queue = ItemQueue(1 << 30)
+    worker = Worker(queue, [pipeline], {"flare_store": exporter}, wal, KEY, counters, flush_interval_s=0.05)
+    start = worker.load_markers()
+    wal.open(start)
+    assert worker.replay(lambda: wal.replay(start), lambda signal, payload: None) == 0
+    worker.start()
+    try:
+        time.sleep(0.3)  # a few idle flush intervals
+        assert worker.flush() and exporter.read_meta(KEY) == "1000"
+        assert _send(helpers, queue, wal, 5, 0) == 1001  # numbering continues after the store's
+        assert worker.flush() and exporter.read_meta(KEY) == "1001"
+    finally:
+        worker.stop(5)

@@ -122,6 +122,8 @@ class Worker:
         """Feed the log tail through the pipelines before receivers open; return count."""
         for pipeline in self.pipelines:
             pipeline.skip_upto = dict(self.committed)
+        # Everything up to the lowest committed position is in every store already.
+        self.last_fed_lsn = max(self.last_fed_lsn, min(self.committed.values(), default=0))
         count = 0
         pending_bytes = 0
         for record in records():
@@ -270,8 +272,10 @@ class Worker:
     def _write(self, result: _FlushResult) -> None:
         try:
             for exporter_id in result.targets:
+                # Never record a lower position than the store already has.
+                mark = max(result.mark, self.committed.get(exporter_id, 0))
                 try:
-                    self.durable[exporter_id].flush(commit_marker=(self.marker_key, str(result.mark)))
+                    self.durable[exporter_id].flush(commit_marker=(self.marker_key, str(mark)))
                 except Exception as exc:
                     result.errors[exporter_id] = exc
         finally:
@@ -284,7 +288,7 @@ class Worker:
                 self.counters.add("flush_errors", exporter=exporter_id)
                 self._log_flush_error(exporter_id, exc)
                 continue
-            self.committed[exporter_id] = result.mark
+            self.committed[exporter_id] = max(result.mark, self.committed.get(exporter_id, 0))
             if self._flush_error_logged.pop(exporter_id, None) is not None:
                 log.warning("exporter %s flushes again", exporter_id)
         durable_upto = min(self.committed.values()) if self.committed else result.mark
