@@ -92,14 +92,9 @@ class Collector:
         from flare import exporters as exporter_pkg
         from flare import processors as processor_pkg
 
-        used_exporters = {e for p in cfg.pipelines for e in p.exporters}
-        self.exporters: dict[str, Any] = {}
-        for exporter_id, (etype, options) in cfg.exporters.items():
-            if exporter_id in used_exporters:
-                self.exporters[exporter_id] = _build(
-                    "exporters", exporter_id, exporter_pkg.REGISTRY[etype], options
-                )
-        self.pipelines: list[Pipeline] = []
+        # Processors first: they are pure, so a bad option fails before any exporter
+        # has started a sender thread or touched a file.
+        staged: list[tuple[Any, list[Stage]]] = []
         limiters: dict[int, list[Any]] = {SIGNAL_TRACES: [], SIGNAL_METRICS: []}
         for pipe in cfg.pipelines:
             stages = []
@@ -110,10 +105,24 @@ class Collector:
                 if callable(getattr(processor, "admit", None)):
                     code = SIGNAL_TRACES if pipe.signal == "traces" else SIGNAL_METRICS
                     limiters[code].append(processor)
-            self.pipelines.append(
-                Pipeline(pipe.id, pipe.signal, stages,
-                         [(e, self.exporters[e]) for e in pipe.exporters], self.counters)
-            )
+            staged.append((pipe, stages))
+        used_exporters = {e for p in cfg.pipelines for e in p.exporters}
+        self.exporters: dict[str, Any] = {}
+        try:
+            for exporter_id, (etype, options) in cfg.exporters.items():
+                if exporter_id in used_exporters:
+                    self.exporters[exporter_id] = _build(
+                        "exporters", exporter_id, exporter_pkg.REGISTRY[etype], options
+                    )
+        except ConfigError:
+            for exporter in self.exporters.values():
+                exporter.shutdown()
+            raise
+        self.pipelines: list[Pipeline] = [
+            Pipeline(pipe.id, pipe.signal, stages,
+                     [(e, self.exporters[e]) for e in pipe.exporters], self.counters)
+            for pipe, stages in staged
+        ]
         self.wal = (
             WriteAheadLog(cfg.wal.directory, cfg.wal.fsync, cfg.wal.max_bytes, cfg.wal.segment_bytes)
             if cfg.wal else None
