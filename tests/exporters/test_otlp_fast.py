@@ -201,3 +201,19 @@ def test_random_garbage_never_crashes(fast, monkeypatch):
             assert len(columns) == 0
             continue
         columns.table()  # whatever decoded must still build a valid table
+
+
+class RefusingDecoder:
+    @staticmethod
+    def decode_traces(*args):
+        raise ValueError("malformed OTLP ExportTraceServiceRequest")
+
+
+def test_a_refusing_c_decoder_never_loses_the_request(monkeypatch):
+    monkeypatch.setattr(otlp_columns, "_otlp_fast", RefusingDecoder)
+    before = SpanColumns.decoder_fallbacks
+    columns = SpanColumns()
+    assert columns.add_request(realistic_request(2)) == 50
+    assert SpanColumns.decoder_fallbacks == before + 1
+    with pytest.raises(ValueError):  # raw bytes have no reference to fall back on
+        columns.add_payload(b"\x0a\x05abc")

@@ -123,3 +123,20 @@ def test_random_corruption_never_crashes(fast, monkeypatch):
             SELECTION.select_payload(bytes(bad))
         except ValueError:
             pass
+
+
+class RefusingScanner:
+    @staticmethod
+    def select_spans(*args):
+        raise ValueError("malformed OTLP span")
+
+
+def test_a_refusing_c_scanner_never_loses_the_request(monkeypatch):
+    from flare.processors.rank_correlation import RankCorrelation
+
+    monkeypatch.setattr(span_select, "_span_select", RefusingScanner)
+    before = SELECTION.fallbacks
+    proc = RankCorrelation()
+    proc.process_traces(request())
+    assert proc.metrics()["step_spans"] == 4  # 2 + the no-attribute one + the duplicate-key one
+    assert proc.metrics()["picker_fallbacks"] == before + 1

@@ -151,6 +151,7 @@ class FlareStoreExporter:
         with self._lock:
             out = dict(self._counters)
         out["buffered"] = float(self.buffered())
+        out["decoder_fallbacks"] = float(SpanColumns.decoder_fallbacks)
         return out
 
     def shutdown(self) -> None:

@@ -134,6 +134,7 @@ class SpanColumns:
     # which makes both the Arrow build and DuckDB's insert cheaper than repeating a
     # ~400-byte resource JSON string on every span.
     RESOURCE_COLUMNS = ("job", "service", "host", "resource")
+    decoder_fallbacks = 0  # process-wide: requests the C decoder refused, the reference took
 
     def __init__(self) -> None:
         for column in self.__slots__:
@@ -146,7 +147,13 @@ class SpanColumns:
     def add_request(self, request: Any) -> int:
         """Append every span of an `ExportTraceServiceRequest`; returns the count."""
         if _otlp_fast is not None:
-            return self.add_payload(request.SerializeToString())
+            try:
+                return self.add_payload(request.SerializeToString())
+            except ValueError:
+                # A parsed request always re-serialises to valid bytes, so this is the
+                # C decoder disagreeing with protobuf (it appended nothing): never lose
+                # the request over it.
+                SpanColumns.decoder_fallbacks += 1
         return self.add_request_python(request)
 
     def add_payload(self, payload: bytes) -> int:

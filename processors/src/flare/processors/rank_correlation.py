@@ -224,6 +224,7 @@ class RankCorrelation(Processor):
             now = self._clock()
             silences = [now - h.last_heard_ns for j in self._jobs.values() for h in j.ranks.values()]
             out["max_rank_silence_s"] = max(silences, default=0) / 1e9
+        out["picker_fallbacks"] = float(_SELECTION.fallbacks)
         return out
 
     def snapshot(self) -> dict[str, dict[str, Any]]:

@@ -41,6 +41,7 @@ class Selection:
         self._excluded = frozenset(excluded)
         self._span_keys = frozenset(span_keys)
         self._resource_keys = frozenset(resource_keys)
+        self.fallbacks = 0  # requests the C scanner refused and the reference handled
 
     def wanted(self, name: str) -> bool:
         return name in self._names or (name.startswith(self.prefix) and name not in self._excluded)
@@ -48,7 +49,13 @@ class Selection:
     def select(self, request: ExportTraceServiceRequest) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         if _span_select is None:
             return self.select_python(request)
-        return self.select_payload(request.SerializeToString())
+        try:
+            return self.select_payload(request.SerializeToString())
+        except ValueError:
+            # A parsed request always re-serialises to valid bytes, so this is the C
+            # scanner disagreeing with protobuf: never lose the request over it.
+            self.fallbacks += 1
+            return self.select_python(request)
 
     def select_payload(self, payload: bytes) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         if _span_select is None:
