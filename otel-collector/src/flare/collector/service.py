@@ -37,7 +37,7 @@ from flare.collector.receiver import Acceptor
 from flare.collector.security_hooks import bearer_auth
 from flare.collector.telemetry import Registry, Source
 from flare.collector.wal import SIGNAL_METRICS, SIGNAL_TRACES, WriteAheadLog
-from flare.collector.worker import Worker, parse_record
+from flare.collector.worker import Worker, is_durable, parse_record
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,8 @@ class Collector:
                     )
         except ConfigError:
             for exporter in self.exporters.values():
-                exporter.shutdown()
+                if not is_durable(exporter):  # nothing is buffered yet; stop their threads
+                    exporter.shutdown()
             raise
         self.pipelines: list[Pipeline] = [
             Pipeline(pipe.id, pipe.signal, stages,
@@ -254,11 +255,22 @@ class Collector:
             receiver.stop(0) if isinstance(receiver, GrpcReceiver) else receiver.stop()
         for ext in self._extensions.values():
             ext.stop()
-        if self.worker is not None and self.worker._thread is not None:
-            self.ingest.close()
-            self.worker.stop(2.0)
+        self.ingest.close()
+        if self.worker is not None and self.worker.running:
+            self.worker.stop(2.0)  # drains what replay buffered, shuts exporters down
+        else:
+            # Only forwarders: a store exporter's buffer is still in the log, and
+            # flushing it without its log position would duplicate it at the next start.
+            for exporter in self.exporters.values():
+                if is_durable(exporter):
+                    continue
+                try:
+                    exporter.shutdown()
+                except Exception as exc:  # already failing to start: just say so
+                    log.warning("exporter shutdown after a failed start: %s", exc)
         if self.wal is not None:
             self.wal.close()
+        self._stopped = True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Everything acknowledged before this call is in the store when it returns True."""

@@ -151,6 +151,10 @@ class Worker:
             "(see the error above); the log is kept for the next start"
         )
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="flare-pipeline", daemon=True)
         self._thread.start()
