@@ -175,6 +175,19 @@ def replicate(trace: Path, factor: int, out: Path) -> Path:
     return path
 
 
+def rank_directory(trace: Path, ranks: int, out: Path) -> Path:
+    """`ranks` copies of the trace as the files of ranks 0..ranks-1 of one job."""
+    with gzip.open(trace, "rt") as f:
+        data = json.load(f)
+    folder = out / f"ranks{ranks}"
+    folder.mkdir(exist_ok=True)
+    for rank in range(ranks):
+        data.setdefault("distributedInfo", {})["rank"] = rank
+        with gzip.open(folder / f"rank{rank}.json.gz", "wt") as f:
+            json.dump(data, f)
+    return folder
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -222,6 +235,16 @@ def main() -> int:
             hta_mb = hta_run(python, trace, work, analyse=factor > 0)["rss_mb"] if python \
                 else float("nan")
             print(f"{factor:>6}{raw_mb:18.1f}{imported['import_rss_mb']:17.0f}{hta_mb:9.0f}")
+        # Flare imports one rank file at a time: a job's peak is its largest file's,
+        # where HTA holds every rank's frame at once.
+        print("\na job of 4 rank files, each this trace:")
+        folder = rank_directory(args.trace, 4, work)
+        wall, rss, _ = measured([sys.executable, "-m", "flare.diagnostics.cli", "import-kineto",
+                                 str(folder), "--store", str(work / "ranks.duckdb"), "--job", "r"])
+        print(f"{'flare import-kineto':34}{wall:9.2f}{rss:13.0f}")
+        if python:
+            hta_wall, hta_rss, _ = measured([python, "-c", HTA_SCRIPT, str(folder)])
+            print(f"{'HTA load + analyse':34}{hta_wall:9.2f}{hta_rss:13.0f}")
     return 0
 
 
