@@ -7,6 +7,10 @@ run, the median of the per-pair ratios, the bytes on the wire per rank per step,
 the detail-step cost on its own line. Collective tracing is part of the instrumented
 runs (it is always on).
 
+Interleaved: the same job with the instrumentor switched on and off in alternating
+blocks of steps inside the same four processes (benchmarks/instrumentation_overhead_
+worker.py): the fairest comparison on a loaded machine, as both arms share its load.
+
 Micro: each hot path A/B in this process (instrument / uninstrument around the same
 loop), world-size-1 gloo, printing the added microseconds per call.
 
@@ -102,6 +106,30 @@ def macro(pairs: int, steps: int) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------- interleaved
+def interleaved(steps: int, block: int) -> dict:
+    with OtlpSink() as sink, tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                    "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
+                    "FLARE_HEARTBEAT_S": "10"})
+        result = subprocess.run(
+            [str(BIN / "torchrun"), "--nproc_per_node", str(RANKS),
+             str(REPO / "benchmarks" / "instrumentation_overhead_worker.py"), out,
+             str(steps), str(block)], env=env, cwd=REPO, capture_output=True, text=True,
+            timeout=900)
+        if result.returncode != 0:
+            raise SystemExit(f"interleaved run failed:\n{result.stderr[-3000:]}")
+        with open(out) as handle:
+            times = json.load(handle)
+    plain, instrumented = (statistics.median(times[k]) for k in ("plain", "instrumented"))
+    return {"plain_ms": plain * 1e3, "instrumented_ms": instrumented * 1e3,
+            "ratio": instrumented / plain, "samples": (len(times["plain"]),
+                                                       len(times["instrumented"]))}
+
+
 # ---------------------------------------------------------------------------- micro
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -122,7 +150,7 @@ def _per_call_us(function, calls: int) -> float:
 def micro() -> dict:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                        "FLARE_JOB_ID": "bench", "FLARE_HEARTBEAT_S": "0",
-                       "FLARE_DETAIL_EVERY": "0"})
+                       "FLARE_DETAIL_EVERY": "0", "TORCH_FR_BUFFER_SIZE": "512"})
     import torch
     import torch.distributed as dist
     from opentelemetry.sdk.trace import TracerProvider
@@ -173,9 +201,9 @@ def micro() -> dict:
         instrumentor.uninstrument()
         results[name] = (plain, with_flare, with_flare - plain)
     recorder = FlightRecorder()
-    for _ in range(500):
+    for _ in range(600):  # fill the 512-entry buffer Flare sets by default
         dist.all_reduce(tensor)
-    results["flight recorder read (detail steps only)"] = (
+    results["flight recorder read, 512 entries (detail only)"] = (
         0.0, _per_call_us(recorder.entries, 20), _per_call_us(recorder.entries, 20))
     dist.destroy_process_group()
     provider.shutdown()
@@ -186,8 +214,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=220)
+    parser.add_argument("--interleaved-steps", type=int, default=1200)
+    parser.add_argument("--block", type=int, default=25)
     parser.add_argument("--skip-macro", action="store_true")
     args = parser.parse_args()
+    if args.interleaved_steps:
+        figures = interleaved(args.interleaved_steps, args.block)
+        print(f"interleaved in-process A/B ({args.block}-step blocks, "
+              f"{figures['samples'][0]}/{figures['samples'][1]} steps): plain "
+              f"{figures['plain_ms']:.2f} ms, instrumented {figures['instrumented_ms']:.2f} ms, "
+              f"ratio {figures['ratio']:.4f}", flush=True)
     if not args.skip_macro:
         figures = macro(args.pairs, args.steps)
         print(f"plain median step: {figures['plain_ms']:.2f} ms; instrumented: "
@@ -202,8 +238,19 @@ def main() -> None:
         print("detail step cost: "
               + (f"+{detail:.1f} ms over a median step" if detail is not None else "n/a"))
     print("micro-benchmarks (best of 5, µs per call: plain / instrumented / added):")
-    for name, (plain, with_flare, added) in micro().items():
+    hooks = micro()
+    for name, (plain, with_flare, added) in hooks.items():
         print(f"  {name:45s} {plain:8.2f} {with_flare:8.2f} {added:+8.2f}")
+    if not args.skip_macro:
+        # The same figure from the measured hook costs, which the machine's noise moves
+        # far less than whole-run medians: one step boundary, one backward, one batch
+        # and a few gen-0 collections per step of this job.
+        per_step_us = (hooks["optimizer step boundary (per step)"][2]
+                       + hooks["backward wrapper (per backward)"][2]
+                       + hooks["dataloader __next__ (per batch)"][2]
+                       + 5 * hooks["gc collection callback (per GC, gen 0)"][2])
+        print(f"hook cost per step: {per_step_us:.0f} µs = "
+              f"{100 * per_step_us / (figures['plain_ms'] * 1e3):.2f}% of the plain median step")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Torchrun worker for benchmarks/instrumentation_overhead.py: the examples/train_ddp.py
+job, with Flare instrumented and uninstrumented in alternating blocks of steps inside
+the same processes, so the machine's load hits both arms alike (not a user script:
+a user's job is instrumented by opentelemetry-instrument, with no code change).
+
+    torchrun --nproc_per_node 4 benchmarks/instrumentation_overhead_worker.py OUT.json
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SETTLE_STEPS = 3  # steps after each toggle left out (instrument/uninstrument, detail step 0)
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("train_ddp", REPO / "examples" / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    out_path, steps, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "512")  # as the instrumentor would
+    import torch
+    import torch.distributed as dist
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+
+    train = load_train_module()
+    args = train.parse_args(["--steps", str(steps)])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    fault = train.Fault(args, rank)
+    model = DistributedDataParallel(train.build_model(args.hidden), bucket_cap_mb=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    loader = DataLoader(train.SyntheticDataset(steps * args.batch_size, args.seed, rank),
+                        batch_size=args.batch_size,
+                        collate_fn=train.SlowableCollate(fault, args.batch_size))
+    provider = TracerProvider(resource=Resource.create())
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    instrumentor = TorchTrainingInstrumentor()
+
+    times = {"plain": [], "instrumented": []}
+    on = False
+    last = time.perf_counter()
+    for step, (features, labels) in enumerate(loader):
+        if step % block == 0 and step:
+            if on:
+                instrumentor.uninstrument()
+            else:
+                instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+            on = not on
+        loss = loss_fn(model(features), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        now = time.perf_counter()
+        if step % block >= SETTLE_STEPS and step >= block:
+            times["instrumented" if on else "plain"].append(now - last)
+        last = now
+    if on:
+        instrumentor.uninstrument()
+    if rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(times, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+    provider.shutdown()
+
+
+if __name__ == "__main__":
+    main()
