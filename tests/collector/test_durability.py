@@ -164,3 +164,23 @@ def test_full_write_ahead_log_is_503_and_unavailable(collector_process, helpers,
     proc.wait_for("flare_collector_wal_committed_lsn", lambda v: v >= last)
     status, _, _ = helpers.post(f"http://{proc.http}/v1/traces", helpers.make_request(5, first_index=70_000).SerializeToString())
     assert status == 200
+
+
+def test_sigterm_while_a_reader_holds_the_store_loses_and_duplicates_nothing(collector_process, helpers, tmp_path):
+    config = helpers.base_config(tmp_path / "store.duckdb", drain_timeout="5s")
+    config["exporters"]["flare_store"]["timeout_s"] = 1  # give up on the lock quickly
+    proc = collector_process(config).start()
+    _create_store(helpers, proc)
+    first = {(100_000).to_bytes(8, "big").hex()}  # the span _create_store sent
+    reader = store.open_reader(proc.store_path)
+    try:
+        sent = _send_batch(helpers, proc, 0, requests=10, spans=20)
+        assert proc.terminate() == 1  # could not drain into the held store
+        assert "write-ahead log" in proc.log()
+    finally:
+        reader.close()
+    restarted = collector_process(config, name="restarted").start()
+    assert restarted.terminate() == 0
+    ids = helpers.stored_span_ids(proc.store_path)
+    assert len(ids) == len(set(ids))
+    assert set(ids) == sent | first

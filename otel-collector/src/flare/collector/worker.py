@@ -109,6 +109,7 @@ class Worker:
         for pipeline in pipelines:
             pipeline.gate = self.gate
         self._inflight: _FlushResult | None = None  # a flush running on its own thread
+        self._last_flush_errors: set[str] = set()  # durable exporters whose last flush failed
 
     # ------------------------------------------------------------ start-up
     def load_markers(self) -> int:
@@ -286,6 +287,7 @@ class Worker:
             result.done.set()
 
     def _finish(self, result: _FlushResult) -> bool:
+        self._last_flush_errors = set(result.errors)
         for exporter_id in result.targets:
             exc = result.errors.get(exporter_id)
             if exc is not None:
@@ -339,13 +341,19 @@ class Worker:
             self.flush_cycle()
             return False
         ok = self.flush_cycle(final=True)
-        self._shutdown_exporters(deadline)
+        self._shutdown_exporters(deadline, skip=set(self._last_flush_errors))
         return ok
 
-    def _shutdown_exporters(self, deadline: float) -> None:
-        """Shut exporters down in parallel; forwarders get what is left of the deadline."""
+    def _shutdown_exporters(self, deadline: float, skip: set[str]) -> None:
+        """Shut exporters down in parallel; forwarders get what is left of the deadline.
+
+        A store exporter whose final flush failed is skipped: its shutdown would flush
+        the same rows without their log position, and the next start replays them.
+        """
         threads = []
         for exporter_id, exporter in self.exporters.items():
+            if exporter_id in skip:
+                continue
             thread = threading.Thread(
                 target=_shutdown_one, args=(exporter_id, exporter), daemon=True,
                 name=f"flare-shutdown-{exporter_id}",
