@@ -221,6 +221,22 @@ def test_bad_files_are_one_error_each_and_the_rest_import(tmp_path):
         kineto.import_directory(tmp_path / "missing", store_path)
 
 
+def test_legacy_array_format(tmp_path):
+    """torch < 1.8 wrote the Chrome trace as a bare JSON array of events."""
+    path = tmp_path / "modern_rank0.json"
+    _profile_cpu(path, steps=2)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "old_rank0.json").write_text(json.dumps(events, indent=1))
+    store_path = tmp_path / "store.duckdb"
+    result = kineto.import_directory(legacy, store_path, job="legacy")
+    assert result.errors == [] and result.spans > 0
+    names = StoreBackend(store_path).job_data("legacy").spans([sc.SPAN_STEP], attributes=[sc.STEP])
+    assert names.column(sc.STEP).to_pylist() == [1, 2]
+
+
 def test_streaming_parser_handles_chunk_boundaries(tmp_path, monkeypatch):
     """Events split across read chunks decode exactly as json.load sees them."""
     monkeypatch.setattr(kineto, "_CHUNK", 7)

@@ -42,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from flare.exporters import store
 from flare.instrumentation import kernel_taxonomy as taxonomy
 from flare.instrumentation import semconv
@@ -189,7 +191,17 @@ class _StreamingTrace:
                 raise TraceError(f"{self._name}: truncated (ends inside traceEvents)")
 
     def events(self) -> Iterator[dict[str, Any]]:
-        """Yield every trace event; top-level keys land in `meta` as they are passed."""
+        """Yield every trace event; top-level keys land in `meta` as they are passed.
+
+        The legacy profiler (torch < 1.8) wrote the Chrome trace "array format": the
+        top level is the event list itself.
+        """
+        if self._peek() == "[":
+            self._pos += 1
+            if self._peek() == "]":
+                return
+            yield from self._array_items()
+            return
         self._expect("{")
         if self._peek() == "}":
             return
@@ -667,6 +679,12 @@ class _Rows:
 # ---------------------------------------------------------------- directory → store
 
 
+def _arrow_table(columns: dict[str, list[Any]]) -> pa.Table:
+    """Like `store.spans_table`, but frees each Python column once it is converted."""
+    arrays = [pa.array(columns.pop(name), type=typ) for name, _, typ in store.SPAN_COLUMNS]
+    return pa.Table.from_arrays(arrays, schema=store.SPAN_SCHEMA)
+
+
 def trace_files(path: str | os.PathLike[str]) -> list[Path]:
     """The trace files of a directory (or the one file given), in name order."""
     path = Path(path)
@@ -706,7 +724,7 @@ def import_directory(path: str | os.PathLike[str], store_path: str | os.PathLike
                            f"{seen_ranks[spans.rank]}; one rank per file")
             continue
         seen_ranks[spans.rank] = str(file)
-        table = store.spans_table(spans.columns)
+        table = _arrow_table(spans.columns)
         with store.writer(store_path) as con:
             con.execute("BEGIN TRANSACTION")
             try:
