@@ -54,6 +54,8 @@ def test_embedded_collector_lifecycle_restart_and_gauges(tmp_path):
         assert 'flare_collector_rank_step_seconds{rank="2"} 0.25' in text
         assert "flare_collector_anomalies_open 3" in text
         assert 'flare_collector_accepted_spans_total{transport="grpc"} 10' in text
+        with urllib.request.urlopen(f"http://{collector.metrics_endpoint}/health", timeout=10) as reply:
+            assert reply.status == 200 and reply.read() == b"ok\n"
     finally:
         assert collector.stop(deadline_s=10)
 

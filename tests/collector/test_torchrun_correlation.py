@@ -19,8 +19,8 @@ from flare.exporters import store
 from flare.instrumentation import semconv as sc
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 30
-FAULT_FROM = 10
+STEPS = 24
+FAULT_FROM = 8
 SLOW_RANK = 2
 
 

@@ -133,8 +133,10 @@ class HttpExtension:
 
 def metrics_responder(registry: Registry) -> Responder:
     def respond(method, path, query, headers):
+        if path in ("/health", "/healthz"):  # liveness for orchestrators
+            return 200, {"Content-Type": "text/plain"}, b"ok\n"
         if path not in ("/metrics", "/"):
-            return 404, {"Content-Type": "text/plain"}, b"scrape /metrics\n"
+            return 404, {"Content-Type": "text/plain"}, b"scrape /metrics (or /health)\n"
         body = registry.render().encode()
         return 200, {"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}, body
 
