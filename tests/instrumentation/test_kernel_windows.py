@@ -172,3 +172,36 @@ def test_cuda_window_conversion_on_recorded_events():
     memcpy = [a for a in attributes if a[sc.KERNEL_CATEGORY] == "memcpy"]
     assert memcpy and all(a[sc.KERNEL_ACHIEVED_GBPS] > 0 for a in memcpy if sc.KERNEL_BYTES in a)
     assert all(a[sc.KERNEL_DEVICE] >= 0 and a[sc.KERNEL_SOURCE] == "profiler" for a in attributes)
+
+
+def test_window_on_request_through_the_real_runtime(monkeypatch):
+    """A's Runtime: periodic detail off, request_detail() makes the next step a window."""
+    from flare.instrumentation.config import FlareConfig
+    from flare.instrumentation.identity import ProcessIdentity
+    from flare.instrumentation.runtime import Runtime
+
+    monkeypatch.delenv(sc.ENV_KERNEL_WINDOWS, raising=False)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    identity = ProcessIdentity(rank=0, local_rank=0, world_size=1, node_rank=0, restart_count=0,
+                               job_id="req", service_name="req", host_name="h", pid=1,
+                               gpu_index=None, gpu_uuid=None)
+    runtime = Runtime(provider.get_tracer("t"), identity, FlareConfig(detail_every=0), {})
+    windows = kernels.install(runtime)
+    try:
+        for step in range(4):
+            if step == 2:
+                runtime.request_detail()
+            runtime.begin_step()
+            _work()
+            runtime.end_step()
+        windows.flush()
+    finally:
+        kernels.uninstall(runtime)
+    finished = exporter.get_finished_spans()
+    steps = {s.attributes[sc.STEP]: s for s in finished if s.name == sc.SPAN_STEP}
+    spans = [s for s in finished if s.name == sc.SPAN_KERNEL]
+    assert spans and {s.attributes[sc.STEP] for s in spans} == {2}
+    assert {s.parent.span_id for s in spans} == {steps[2].context.span_id}
+    assert steps[2].attributes[sc.STEP_DETAIL] is True
