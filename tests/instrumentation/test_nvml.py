@@ -215,3 +215,37 @@ def test_device_index_follows_cuda_visible_devices():
     assert flare_nvml.device_index(1, "") == 1
     assert flare_nvml.device_index(1, "4,6") == 6
     assert flare_nvml.device_index(0, "GPU-abc,GPU-def") == "GPU-abc"
+
+
+def test_clock_state_lands_on_real_step_spans(monkeypatch):
+    """Through A's Runtime and the OTel SDK: the first step span carries the NVML state."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from flare.instrumentation.config import FlareConfig
+    from flare.instrumentation.identity import ProcessIdentity
+    from flare.instrumentation.runtime import Runtime
+
+    monkeypatch.setenv(sc.ENV_NVML_INTERVAL_S, "3600")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    identity = ProcessIdentity(rank=2, local_rank=0, world_size=4, node_rank=0, restart_count=0,
+                               job_id="nvml", service_name="nvml", host_name="h", pid=1,
+                               gpu_index=0, gpu_uuid=None)
+    runtime = Runtime(provider.get_tracer("t"), identity, FlareConfig(detail_every=0), {})
+    sampler = flare_nvml.install(runtime, nvml=RecordedNvml(),
+                                 meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    try:
+        for _ in range(3):
+            runtime.begin_step()
+            runtime.end_step()
+    finally:
+        flare_nvml.uninstall(runtime)
+    assert sampler is not None
+    steps = sorted((s for s in exporter.get_finished_spans() if s.name == sc.SPAN_STEP),
+                   key=lambda s: s.attributes[sc.STEP])
+    assert steps[0].attributes[sc.STEP_GPU_SM_CLOCK_MHZ] == 1980.0
+    assert steps[0].attributes[sc.STEP_GPU_THROTTLE] == 0
+    assert sc.STEP_GPU_SM_CLOCK_MHZ not in steps[1].attributes
