@@ -11,6 +11,7 @@ import base64
 import html
 import json
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -123,7 +124,9 @@ def _timelines(job: JobData, frame: frames.StepFrame, count: int = 3) -> str:
     if frame.bucket != 1:
         worst_cols = np.argsort(-np.nan_to_num(nanmedian(frame.duration.astype(np.float64), axis=0)))[:count]
     else:
-        spread = np.nanmax(frame.duration, axis=0) if frame.duration.size else np.array([])
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # steps no rank reported
+            spread = np.nanmax(frame.duration, axis=0) if frame.duration.size else np.array([])
         worst_cols = np.argsort(-np.nan_to_num(spread.astype(np.float64)))[:count]
     out = []
     for col in sorted(int(c) for c in worst_cols):
