@@ -45,10 +45,10 @@ from typing import Any
 import pyarrow as pa
 
 from flare.exporters import store
+from flare.instrumentation import bandwidth, semconv
 from flare.instrumentation import kernel_taxonomy as taxonomy
-from flare.instrumentation import semconv
 
-TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
+TRACE_SUFFIXES = (".json", ".json.gz")  # covers torch's *.pt.trace.json[.gz] names
 _CHUNK = 1 << 20
 _WS = " \t\n\r"
 _WS_RE = re.compile(r"[ \t\n\r]*")
@@ -551,7 +551,10 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
         op = taxonomy.collective_op(comm.name)
     op = op or taxonomy.collective_op(gpu.name) or "unknown"
     dtype = meta.get("dtype")
-    nelems = _int(meta.get("In msg nelems"), None)
+    # Bytes per rank as Flare's live collectives count them (flare.instrumentation.
+    # bandwidth): the shard for all-gather (its input) and reduce-scatter (its output).
+    shard_key = "Out msg nelems" if op == "reduce_scatter" else "In msg nelems"
+    nelems = _int(meta.get(shard_key), None)
     if nelems is None and comm is not None and comm.args.get("Input Dims"):
         nelems = 0
         for dims in comm.args["Input Dims"]:
@@ -581,7 +584,7 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
         nbytes = nelems * width
         attributes[semconv.COLL_BYTES] = nbytes
         if seconds > 0 and group_size:
-            factor = taxonomy.bus_bandwidth_factor(op, group_size)
+            factor = bandwidth.bus_factor(op, group_size)
             attributes[semconv.COLL_BUSBW_GBPS] = round(nbytes / seconds / 1e9 * factor, 3)
     return attributes
 
@@ -691,7 +694,7 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
     if path.is_file():
         return [path]
     return sorted(p for p in path.iterdir()
-                  if p.is_file() and p.name.endswith((".json", ".json.gz")))
+                  if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
 
 
 def import_directory(path: str | os.PathLike[str], store_path: str | os.PathLike[str],

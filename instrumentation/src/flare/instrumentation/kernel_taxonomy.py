@@ -95,17 +95,6 @@ def collective_op(name: str) -> str | None:
     return _OP_NAMES.get(key)
 
 
-def bus_bandwidth_factor(op: str, group_size: int) -> float:
-    """nccl-tests bus bandwidth factor: busbw = algbw · factor."""
-    if group_size <= 1:
-        return 1.0
-    if op == "all_reduce":
-        return 2.0 * (group_size - 1) / group_size
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (group_size - 1) / group_size
-    return 1.0
-
-
 # ---------------------------------------------------------------- FLOPs from shapes
 
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
