@@ -85,6 +85,11 @@ def test_every_real_trace_imports_all_gpu_activity(path, imported):
     collectives = job.spans([sc.SPAN_COLLECTIVE_PREFIX + "*"], attributes=[sc.COLL_OP, sc.COLL_BYTES])
     assert collectives.num_rows == expected["nccl"] > 0
     assert "unknown" not in collectives.column(sc.COLL_OP).to_pylist()
+    if _job(path) == "nccl2ranks_rank0":  # new format: the kernel carries its PG metadata
+        meta = job.spans([sc.SPAN_COLLECTIVE_PREFIX + "*"], attributes=[
+            sc.COLL_PG_DESC, sc.COLL_GROUP_RANKS, sc.COLL_GROUP_SIZE, sc.COLL_BUSBW_GBPS]).to_pylist()[0]
+        assert meta[sc.COLL_PG_DESC] == "default_pg" and meta[sc.COLL_GROUP_RANKS] == [0, 1]
+        assert meta[sc.COLL_GROUP_SIZE] == 2 and meta[sc.COLL_BUSBW_GBPS] > 0
     # Timestamps are exact epoch nanoseconds (no float rounding of 1.7e18).
     assert kernels.column("start_ns")[0].as_py() > 1_600_000_000 * 10**9
 

@@ -574,6 +574,14 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
         attributes[semconv.COLL_PG_DESC] = str(meta["Process Group Description"])
     if meta.get("Seq") is not None:
         attributes[semconv.COLL_SEQ] = _int(meta["Seq"], None)
+    ranks = meta.get("Process Group Ranks")
+    if isinstance(ranks, str):  # recorded as text: "[0, 1]"
+        try:
+            ranks = json.loads(ranks)
+        except ValueError:
+            ranks = None
+    if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks):
+        attributes[semconv.COLL_GROUP_RANKS] = ranks
     group_size = _int(meta.get("Group size"), None)
     if group_size:
         attributes[semconv.COLL_GROUP_SIZE] = group_size
