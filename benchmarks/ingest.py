@@ -17,7 +17,7 @@ The spans are what Flare's instrumentation sends (one request per rank per expor
 the SDK's BatchSpanProcessor shape): per rank-step one `train.step` with the full
 summary (17 attributes, five per-PG arrays), two `dataloader.next`, and four
 `collective.all_reduce` spans with 12 attributes (a detail-heavy mix; always-on steps
-have no collective spans).
+have no collective spans: `--collectives 0`).
 
     .venv/bin/python benchmarks/ingest.py [--spans 262144] [--repeat 3] [--index job_step]
 """
@@ -167,7 +167,8 @@ def rank_request(job: str, rank: int, world_size: int, spans: list[Span]) -> Exp
     )
 
 
-def build_payloads(total_spans: int, ranks: int = 64, per_request: int = 512) -> list[bytes]:
+def build_payloads(total_spans: int, ranks: int = 64, per_request: int = 512,
+                   collectives: int = 4) -> list[bytes]:
     """Serialized requests of about `per_request` spans, each from one rank."""
     rng = random.Random(7)
     payloads: list[bytes] = []
@@ -177,7 +178,8 @@ def build_payloads(total_spans: int, ranks: int = 64, per_request: int = 512) ->
     pending: dict[int, list[Span]] = {r: [] for r in range(ranks)}
     while made < total_spans:
         for rank in range(ranks):
-            spans = rank_step_spans("bench-job", rank, ranks, step, base_ns + step * 10**9, rng)
+            spans = rank_step_spans("bench-job", rank, ranks, step, base_ns + step * 10**9, rng,
+                                    collectives=collectives)
             pending[rank].extend(spans)
             made += len(spans)
             if len(pending[rank]) >= per_request:
@@ -280,10 +282,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--flush-every", type=int, default=256,
                         help="requests per store flush (one DuckDB transaction)")
+    parser.add_argument("--collectives", type=int, default=4,
+                        help="collective spans per rank-step (0 = the always-on mix)")
     parser.add_argument("--index", action="append", choices=sorted(INDEX_CANDIDATES),
                         default=[], help="also measure the insert cost of this extra index")
     args = parser.parse_args()
-    payloads = build_payloads(args.spans)
+    payloads = build_payloads(args.spans, collectives=args.collectives)
     n_spans = sum(len(rs.scope_spans[0].spans) for p in payloads
                   for rs in ExportTraceServiceRequest.FromString(p).resource_spans)
     size = sum(map(len, payloads))
