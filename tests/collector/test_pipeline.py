@@ -162,3 +162,29 @@ def test_restart_with_an_empty_log_keeps_the_committed_position(tmp_path, helper
         assert worker.flush() and exporter.read_meta(KEY) == "1001"
     finally:
         worker.stop(5)
+
+
+def test_store_gets_the_correlators_spans_appended_to_a_request(tmp_path, helpers):
+    """Unchanged requests reach the store as their original bytes; changed ones must not."""
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    from flare.instrumentation import semconv as sc
+    from flare.processors.rank_correlation import RankCorrelation
+
+    counters = Counters()
+    exporter = FlareStoreExporter(path=str(tmp_path / "s.duckdb"))
+    stage = Stage("rank_correlation", "rank_correlation", RankCorrelation())
+    pipeline = Pipeline("traces", "traces", [stage], [("flare_store", exporter)], counters)
+    for rank in range(2):  # the second rank's step completes the window
+        request = helpers.make_request(1, job="corr-job", rank=rank, step=0, first_index=rank)
+        request.resource_spans[0].resource.attributes.append(
+            KeyValue(key=sc.WORLD_SIZE, value=AnyValue(int_value=2)))
+        request.resource_spans[0].scope_spans[0].spans[0].name = sc.SPAN_STEP
+        pipeline.push(request, [], request.SerializeToString())
+    exporter.flush()
+    con = store.open_reader(tmp_path / "s.duckdb")
+    try:
+        names = sorted(r[0] for r in con.execute("SELECT name FROM spans").fetchall())
+    finally:
+        con.close()
+    assert names == [sc.SPAN_STEP, sc.SPAN_STEP, sc.SPAN_STEP_RANKS]

@@ -31,6 +31,7 @@ class Item:
     request: Any  # ExportTraceServiceRequest | ExportMetricsServiceRequest
     nbytes: int
     admitted: list[Any] = field(default_factory=list)  # limiters to release later
+    payload: bytes | None = None  # the logged encoding of `request`
 
 
 class ItemQueue:
@@ -114,7 +115,7 @@ class Ingest:
                             f"cannot write the write-ahead log: {exc.strerror}",
                             RETRY_AFTER_UNAVAILABLE_S, overloaded=False, code="wal_error",
                         )
-                self.queue.put(Item(lsn, signal, request, nbytes, admitted), nbytes)
+                self.queue.put(Item(lsn, signal, request, nbytes, admitted, payload), nbytes)
         except Refused:
             for done in admitted:
                 done.release(nbytes)

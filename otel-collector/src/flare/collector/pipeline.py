@@ -20,10 +20,15 @@ from typing import Any
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from flare.collector.telemetry import Counters
+from flare.exporters.flare_store import FlareStoreExporter
 
 log = logging.getLogger(__name__)
 
 BUFFERING_PROCESSOR_TYPES = frozenset({"batch"})
+# Processors that never rewrite the spans they are given (the correlator only appends
+# spans of its own, which changes the count): behind only these, an unchanged span
+# count means the request still matches the bytes it arrived as.
+PRESERVING_PROCESSOR_TYPES = frozenset({"memory_limiter", "rank_correlation"})
 
 
 @dataclass
@@ -88,8 +93,9 @@ class Pipeline:
         self.skip_upto: dict[str, int] = {}
         self.gate: ExportGate | None = None
 
-    def push(self, request: Any, lsns: list[int]) -> None:
-        self._run(request, lsns, 0)
+    def push(self, request: Any, lsns: list[int], payload: bytes | None = None) -> None:
+        """Run `request` through the pipeline; `payload` is its encoding, if known."""
+        self._run(request, lsns, 0, payload)
 
     def tick(self, now_ns: int) -> None:
         for index, stage in enumerate(self.stages):
@@ -112,16 +118,22 @@ class Pipeline:
             lsns = stage.release(_span_count(output)) if stage.buffers else []
             self._run(output, lsns, index + 1)
 
-    def _run(self, request: Any, lsns: list[int], start: int) -> None:
+    def _run(self, request: Any, lsns: list[int], start: int, payload: bytes | None = None) -> None:
         for index in range(start, len(self.stages)):
             stage = self.stages[index]
             traces = isinstance(request, ExportTraceServiceRequest)
             if stage.buffers and traces:
                 stage.hold(lsns, _span_count(request))
+            spans_before = _span_count(request) if payload is not None and traces else 0
             if traces:
                 out = stage.processor.process_traces(request)
             else:
                 out = stage.processor.process_metrics(request)
+            if payload is not None and not (
+                stage.type in PRESERVING_PROCESSOR_TYPES and out is request
+                and (not traces or _span_count(out) == spans_before)
+            ):
+                payload = None  # the request changed: its original bytes no longer match
             if stage.buffers and traces:
                 lsns = stage.release(_span_count(out)) if out is not None else []
             if out is None:
@@ -129,18 +141,24 @@ class Pipeline:
                     self.counters.add("processor_dropped_requests", processor=stage.id)
                 return
             request = out
-        self._export(request, lsns)
+        self._export(request, lsns, payload)
 
-    def _export(self, request: Any, lsns: list[int]) -> None:
+    def _export(self, request: Any, lsns: list[int], payload: bytes | None = None) -> None:
         newest = max(lsns) if lsns else None
         traces = isinstance(request, ExportTraceServiceRequest)
         for exporter_id, exporter in self.exporters:
             if newest is not None and newest <= self.skip_upto.get(exporter_id, 0):
                 continue
+            if payload is not None and traces and isinstance(exporter, FlareStoreExporter):
+                # The store decodes bytes directly: handing it the bytes the client sent
+                # saves re-encoding a request nothing has changed.
+                request_or_bytes: Any = payload
+            else:
+                request_or_bytes = request
             if self.gate is not None and self.gate.holds(exporter_id):
-                self.gate.waiting.append((self, exporter_id, exporter, request, traces))
+                self.gate.waiting.append((self, exporter_id, exporter, request_or_bytes, traces))
                 continue
-            self.deliver(exporter_id, exporter, request, traces)
+            self.deliver(exporter_id, exporter, request_or_bytes, traces)
 
     def deliver(self, exporter_id: str, exporter: Any, request: Any, traces: bool) -> None:
         try:

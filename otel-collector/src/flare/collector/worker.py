@@ -131,7 +131,7 @@ class Worker:
             request = parse(record.signal, record.payload)
             if request is None:
                 continue
-            self._feed(Item(record.lsn, record.signal, request, len(record.payload)))
+            self._feed(Item(record.lsn, record.signal, request, len(record.payload), payload=record.payload))
             count += 1
             pending_bytes += len(record.payload)
             if pending_bytes >= 64 << 20:  # bound memory on a long tail
@@ -209,7 +209,7 @@ class Worker:
                 request = type(request)()
                 request.CopyFrom(item.request)
             try:
-                pipeline.push(request, [item.lsn] if item.lsn else [])
+                pipeline.push(request, [item.lsn] if item.lsn else [], item.payload)
             except Exception as exc:
                 self.counters.add("pipeline_errors", pipeline=pipeline.id)
                 log.error("pipeline %s failed on a request: %s", pipeline.id, exc)
