@@ -29,6 +29,9 @@ class ChangePoint:
     after: float  # median after
     shift: float  # after / before - 1
     score: float  # shift in noise units
+    # Share of points on their own side of the midpoint between the two levels: a real
+    # regime change puts nearly all of them there; a burst of noise does not.
+    consistency: float = 1.0
 
 
 def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
@@ -61,8 +64,13 @@ def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
     # quiet series does not turn a trivial wobble into a large score.
     noise = max(mad(values[:k]), 0.02 * abs(before), 1e-9)
     shift = after / before - 1 if before > 0 else 0.0
+    middle = (before + after) / 2
+    if after >= before:
+        on_side = np.concatenate([values[:k] <= middle, values[k:] > middle])
+    else:
+        on_side = np.concatenate([values[:k] >= middle, values[k:] < middle])
     return ChangePoint(index=int(index_of[k]), before=before, after=after, shift=shift,
-                       score=abs(after - before) / noise)
+                       score=abs(after - before) / noise, consistency=float(on_side.mean()))
 
 
 def runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:

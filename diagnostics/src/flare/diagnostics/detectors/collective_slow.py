@@ -58,7 +58,8 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         calls.sort()
         gbps = np.array([c[1] for c in calls])
         point = change_point(1.0 / gbps, _GROUP_MIN_SEGMENT)
-        if point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score:
+        if (point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score
+                or point.consistency < config.change_min_consistency):
             continue
         before = float(np.median(gbps[:point.index]))
         after = float(np.median(gbps[point.index:]))
@@ -89,10 +90,14 @@ def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     transfer_ms = np.where(np.isfinite(transfer_ms), transfer_ms, np.nan)
     moved = nanmedian(frame.bytes[:, warm].astype(np.float64), axis=0)
     per_byte = np.isfinite(moved) & (moved > 0)
-    cost = np.where(per_byte, transfer_ms / np.where(per_byte, moved, 1.0), transfer_ms) \
-        if per_byte.mean() > 0.9 else transfer_ms
+    if per_byte.mean() <= 0.9:
+        # Without bytes, a longer least wait is no evidence of a slower fabric: more data,
+        # or (on a shared CPU host) a descheduled rank, look the same.
+        return []
+    cost = np.where(per_byte, transfer_ms / np.where(per_byte, moved, 1.0), np.nan)
     point = change_point(cost, persist)
-    if point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score:
+    if (point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score
+            or point.consistency < config.change_min_consistency):
         return []
     onset = int(warm[point.index])
     after = warm >= onset
@@ -103,11 +108,9 @@ def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     if share < _MIN_COMM_SHARE:
         return []
     first = frame.step_of(onset)
-    bandwidth = None
-    if per_byte.mean() > 0.9:
-        mb = float(np.nanmedian(moved)) / 1e6
-        bandwidth = {"before_mb_per_s": round(mb / (comm_before / 1e3), 2) if comm_before > 0 else None,
-                     "after_mb_per_s": round(mb / (comm_after / 1e3), 2) if comm_after > 0 else None}
+    mb = float(np.nanmedian(moved)) / 1e6
+    bandwidth = {"before_mb_per_s": round(mb / (comm_before / 1e3), 2) if comm_before > 0 else None,
+                 "after_mb_per_s": round(mb / (comm_after / 1e3), 2) if comm_after > 0 else None}
     return [Anomaly(
         kind="collective_slow", ranks=[], cause="communication", first_step=first,
         last_step=frame.last_step_of(int(warm[-1])), impact=min(share, 1.0),

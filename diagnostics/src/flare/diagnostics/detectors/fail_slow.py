@@ -35,7 +35,9 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         return []
     job_time = nanmedian(frame.duration[:, warm].astype(np.float64), axis=0)
     point = change_point(job_time, persist)
-    if point is None or point.shift < config.fail_slow_min_shift or point.score < config.fail_slow_min_score:
+    if (point is None or point.shift < config.fail_slow_min_shift
+            or point.score < config.fail_slow_min_score
+            or point.consistency < config.change_min_consistency):
         return []
     onset = int(warm[point.index])
     before, after = warm[warm < onset], warm[warm >= onset]
@@ -69,6 +71,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
             "onset_step": first,
             "step_ms_before": round(point.before, 3), "step_ms_after": round(point.after, 3),
             "shift": round(point.shift, 4), "noise_units": round(point.score, 2),
+            "consistency": round(point.consistency, 3),
             "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
             "cause_share": round(why.share, 3),
         },
@@ -83,6 +86,7 @@ def _ranks_that_changed(frame: frames.StepFrame, config: DiagnosisConfig, warm: 
         point = change_point(work[row], persist)
         if (point is not None and point.shift >= config.fail_slow_min_shift
                 and point.score >= config.fail_slow_min_score
+                and point.consistency >= config.change_min_consistency
                 and abs(point.index - job_index) <= _ONSET_TOLERANCE):
             changed.append(int(frame.ranks[row]))
     # A slowdown every rank shares is the job's, not a few ranks'.
