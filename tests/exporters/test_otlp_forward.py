@@ -155,14 +155,17 @@ def test_metrics_forwarded_too(grpc_server):
 
 class OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
     server_version = "test-otlp/1"
+    protocol_version = "HTTP/1.1"  # keep-alive, as real OTLP/HTTP servers do
     plan: list[tuple[int, dict[str, str]]] = []
     seen: list[tuple[str, dict[str, str], bytes, float]] = []
+    peers: list[tuple[str, int]] = []
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if self.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
         type(self).seen.append((self.path, dict(self.headers), body, time.monotonic()))
+        type(self).peers.append(self.client_address)
         status, headers = type(self).plan.pop(0) if type(self).plan else (200, {})
         payload = tsvc.ExportTraceServiceResponse().SerializeToString() if status == 200 else b"no"
         self.send_response(status)
@@ -181,6 +184,7 @@ class OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
 def http_server():
     OtlpHttpHandler.plan = []
     OtlpHttpHandler.seen = []
+    OtlpHttpHandler.peers = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OtlpHttpHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -201,6 +205,15 @@ def test_http_forwarding_gzip_and_retry_after(http_server):
     assert names(tsvc.ExportTraceServiceRequest.FromString(second[2])) == ["x1", "x2", "x3"]
     assert 0.9 <= second[3] - first[3] < 5  # Retry-After: 1, not the 20 s backoff
     assert exporter.metrics()["sent_items"] == 3
+    exporter.shutdown()
+
+
+def test_http_reuses_one_connection(http_server):
+    exporter = REGISTRY["otlp"](endpoint=f"http://127.0.0.1:{http_server}/v1/traces")
+    for i in range(5):
+        exporter.export_traces(traces(1, f"k{i}-"))
+    assert exporter.wait_idle(10)
+    assert len(OtlpHttpHandler.seen) == 5 and len(set(OtlpHttpHandler.peers)) == 1
     exporter.shutdown()
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 import collections
 import email.utils
 import gzip
+import http.client
 import random
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,45 +134,65 @@ def _rejected(response: Any) -> int:
 
 
 class _HttpSender:
+    """POSTs over one persistent connection (only the sender thread uses it)."""
+
     def __init__(self, endpoint: str, headers: dict[str, str], timeout_s: float,
                  compression: str) -> None:
         parsed = urllib.parse.urlsplit(endpoint)
-        base = endpoint.rstrip("/")
-        if parsed.path not in ("", "/"):
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"otlp.endpoint {endpoint!r} is not an http(s) URL")
+        path = parsed.path.rstrip("/")
+        if path:
             # An explicit path is the traces URL (otelcol's traces_endpoint); metrics go
             # to its sibling.
-            self._urls = {"traces": base, "metrics": base.rsplit("/", 1)[0] + "/metrics"}
+            self._paths = {"traces": path, "metrics": path.rsplit("/", 1)[0] + "/metrics"}
         else:
-            self._urls = {signal: base + path for signal, path in _HTTP_PATHS.items()}
+            self._paths = dict(_HTTP_PATHS)
+        self._https = parsed.scheme == "https"
+        self._host = parsed.hostname
+        self._port = parsed.port or (443 if self._https else 80)
+        self._origin = f"{parsed.scheme}://{parsed.netloc}"
         self._headers = {"Content-Type": "application/x-protobuf", **headers}
         self._timeout_s = timeout_s
         self._gzip = compression == "gzip"
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=self._timeout_s)
+        return self._conn
 
     def send(self, item: _Item) -> int:
         body = gzip.compress(item.payload, compresslevel=1) if self._gzip else item.payload
         headers = dict(self._headers)
         if self._gzip:
             headers["Content-Encoding"] = "gzip"
-        request = urllib.request.Request(self._urls[item.signal], data=body, headers=headers, method="POST")
+        url = self._origin + self._paths[item.signal]
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                data = response.read()
-        except urllib.error.HTTPError as exc:
-            retry_after = _parse_retry_after(exc.headers.get("Retry-After"))
+            conn = self._connection()
+            conn.request("POST", self._paths[item.signal], body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()  # a broken connection is reopened on the next try
+            raise SendError(f"cannot reach {url}: {exc}", True) from None
+        if response.will_close:
+            self.close()
+        if not 200 <= response.status < 300:
             raise SendError(
-                f"HTTP {exc.code} from {self._urls[item.signal]}",
-                exc.code in _RETRYABLE_HTTP, retry_after,
-            ) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise SendError(f"cannot reach {self._urls[item.signal]}: {reason}", True) from None
+                f"HTTP {response.status} from {url}", response.status in _RETRYABLE_HTTP,
+                _parse_retry_after(response.getheader("Retry-After")),
+            )
         try:
             return _rejected(_RESPONSES[item.signal].FromString(data)) if data else 0
         except Exception:
             return 0  # a 2xx with an unreadable body still means accepted
 
     def close(self) -> None:
-        pass
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def _parse_retry_after(value: str | None) -> float | None:
