@@ -190,6 +190,6 @@ def test_regression_against_baseline_names_communication(store, healthy):
     assert result.returncode == 0, result.stderr
     regressions = [a for a in json.loads(result.stdout)["anomalies"] if a["kind"] == "regression"]
     assert len(regressions) == 1, result.stdout
-    assert regressions[0]["cause"] == "communication"
+    assert regressions[0]["cause"] == "communication", json.dumps(regressions[0], indent=1)
     assert "communication" in regressions[0]["summary"]
     _record("extra_comm vs healthy", f"regression {regressions[0]['summary']}", None)

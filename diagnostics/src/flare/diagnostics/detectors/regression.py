@@ -36,9 +36,14 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     grew = sorted((k for k in deltas if deltas[k] >= 0.2 * excess), key=lambda k: -deltas[k])
     top = grew[0] if grew else None
     cause = COMPONENT_CAUSE[top] if top and deltas[top] >= config.cause_min_share * excess else "unknown"
+    moves_more = bytes_now > 1.1 * bytes_then + 1024
+    if moves_more and top == "wait":
+        # More bytes per step and more time in collectives: the job communicates more,
+        # whatever share step-to-step noise leaves to the other parts.
+        cause = "communication"
     parts = ", ".join(f"{_NAMES[k]} +{deltas[k]:.1f} ms" for k in grew) or "no single part"
     more_bytes = ""
-    if bytes_then > 0 and bytes_now > bytes_then * 1.1:
+    if moves_more:
         more_bytes = f"; {(bytes_now - bytes_then) / 1e6:.1f} MB more moved by collectives per step"
     shift = step_now / step_then - 1
     return [Anomaly(
