@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _PATHS = {"/v1/traces": TRACES, "/v1/metrics": METRICS}
 _PROTOBUF = "application/x-protobuf"
 _JSON = "application/json"
+_DISCARD_MAX = 16 << 20  # oversized bodies up to this much over the cap are read and dropped
 
 
 def decompress(body: bytes, encoding: str, limit: int) -> bytes:
@@ -127,7 +128,6 @@ class _Handler(BaseHTTPRequestHandler):
             response = receiver.acceptor.accept(kind, body, "http", is_json=is_json)
         except PayloadTooLarge as exc:
             receiver.counters.add("too_large_requests", transport="http")
-            self.close_connection = True  # the rest of the body is not read
             self._status(413, code_pb2.INVALID_ARGUMENT, str(exc), is_json)
             return
         except MalformedPayload as exc:
@@ -168,6 +168,12 @@ class _Handler(BaseHTTPRequestHandler):
         if length < 0:
             raise MalformedPayload("Content-Length is negative")
         if length > limit:
+            # Read (and drop) a moderately oversized body so the client, still sending,
+            # gets the 413 rather than a reset connection; beyond that, hang up.
+            if length <= limit + _DISCARD_MAX:
+                self._discard(length)
+            else:
+                self.close_connection = True
             raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit} byte limit")
         body = self.rfile.read(length)
         if len(body) != length:
@@ -189,9 +195,17 @@ class _Handler(BaseHTTPRequestHandler):
                 return b"".join(parts)
             total += size
             if total > limit:
+                self.close_connection = True  # the rest of the stream is not read
                 raise PayloadTooLarge(f"chunked body exceeds the {limit} byte limit")
             parts.append(self.rfile.read(size))
             self.rfile.readline(8)
+
+    def _discard(self, length: int) -> None:
+        while length > 0:
+            chunk = self.rfile.read(min(length, 1 << 20))
+            if not chunk:
+                break
+            length -= len(chunk)
 
     def _discard_body(self) -> None:
         length = self.headers.get("Content-Length")
