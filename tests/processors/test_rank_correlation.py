@@ -368,7 +368,7 @@ def test_hang_reports_name_the_rank_that_did_not_join():
     """Ranks stuck inside all_reduce (pg 0, seq 17) arrived; the one stuck elsewhere
     is the member the collective.ranks span reports missing."""
     clock = FakeClock()
-    proc = RankCorrelation(grace_period="2s", clock=clock)
+    proc = RankCorrelation(grace_period="2s", hang_grace_period="3s", clock=clock)
     for rank in range(4):  # a healthy step teaches the correlator who is in PG "0"
         proc.process_traces(request(rank, [step_span(0, 5.0, pgs={"0": (5.0, 3)})]))
 
@@ -385,7 +385,9 @@ def test_hang_reports_name_the_rank_that_did_not_join():
             sc.HANG_PG: "0", sc.HANG_SEQ: 17})]))
     proc.process_traces(request(2, [hang(2, **{sc.HANG_OPERATION: "train.step"})]))
     assert proc.snapshot()[JOB]["hanging"][2] == "train.step"
-    clock.now += 3 * 10**9
+    clock.now += 2500 * MS
+    assert proc.tick(clock.now) == []  # hang reports get the longer grace
+    clock.now += 1000 * MS
     ((attrs, span),) = [(a, s) for a, s in emitted(proc.tick(clock.now))
                         if s.name == sc.SPAN_COLLECTIVE_RANKS]
     assert attrs[sc.RANKS_MISSING] == [2]

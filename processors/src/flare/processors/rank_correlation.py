@@ -17,7 +17,8 @@ possibly late or duplicated. Output, added to the pipeline as spans of their own
 
 A window closes, and its span is emitted, as soon as every expected rank reported
 (expected = `flare.world_size` of the resource, or the collective's group size), else
-`grace_period` after its first span arrived. A window closed early by the byte budget
+`grace_period` after its first span arrived (`hang_grace_period` for a collective seen
+only through hang reports). A window closed early by the byte budget
 says so in `flare.ranks.closed_by`. After closing, the window's ranks are remembered
 (a bitmap) for `window` so that later copies count as late or duplicate rather than
 opening a new window. Jobs silent for `window` are forgotten.
@@ -133,6 +134,7 @@ class RankCorrelation(Processor):
     def __init__(
         self,
         grace_period: object = "5s",
+        hang_grace_period: object = "10s",
         window: object = "120s",
         max_state_mib: float = 256,
         max_pg_detail: int = 16,
@@ -140,9 +142,14 @@ class RankCorrelation(Processor):
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.grace_ns = int(options.duration_s(grace_period, "rank_correlation.grace_period") * 1e9)
+        # Hang reports trickle in over the watchdogs' poll and export intervals, and
+        # nothing is lost by waiting: the job is stuck.
+        self.hang_grace_ns = int(
+            options.duration_s(hang_grace_period, "rank_correlation.hang_grace_period") * 1e9
+        )
         self.window_ns = int(options.duration_s(window, "rank_correlation.window") * 1e9)
-        if self.window_ns < self.grace_ns:
-            raise ValueError("rank_correlation.window must be at least grace_period")
+        if self.window_ns < max(self.grace_ns, self.hang_grace_ns):
+            raise ValueError("rank_correlation.window must be at least grace_period and hang_grace_period")
         self.max_state_bytes = options.mib_bytes(max_state_mib, "rank_correlation.max_state_mib")
         if self.max_state_bytes <= 0:
             raise ValueError("rank_correlation.max_state_mib must be positive")
@@ -189,7 +196,8 @@ class RankCorrelation(Processor):
                     if now_ns - win.first_arrival_ns >= self.grace_ns:
                         closing.append((job, job.steps.pop(step), "grace"))
                 for key, win in list(job.collectives.items()):
-                    if now_ns - win.first_arrival_ns >= self.grace_ns:
+                    grace = self.hang_grace_ns if win.source == "hang" else self.grace_ns
+                    if now_ns - win.first_arrival_ns >= grace:
                         closing.append((job, job.collectives.pop(key), "grace"))
                 self._forget_closed(job, now_ns)
                 if now_ns - job.last_arrival_ns >= self.window_ns and not job.steps and not job.collectives:
