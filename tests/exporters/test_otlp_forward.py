@@ -273,3 +273,7 @@ def test_options_are_checked():
         OtlpExporter(endpoint="localhost:4317", sending_queue={"queue_sise": 3})
     with pytest.raises(ValueError, match="timeout"):
         OtlpExporter(endpoint="localhost:4317", timeout="forever")
+    with pytest.raises(ValueError, match="multiplier"):
+        OtlpExporter(endpoint="localhost:4317", retry_on_failure={"multiplier": 0.5})
+    with pytest.raises(ValueError, match="http"):
+        OtlpExporter(endpoint="ftp://host:21/x", protocol="http/protobuf")

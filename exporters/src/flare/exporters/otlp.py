@@ -241,8 +241,11 @@ class OtlpExporter:
         self.initial_interval_s = options.duration_s(retry.pop("initial_interval", "1s"), "otlp.retry_on_failure.initial_interval")
         self.max_interval_s = options.duration_s(retry.pop("max_interval", "30s"), "otlp.retry_on_failure.max_interval")
         self.max_elapsed_s = options.duration_s(retry.pop("max_elapsed_time", "300s"), "otlp.retry_on_failure.max_elapsed_time")
-        retry.pop("multiplier", None)
-        retry.pop("randomization_factor", None)
+        self.multiplier = float(retry.pop("multiplier", 1.5))
+        self.randomization = float(retry.pop("randomization_factor", 0.5))
+        if self.multiplier < 1 or not 0 <= self.randomization <= 1:
+            raise ValueError("otlp.retry_on_failure: multiplier must be >= 1 and "
+                             "randomization_factor between 0 and 1")
         if retry:
             raise ValueError(f"otlp.retry_on_failure: unknown option {next(iter(retry))!r}")
         self.shutdown_timeout_s = options.duration_s(shutdown_timeout, "otlp.shutdown_timeout")
@@ -363,9 +366,10 @@ class OtlpExporter:
                 elapsed = time.monotonic() - started
                 delay = exc.retry_after_s
                 if delay is None:
-                    # Full jitter keeps many collectors from retrying in lock step.
-                    delay = backoff * (0.5 + random.random() / 2)
-                    backoff = min(backoff * 2, self.max_interval_s)
+                    # Jitter keeps many collectors from retrying in lock step (otelcol's
+                    # defaults: x1.5 per attempt, +-50%).
+                    delay = backoff * (1 + self.randomization * (2 * random.random() - 1))
+                    backoff = min(backoff * self.multiplier, self.max_interval_s)
                 if not exc.retryable or not self.retry_enabled or elapsed + delay > self.max_elapsed_s:
                     with self._cond:
                         self._counters["failed_requests"] += 1
