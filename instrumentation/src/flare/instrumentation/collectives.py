@@ -1,7 +1,7 @@
 """Collectives: every `torch.distributed` call a rank makes, with its process group,
 per-group sequence number, size and call site; plus, on detail steps, the collectives
-issued from C++ that only the flight recorder sees (joined on (group, sequence) so
-nothing is counted twice).
+issued from C++ that only the flight recorder sees (an entry created during a wrapped
+Python call of the same group is that call, so nothing is counted twice).
 
 Always on (per step, on `train.step`): per process group the number of collectives
 (from the group's sequence counter, so C++-issued ones count too), the bytes and the
@@ -130,7 +130,11 @@ class CollectiveRecord:
 class _StepCollectives:
     seq_at_start: dict[str, int] = field(default_factory=dict)
     seq_at_end: dict[str, int] = field(default_factory=dict)
-    python_keys: set = field(default_factory=set)  # (pg name, seq) seen from Python
+    # (pg name, call start, call end) of Python-issued collectives: a flight-recorder
+    # entry created inside one of these windows is that call (sequence numbers cannot
+    # join them: with point-to-point traffic the group counter and the recorder's
+    # collective counter differ)
+    python_windows: list = field(default_factory=list)
     backward_windows: list = field(default_factory=list)  # (start, graph done, end)
 
 
@@ -273,8 +277,8 @@ class CollectiveTracker:
         totals = self.runtime.totals.pg_totals(record.pg_name)
         totals.python_count += 1
         totals.bytes += record.nbytes
-        if record.seq is not None and self.runtime.step_detail:
-            self._step.python_keys.add((record.pg_name, record.seq))
+        if self.runtime.step_detail:
+            self._step.python_windows.append((record.pg_name, record.start_ns, record.end_ns))
         works = result if isinstance(result, list) else [result] if result is not None else []
         if record.is_async and works and len(self._pending) < MAX_PENDING_WORKS:
             record.pending_works = len(works)
@@ -435,7 +439,8 @@ class CollectiveTracker:
             if created < step_start_ns or entry.get("is_p2p"):
                 continue
             pg_name, seq = entry_pg_name(entry), entry.get("collective_seq_id")
-            if (pg_name, seq) in self._step.python_keys:
+            if any(pg == pg_name and start <= created <= end
+                   for pg, start, end in self._step.python_windows):
                 continue  # already a span from the Python wrapper
             self._emit_recorded(entry, pg_name, seq, created, infos.get(pg_name), windows)
 

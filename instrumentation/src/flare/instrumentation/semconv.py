@@ -251,3 +251,4 @@ STEP_PG_DEVICE_MS = "flare.step.pg.device_ms"  # CUDA: device time per group (pa
 HANG_THREAD = "flare.hang.thread"
 HEARTBEAT_STEP_OPEN_S = "flare.heartbeat.step_open_s"
 ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+ENV_RANK_PID = "FLARE_RANK_PID"  # set by an instrumented rank; its child processes stay quiet

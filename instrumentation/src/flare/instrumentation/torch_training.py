@@ -1,8 +1,9 @@
 """`TorchTrainingInstrumentor`: the `torch_training` entry point of
 `opentelemetry_instrumentor`, loaded by `opentelemetry-instrument` in every process.
 
-It does nothing outside a training rank (no RANK: the torchrun agent, DataLoader worker
-processes, tools) or without torch. In a rank it wires the hooks to one Runtime; every
+It does nothing outside a training rank (no RANK: the torchrun agent, tools), in a
+helper process a rank started (DataLoader workers, which inherit RANK: the rank marks
+itself in FLARE_RANK_PID), or without torch. In a rank it wires the hooks to one Runtime; every
 patch has its unpatch in `_uninstrument`.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing
 import os
 import signal
 import threading
@@ -42,6 +42,13 @@ def _disable_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_disable_in_forked_child)
 
 
+def _is_helper_of_a_rank() -> bool:
+    """A process started by an instrumented rank (a spawned DataLoader worker) inherits
+    its environment, RANK included; the rank's pid marker tells it apart."""
+    marker = os.environ.get(semconv.ENV_RANK_PID)
+    return bool(marker) and marker != str(os.getpid())
+
+
 class _FirstStepListener:
     """Resolves what needs the user's modules loaded, once, at the first step."""
 
@@ -65,7 +72,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs) -> None:
         self._parts: list = []
         self._runtime = None
-        if not in_training_rank() or multiprocessing.parent_process() is not None:
+        if not in_training_rank() or _is_helper_of_a_rank():
             return
         try:
             import torch
@@ -106,6 +113,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         self._install_detail_signal(runtime)
         self._install_gpu_layer(runtime)
         flare_instrumentation._active_runtime = runtime
+        os.environ[semconv.ENV_RANK_PID] = str(os.getpid())
         atexit.register(self._at_exit)
 
     def _collective_tracker(self, runtime: Runtime):
@@ -200,4 +208,6 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             signal.signal(signal.SIGUSR2, signal.SIG_DFL)
         runtime.enabled = False
         flare_instrumentation._active_runtime = None
+        if os.environ.get(semconv.ENV_RANK_PID) == str(os.getpid()):
+            del os.environ[semconv.ENV_RANK_PID]
         self._runtime = None
