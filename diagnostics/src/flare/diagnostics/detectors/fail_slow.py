@@ -16,7 +16,7 @@ import numpy as np
 from flare.diagnostics import frame as frames
 from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import change_point, nanmedian
+from flare.diagnostics.stats import ChangePoint, change_point, mad, nanmedian
 
 _ONSET_TOLERANCE = 3  # a rank's own change point may sit this many columns off the job's
 
@@ -35,10 +35,12 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         return []
     job_time = nanmedian(frame.duration[:, warm].astype(np.float64), axis=0)
     point = change_point(job_time, persist)
-    if (point is None or point.shift < config.fail_slow_min_shift
-            or point.score < config.fail_slow_min_score
-            or point.consistency < config.change_min_consistency):
-        return []
+    if not significant(point, config):
+        # The job's step time can be too noisy to split cleanly while one rank's own
+        # time shows the change plainly; then that rank's onset dates the slowdown.
+        point = _from_ranks(frame, config, warm, job_time, persist)
+        if point is None:
+            return []
     onset = int(warm[point.index])
     before, after = warm[warm < onset], warm[warm >= onset]
     ranks = _ranks_that_changed(frame, config, warm, point.index, persist)
@@ -52,6 +54,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         past_work += past["wait"]
     why = attribute(now, past, config.cause_min_share, now_work, past_work,
                     means(frame, rows, after), means(frame, rows, before))
+    onset = _cause_onset(frame, why.cause, rows, warm, persist, onset)
     first = frame.step_of(onset)
     last = frame.last_step_of(int(warm[-1]))
     who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
@@ -78,16 +81,65 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     )]
 
 
+_CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute"}
+
+
+def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.ndarray,
+                 persist: int, onset: int) -> int:
+    """Date the slowdown by the named cause's own component when it jumps nearby: it is
+    sharper than the step time, which noise can move a few steps early."""
+    component = _CAUSE_COMPONENT.get(cause)
+    if component is None:
+        return onset
+    series = nanmedian(frame.parts[component][rows][:, warm].astype(np.float64), axis=0)
+    point = change_point(series, persist)
+    if point is None or point.after - point.before < 0.5 * point.after:
+        return onset
+    candidate = int(warm[point.index])
+    return candidate if abs(candidate - onset) <= _ONSET_TOLERANCE else onset
+
+
+def significant(point: ChangePoint | None, config: DiagnosisConfig) -> bool:
+    """A slowdown that is large, above the noise and consistent — or, when the earlier
+    regime is noisy (a loaded host), half as far above the noise but almost perfectly
+    consistent (measured: injected faults 0.93–0.98, load bursts ≤ 0.70)."""
+    if point is None or point.shift < config.fail_slow_min_shift:
+        return False
+    if point.score >= config.fail_slow_min_score and point.consistency >= config.change_min_consistency:
+        return True
+    return point.score >= config.fail_slow_min_score / 2 and point.consistency >= 0.9
+
+
+def _from_ranks(frame: frames.StepFrame, config: DiagnosisConfig, warm: np.ndarray,
+                job_time: np.ndarray, persist: int) -> ChangePoint | None:
+    work = frame.work[:, warm].astype(np.float64)
+    onsets = []
+    for row in range(len(frame.ranks)):
+        own = change_point(work[row], persist)
+        if significant(own, config):
+            onsets.append(own.index)
+    if not onsets or len(onsets) > len(frame.ranks) / 2:
+        return None
+    index = int(np.median(onsets))
+    before, after = job_time[:index], job_time[index:]
+    if before.size < persist or after.size < persist:
+        return None
+    level_before, level_after = float(np.nanmedian(before)), float(np.nanmedian(after))
+    if level_before <= 0 or level_after / level_before - 1 < config.fail_slow_min_shift:
+        return None
+    noise = max(mad(before), 0.02 * level_before, 1e-9)
+    return ChangePoint(index=index, before=level_before, after=level_after,
+                       shift=level_after / level_before - 1, score=(level_after - level_before) / noise,
+                       consistency=float(np.mean(after > (level_before + level_after) / 2)))
+
+
 def _ranks_that_changed(frame: frames.StepFrame, config: DiagnosisConfig, warm: np.ndarray,
                         job_index: int, persist: int) -> list[int]:
     changed = []
     work = frame.work[:, warm].astype(np.float64)
     for row in range(len(frame.ranks)):
         point = change_point(work[row], persist)
-        if (point is not None and point.shift >= config.fail_slow_min_shift
-                and point.score >= config.fail_slow_min_score
-                and point.consistency >= config.change_min_consistency
-                and abs(point.index - job_index) <= _ONSET_TOLERANCE):
+        if significant(point, config) and abs(point.index - job_index) <= _ONSET_TOLERANCE:
             changed.append(int(frame.ranks[row]))
     # A slowdown every rank shares is the job's, not a few ranks'.
     return [] if len(changed) > len(frame.ranks) / 2 else changed
