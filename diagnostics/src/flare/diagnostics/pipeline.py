@@ -126,11 +126,33 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             # look slow too. With a straggler at the same time, it is the explanation.
             owner = next((s for s in stragglers if s.cause != "communication"
                           and _overlap(s, anomaly)), None)
+        if anomaly.kind == "fail_slow" and not anomaly.ranks:
+            _blame_straggler(anomaly, stragglers)
         if owner is None:
             kept.append(anomaly)
         else:
             owner.evidence.setdefault("also", []).append(anomaly.summary)
     return kept
+
+
+def _blame_straggler(fail_slow: Anomaly, stragglers: list[Anomaly]) -> None:
+    """A job-wide slowdown that starts with a straggler is that straggler's doing (the
+    others' extra wait is what slowed the job), not the fabric's."""
+    onset = fail_slow.first_step or 0
+    near = [s for s in stragglers if abs((s.first_step or 0) - onset) <= 5]
+    if near:
+        culprit = max(near, key=lambda s: s.impact)
+        fail_slow.ranks = list(culprit.ranks)
+        fail_slow.cause = culprit.cause
+        # The job's step time crosses its midpoint a little after the culprit slowed.
+        fail_slow.first_step = min(onset, culprit.first_step or onset)
+        fail_slow.evidence["onset_step"] = fail_slow.first_step
+        ev = fail_slow.evidence
+        fail_slow.summary = (
+            f"the job slowed down by {ev.get('shift', 0):.0%} from step {fail_slow.first_step} "
+            f"({ev.get('step_ms_before', 0):.1f} → {ev.get('step_ms_after', 0):.1f} ms/step): rank "
+            f"{', '.join(map(str, culprit.ranks))}, the straggler from step {culprit.first_step}, "
+            f"makes the others wait (cause {culprit.cause})")
 
 
 def _overlap(a: Anomaly, b: Anomaly) -> bool:

@@ -88,3 +88,24 @@ def runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
         prev = i
     out.append((start, prev))
     return out
+
+
+def first_rise(series: np.ndarray, min_segment: int, min_jump: float,
+               prefix_segment: int = 3) -> int | None:
+    """The earliest index where `series` steps up by at least `min_jump`.
+
+    The single best split finds the *largest* step; a fault that worsens in stages
+    (a GC pause that grows with the heap) starts at an earlier, smaller step, so the
+    part before the split is searched again until no rise that large is left in it
+    (with shorter segments: the later regime is already established).
+    """
+    values = np.asarray(series, dtype=np.float64)
+    point = change_point(values, min_segment)
+    if point is None or point.after - point.before < min_jump:
+        return None
+    index = point.index
+    while True:
+        earlier = change_point(values[:index], prefix_segment)
+        if earlier is None or earlier.after - earlier.before < min_jump:
+            return index
+        index = earlier.index

@@ -16,7 +16,7 @@ import numpy as np
 from flare.diagnostics import frame as frames
 from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import ChangePoint, change_point, mad, nanmedian
+from flare.diagnostics.stats import ChangePoint, change_point, first_rise, mad, nanmedian
 
 _ONSET_TOLERANCE = 3  # a rank's own change point may sit this many columns off the job's
 
@@ -92,11 +92,15 @@ def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.
     if component is None:
         return onset
     series = nanmedian(frame.parts[component][rows][:, warm].astype(np.float64), axis=0)
-    point = change_point(series, persist)
-    if point is None or point.after - point.before < 0.5 * point.after:
+    after = series[warm >= onset]
+    level = float(np.nanmedian(after)) if np.isfinite(after).any() else 0.0
+    if not level > 0:
         return onset
-    candidate = int(warm[point.index])
-    return candidate if abs(candidate - onset) <= _ONSET_TOLERANCE else onset
+    rise = first_rise(series, persist, 0.25 * level)
+    if rise is None:
+        return onset
+    candidate = int(warm[rise])
+    return candidate if candidate - onset <= _ONSET_TOLERANCE else onset
 
 
 def significant(point: ChangePoint | None, config: DiagnosisConfig) -> bool:

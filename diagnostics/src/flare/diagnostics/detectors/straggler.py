@@ -18,7 +18,7 @@ import numpy as np
 from flare.diagnostics import frame as frames
 from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import change_point, mad, nanmedian, runs
+from flare.diagnostics.stats import first_rise, mad, nanmedian, runs
 
 _MIN_DENSITY = 0.7  # culprit in at least this share of the run's steps
 # The part of a step whose jump dates a cause's onset (CPU starvation shows in compute).
@@ -102,14 +102,14 @@ def _onset(deviation: np.ndarray, first_warm: int, first: int, last: int, persis
     the step median, from warm-up to the end of the run. Being the last to arrive can
     start early by chance (one slow step bridging into the run); the level shift of the
     rank's own time cannot. Falls back to the run's start."""
-    point = change_point(deviation[first_warm:last + 1], persist)
-    if point is None:
-        return first
-    start = first_warm + point.index
     level = float(np.nanmedian(deviation[first:last + 1]))
-    if point.after - point.before >= 0.5 * level > 0 and first - 3 <= start <= last:
-        return start
-    return first
+    if not level > 0:
+        return first
+    rise = first_rise(deviation[first_warm:last + 1], persist, 0.25 * level)
+    if rise is None:
+        return first
+    start = first_warm + rise
+    return start if first - 3 <= start <= last else first
 
 
 def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.ndarray,
