@@ -47,9 +47,6 @@ def rank_env(monkeypatch):
     monkeypatch.setenv("FLARE_JOB_ID", JOB)
     monkeypatch.setenv("FLARE_HEARTBEAT_S", "0")
     monkeypatch.setenv("FLARE_DETAIL_EVERY", "2")
-    # These tests cover this layer alone; the GPU layer's own tests cover its modules
-    # (test_gpu_layer_hooks checks the contract between the two).
-    monkeypatch.setattr(torch_training, "GPU_LAYER_MODULES", ())
     identity.current_identity.cache_clear()
     yield monkeypatch
     identity.current_identity.cache_clear()

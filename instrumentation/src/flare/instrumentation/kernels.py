@@ -115,6 +115,15 @@ class KernelWindows:
                 pass
             self._profiler = None
         self.flush()
+        # Stop the worker: a thread left holding profiler results after uninstall has
+        # crashed a later gc.collect() in the same process.
+        worker, self._worker = self._worker, None
+        if worker is not None and worker.is_alive():
+            try:
+                self._queue.put(_STOP, timeout=1.0)
+            except queue.Full:
+                return
+            worker.join(timeout=5.0)
 
     # ------------------------------------------------------------ internals
     def _new_profiler(self) -> Any:
@@ -138,6 +147,8 @@ class KernelWindows:
     def _drain(self) -> None:
         while True:
             item = self._queue.get()
+            if item is _STOP:
+                return
             if isinstance(item, threading.Event):
                 item.set()
                 continue
@@ -151,6 +162,7 @@ class KernelWindows:
             except Exception as error:
                 _log.warning("flare: kernel window of step %s lost: %r", step, error)
             self.conversion_cpu_s += time.thread_time() - started
+            del item, profiler, parent  # release the profiler's results before waiting again
 
     def _emit(self, rows: list[tuple[int, int, dict]], parent: Any, step: int) -> None:
         tracer = self._runtime.tracer
@@ -162,6 +174,9 @@ class KernelWindows:
                                      attributes=attributes)
             span.end(end_time=end_ns)
         self.spans_emitted += min(len(rows), MAX_SPANS_PER_WINDOW)
+
+
+_STOP = object()
 
 
 def window_rows(events: list[Any], cuda: bool) -> list[tuple[int, int, dict]]:
