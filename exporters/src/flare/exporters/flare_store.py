@@ -45,6 +45,9 @@ class FlareStoreExporter:
         self._flush_lock = threading.Lock()  # one flush at a time keeps row order
         self._spans = SpanColumns()
         self._metrics = MetricColumns()
+        # (device, inode) of the file whose schema an earlier flush checked: later
+        # flushes to that same file skip the checks and DDL.
+        self._checked_file: tuple[int, int] | None = None
         # Tables of a failed flush, written first by the next one.
         self._unwritten_spans: list[pa.Table] = []
         self._unwritten_metrics: list[pa.Table] = []
@@ -114,7 +117,9 @@ class FlareStoreExporter:
     ) -> tuple[int, int]:
         written_spans = written_points = 0
         try:
-            with store.writer(self.path, timeout_s=self.timeout_s) as con:
+            checked = self._checked_file is not None and self._checked_file == _file_id(self.path)
+            self._checked_file = None  # a failed flush checks again next time
+            with store.writer(self.path, timeout_s=self.timeout_s, ensure_schema=not checked) as con:
                 con.execute(f"SET threads = {self.threads}")
                 con.begin()
                 try:
@@ -131,6 +136,7 @@ class FlareStoreExporter:
                 except BaseException:
                     con.rollback()
                     raise
+            self._checked_file = _file_id(self.path)
         except store.StoreError:
             raise
         except Exception as exc:  # duckdb errors (disk full, I/O) become one sentence
@@ -156,3 +162,11 @@ class FlareStoreExporter:
 
     def shutdown(self) -> None:
         self.flush()
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

@@ -64,17 +64,27 @@ METRIC_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
 SPAN_SCHEMA = pa.schema([(n, t) for n, _, t in SPAN_COLUMNS])
 METRIC_SCHEMA = pa.schema([(n, t) for n, _, t in METRIC_COLUMNS])
 
+# The JSON text columns are most of a store's bytes. DuckDB's default for text (FSST
+# with a dictionary) keeps them at about twice the size zstd does on Flare's span mix
+# (docs/store-schema.md, "Size"); the compression is a storage detail, so readers see
+# the same columns and values, and stores created before it keep their old layout.
+ZSTD_COLUMNS = frozenset({"attributes", "resource", "events", "links"})
+
+
+def _column_ddl(columns: tuple[tuple[str, str, pa.DataType], ...]) -> str:
+    return ", ".join(
+        f"{n} {t}" + (" USING COMPRESSION zstd" if n in ZSTD_COLUMNS else "")
+        for n, t, _ in columns
+    )
+
+
 # Zone maps (automatic min/max per row group) already prune by start_ns because spans
 # arrive roughly in time order; the explicit index serves the lookups diagnosis makes
 # by job and span name.
 _DDL = [
     "CREATE TABLE IF NOT EXISTS flare_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
-    "CREATE TABLE IF NOT EXISTS spans ("
-    + ", ".join(f"{n} {t}" for n, t, _ in SPAN_COLUMNS)
-    + ")",
-    "CREATE TABLE IF NOT EXISTS metrics ("
-    + ", ".join(f"{n} {t}" for n, t, _ in METRIC_COLUMNS)
-    + ")",
+    f"CREATE TABLE IF NOT EXISTS spans ({_column_ddl(SPAN_COLUMNS)})",
+    f"CREATE TABLE IF NOT EXISTS metrics ({_column_ddl(METRIC_COLUMNS)})",
     "CREATE INDEX IF NOT EXISTS spans_job_name ON spans (job, name)",
 ]
 
@@ -114,11 +124,19 @@ def _check_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
         )
 
 
-def create_or_open(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
-    """Open `path` for writing, creating the file and schema when absent."""
+def create_or_open(
+    path: str | os.PathLike[str], ensure_schema: bool = True
+) -> duckdb.DuckDBPyConnection:
+    """Open `path` for writing, creating the file and schema when absent.
+
+    `ensure_schema=False` skips the checks and DDL (about 5 ms of a ~40 ms open): for a
+    writer that already checked this very file in an earlier open.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     con = _connect(path, read_only=False)
+    if not ensure_schema:
+        return con
     try:
         tables = {
             r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()
@@ -167,13 +185,15 @@ def open_reader(
 
 
 @contextlib.contextmanager
-def writer(path: str | os.PathLike[str], timeout_s: float = 10.0) -> Iterator[duckdb.DuckDBPyConnection]:
+def writer(
+    path: str | os.PathLike[str], timeout_s: float = 10.0, ensure_schema: bool = True
+) -> Iterator[duckdb.DuckDBPyConnection]:
     """Hold the store for writing for the duration of one flush."""
     deadline = time.monotonic() + timeout_s
     delay = 0.01
     while True:
         try:
-            con = create_or_open(path)
+            con = create_or_open(path, ensure_schema=ensure_schema)
             break
         except StoreLocked:
             if time.monotonic() >= deadline:
