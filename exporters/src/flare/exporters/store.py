@@ -61,6 +61,10 @@ METRIC_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
     ("attributes", "VARCHAR", pa.string()),  # JSON object of point + resource attrs
 )
 
+# DuckDB's row group: an insert at least this big is written straight into the file;
+# a smaller one goes through DuckDB's own log first and is written twice.
+ROW_GROUP_ROWS = 122_880
+
 SPAN_SCHEMA = pa.schema([(n, t) for n, _, t in SPAN_COLUMNS])
 METRIC_SCHEMA = pa.schema([(n, t) for n, _, t in METRIC_COLUMNS])
 

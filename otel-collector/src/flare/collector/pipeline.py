@@ -125,7 +125,9 @@ class Pipeline:
             if stage.buffers and traces:
                 stage.hold(lsns, _span_count(request))
             spans_before = _span_count(request) if payload is not None and traces else 0
-            if traces:
+            if traces and payload is not None and hasattr(stage.processor, "process_traces_encoded"):
+                out = stage.processor.process_traces_encoded(request, payload)
+            elif traces:
                 out = stage.processor.process_traces(request)
             else:
                 out = stage.processor.process_metrics(request)

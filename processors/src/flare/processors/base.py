@@ -18,6 +18,14 @@ class Processor:
     def process_traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceRequest | None:
         return request
 
+    def process_traces_encoded(
+        self, request: ExportTraceServiceRequest, payload: bytes
+    ) -> ExportTraceServiceRequest | None:
+        """`process_traces` for a caller that also holds the request's serialized bytes
+        (`payload` encodes exactly `request`): a processor that reads the wire format
+        overrides this to skip re-serialising."""
+        return self.process_traces(request)
+
     def process_metrics(
         self, request: ExportMetricsServiceRequest
     ) -> ExportMetricsServiceRequest | None:

@@ -172,10 +172,22 @@ class RankCorrelation(Processor):
 
     # ------------------------------------------------------------ pipeline interface
     def process_traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
+        return self._process(request, None)
+
+    def process_traces_encoded(
+        self, request: ExportTraceServiceRequest, payload: bytes
+    ) -> ExportTraceServiceRequest:
+        return self._process(request, payload)
+
+    def _process(
+        self, request: ExportTraceServiceRequest, payload: bytes | None
+    ) -> ExportTraceServiceRequest:
         now = self._clock()
+        # The bytes the request arrived as save re-serialising it for the C picker.
+        selected = _SELECTION.select(request) if payload is None else _SELECTION.select_encoded(request, payload)
         with self._lock:
             completed: list[tuple[JobState, Window, str]] = []
-            for resource, records in _SELECTION.select(request):
+            for resource, records in selected:
                 self._ingest_resource(resource, records, now, completed)
             if self._state_bytes > self.max_state_bytes:
                 completed.extend(self._over_budget())

@@ -57,6 +57,20 @@ class Selection:
             self.fallbacks += 1
             return self.select_python(request)
 
+    def select_encoded(
+        self, request: ExportTraceServiceRequest, payload: bytes
+    ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
+        """`select` from the bytes `request` arrived as (no re-serialising)."""
+        if _span_select is None:
+            return self.select_python(request)
+        try:
+            return self.select_payload(payload)
+        except ValueError:
+            # The sender's encoding parsed with protobuf but not with the C scanner
+            # (e.g. a field layout it does not expect): the reference reads it.
+            self.fallbacks += 1
+            return self.select_python(request)
+
     def select_payload(self, payload: bytes) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         if _span_select is None:
             return self.select_python(ExportTraceServiceRequest.FromString(payload))
