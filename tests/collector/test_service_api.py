@@ -66,3 +66,19 @@ def test_embedded_collector_lifecycle_restart_and_gauges(tmp_path):
     finally:
         assert again.stop(deadline_s=10)
     assert _steps(store_path, "api-job") == list(range(15))  # appended to the same store
+
+
+def test_metrics_endpoint_serves_the_stores_rank_gauges(tmp_path):
+    """With a store and flare_metrics, the dashboard's per-rank gauges are served
+    without the caller registering anything."""
+    collector = Collector(embedded_config(str(tmp_path / "s.duckdb"), metrics_port=0))
+    collector.start()
+    try:
+        _emit(collector.grpc_endpoint, "gauged", range(5))
+        assert collector.flush()
+        with urllib.request.urlopen(f"http://{collector.metrics_endpoint}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        collector.stop()
+    lines = [line for line in text.splitlines() if line.startswith("flare_rank_step_seconds{")]
+    assert len(lines) == 1 and 'job="gauged"' in lines[0] and 'rank="0"' in lines[0]

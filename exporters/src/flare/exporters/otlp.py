@@ -20,6 +20,7 @@ import email.utils
 import gzip
 import http.client
 import random
+import ssl
 import threading
 import time
 import urllib.parse
@@ -56,14 +57,63 @@ class SendError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class TlsFiles:
+    """otelcol's client `tls:` block: `ca_file` (trust these CAs instead of the system's),
+    `cert_file` + `key_file` (a client certificate, for servers that require one), and
+    `insecure` (gRPC: plaintext even for an https endpoint). Files are read at start so a
+    bad path is a configuration error, not a failure at the first send."""
+
+    def __init__(self, tls: dict[str, Any]) -> None:
+        self.insecure = tls.pop("insecure", None)
+        self.ca_file, self.cert_file, self.key_file = (
+            tls.pop(k, None) or None for k in ("ca_file", "cert_file", "key_file")
+        )
+        if tls:
+            raise ValueError(
+                f"otlp.tls: unknown option {next(iter(tls))!r} "
+                "(known: ca_file, cert_file, key_file, insecure)"
+            )
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("otlp.tls: cert_file and key_file go together")
+        self.ca, self.cert, self.key = (
+            _read_tls_file(f"otlp.tls.{k}", v)
+            for k, v in (("ca_file", self.ca_file), ("cert_file", self.cert_file), ("key_file", self.key_file))
+        )
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.ca_file or self.cert_file)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+
+def _read_tls_file(what: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
 class _GrpcSender:
     def __init__(self, target: str, secure: bool, headers: dict[str, str], timeout_s: float,
-                 compression: str) -> None:
+                 compression: str, tls: TlsFiles | None = None) -> None:
         import grpc  # only collectors that forward over gRPC pay for the import
 
         self._grpc = grpc
         if secure:
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials())
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca if tls else None,
+                private_key=tls.key if tls else None,
+                certificate_chain=tls.cert if tls else None,
+            )
+            self._channel = grpc.secure_channel(target, credentials)
         else:
             self._channel = grpc.insecure_channel(target)
         self._metadata = tuple((k.lower(), v) for k, v in headers.items())
@@ -137,7 +187,7 @@ class _HttpSender:
     """POSTs over one persistent connection (only the sender thread uses it)."""
 
     def __init__(self, endpoint: str, headers: dict[str, str], timeout_s: float,
-                 compression: str) -> None:
+                 compression: str, tls: TlsFiles | None = None) -> None:
         parsed = urllib.parse.urlsplit(endpoint)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"otlp.endpoint {endpoint!r} is not an http(s) URL")
@@ -149,6 +199,12 @@ class _HttpSender:
         else:
             self._paths = dict(_HTTP_PATHS)
         self._https = parsed.scheme == "https"
+        if tls is not None and tls.configured and not self._https:
+            raise ValueError(f"otlp.tls is set but the endpoint {endpoint!r} is not https://")
+        try:
+            self._ssl = tls.ssl_context() if tls is not None and self._https else None
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"otlp.tls: cannot use the certificate files: {exc}") from None
         self._host = parsed.hostname
         self._port = parsed.port or (443 if self._https else 80)
         self._origin = f"{parsed.scheme}://{parsed.netloc}"
@@ -159,8 +215,12 @@ class _HttpSender:
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            self._conn = cls(self._host, self._port, timeout=self._timeout_s)
+            if self._https:
+                self._conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self._timeout_s, context=self._ssl
+                )
+            else:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
         return self._conn
 
     def send(self, item: _Item) -> int:
@@ -250,15 +310,15 @@ class OtlpExporter:
             raise ValueError(f"otlp.retry_on_failure: unknown option {next(iter(retry))!r}")
         self.shutdown_timeout_s = options.duration_s(shutdown_timeout, "otlp.shutdown_timeout")
         headers = {str(k): str(v) for k, v in (headers or {}).items()}
-        tls = dict(tls or {})
+        tls_files = TlsFiles(dict(tls or {}))
         if self.protocol == "grpc":
-            target, secure = _grpc_target(endpoint, tls)
+            target, secure = _grpc_target(endpoint, tls_files)
             self._sender: _GrpcSender | _HttpSender = _GrpcSender(
-                target, secure, headers, timeout_s, compression or "none"
+                target, secure, headers, timeout_s, compression or "none", tls_files
             )
         else:
             url = endpoint if "://" in endpoint else "http://" + endpoint
-            self._sender = _HttpSender(url, headers, timeout_s, compression or "none")
+            self._sender = _HttpSender(url, headers, timeout_s, compression or "none", tls_files)
         self.endpoint = endpoint
         self._queue: collections.deque[_Item] = collections.deque()
         self._queued_bytes = 0
@@ -406,10 +466,8 @@ def _protocol(endpoint: str, protocol: str | None) -> str:
     raise ValueError(f"otlp.protocol must be grpc or http/protobuf, got {protocol!r}")
 
 
-def _grpc_target(endpoint: str, tls: dict[str, Any]) -> tuple[str, bool]:
-    insecure = tls.pop("insecure", None)
-    if tls:
-        raise ValueError(f"otlp.tls: unknown option {next(iter(tls))!r}")
+def _grpc_target(endpoint: str, tls: TlsFiles) -> tuple[str, bool]:
+    insecure = tls.insecure
     if "://" in endpoint:
         parsed = urllib.parse.urlsplit(endpoint)
         if not parsed.hostname:
@@ -418,7 +476,8 @@ def _grpc_target(endpoint: str, tls: dict[str, Any]) -> tuple[str, bool]:
         target = f"{host}:{parsed.port or 4317}"
         secure = parsed.scheme == "https"
     else:
-        target, secure = endpoint, False
+        # host:port is plaintext unless certificate files ask for TLS.
+        target, secure = endpoint, tls.configured
     if insecure is not None:
         secure = not bool(insecure)
     return target, secure

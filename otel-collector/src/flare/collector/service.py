@@ -33,6 +33,7 @@ from flare.collector.grpc_receiver import GrpcReceiver
 from flare.collector.http_receiver import HttpReceiver
 from flare.collector.ingest import Ingest, ItemQueue
 from flare.collector.pipeline import Pipeline, Stage
+from flare.collector.query_api import RankGauges
 from flare.collector.receiver import Acceptor
 from flare.collector.security_hooks import bearer_auth
 from flare.collector.telemetry import Registry, Source
@@ -79,6 +80,29 @@ def _build(kind: str, component_id: str, cls: type, options: dict[str, Any]) -> 
         return cls(**options)
     except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+# Each read of the per-rank gauges queries the store (and holds it against a flush for
+# that long): frequent scrapes, such as benchmarks polling the WAL position, reuse the
+# last answer.
+RANK_GAUGES_EVERY_S = 10.0
+
+
+class _Throttled:
+    """A gauge source read at most once per `every_s`; the last answer in between."""
+
+    def __init__(self, source: RankGauges, every_s: float) -> None:
+        self.source = source
+        self.every_s = every_s
+        self._next = 0.0
+        self._last: list[tuple[str, dict[str, str], float]] = []
+
+    def __call__(self) -> list[tuple[str, dict[str, str], float]]:
+        now = time.monotonic()
+        if now >= self._next:
+            self._last = self.source()
+            self._next = now + self.every_s
+        return self._last
 
 
 class Collector:
@@ -139,6 +163,7 @@ class Collector:
         self._stopped = False
         self._stop_lock = threading.Lock()
         self.registry.register_gauge_source(self._gauges)
+        self._rank_gauges: _Throttled | None = None  # the store's per-rank gauges, when served
 
     @classmethod
     def from_config_file(cls, path: str | os.PathLike[str]) -> Collector:
@@ -178,6 +203,12 @@ class Collector:
 
     def register_gauge_source(self, source: Source) -> None:
         """Add a callable read at each scrape: `{name: value}` or `[(name, labels, value)]`."""
+        auto = self._rank_gauges
+        if isinstance(source, RankGauges) and auto is not None and source.store_path == auto.source.store_path:
+            # The caller's own gauges of the same store replace the built-in ones:
+            # Prometheus refuses a scrape that repeats a series.
+            self.registry.unregister_gauge_source(auto)
+            self._rank_gauges = None
         self.registry.register_gauge_source(source)
 
     # ------------------------------------------------------------------ lifecycle
@@ -242,6 +273,11 @@ class Collector:
                                 metrics_responder(self.registry), self.counters)
             ext.start()
             self._extensions["flare_metrics"] = ext
+            if self.store_path:
+                # Per-rank step time, wait and culprit share for the Grafana dashboard
+                # (otel-collector/dashboards/flare.json), read from the store per scrape.
+                self._rank_gauges = _Throttled(RankGauges(self.store_path), RANK_GAUGES_EVERY_S)
+                self.registry.register_gauge_source(self._rank_gauges)
         if cfg.query_endpoint is not None:
             store = cfg.query_endpoint.store or self.store_path
             if not store:
