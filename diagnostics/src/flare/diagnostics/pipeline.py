@@ -128,6 +128,8 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                           and _overlap(s, anomaly)), None)
         if anomaly.kind == "fail_slow" and not anomaly.ranks:
             _blame_straggler(anomaly, stragglers)
+        elif anomaly.kind == "fail_slow":
+            _agree_with_straggler(anomaly, stragglers)
         if owner is None:
             kept.append(anomaly)
         else:
@@ -153,6 +155,17 @@ def _blame_straggler(fail_slow: Anomaly, stragglers: list[Anomaly]) -> None:
             f"({ev.get('step_ms_before', 0):.1f} → {ev.get('step_ms_after', 0):.1f} ms/step): rank "
             f"{', '.join(map(str, culprit.ranks))}, the straggler from step {culprit.first_step}, "
             f"makes the others wait (cause {culprit.cause})")
+
+
+def _agree_with_straggler(fail_slow: Anomaly, stragglers: list[Anomaly]) -> None:
+    """One rank's slowdown gets one cause. The straggler's (the rank against its peers in
+    the same steps) holds when the fail-slow's (the rank against its own earlier steps)
+    differs: a change in the host's load between the two periods skews only the latter."""
+    same = next((s for s in stragglers if s.ranks == fail_slow.ranks and s.cause != "unknown"
+                 and _overlap(s, fail_slow)), None)
+    if same is not None and same.cause != fail_slow.cause:
+        fail_slow.evidence["own_history_cause"] = fail_slow.cause
+        fail_slow.cause = same.cause
 
 
 def _overlap(a: Anomaly, b: Anomaly) -> bool:
