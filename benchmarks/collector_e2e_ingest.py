@@ -23,7 +23,7 @@ Printed side by side, in one run:
                     many cores the client and other tenants take)
 
     .venv/bin/python benchmarks/collector_e2e_ingest.py [--spans 200000] [--clients 2]
-        [--pipeline embedded|no-correlation] [--fsync]
+        [--pipeline embedded|no-correlation] [--fsync] [--collectives 0]
 """
 
 from __future__ import annotations
@@ -245,10 +245,12 @@ def main() -> int:
     parser.add_argument("--spans", type=int, default=200_000)
     parser.add_argument("--clients", type=int, default=2, help="concurrent client connections")
     parser.add_argument("--fsync", action="store_true", help="fdatasync the WAL on every request")
+    parser.add_argument("--collectives", type=int, default=4,
+                        help="collective spans per rank-step (0: the always-on mix)")
     parser.add_argument("--pipeline", action="append", choices=sorted(PIPELINES),
                         help="processor chain(s) to measure (default: embedded and no-correlation)")
     args = parser.parse_args()
-    payloads = build_payloads(args.spans)
+    payloads = build_payloads(args.spans, collectives=args.collectives)
     n_spans = sum(len(ss.spans) for p in payloads
                   for rs in ExportTraceServiceRequest.FromString(p).resource_spans for ss in rs.scope_spans)
     size = sum(map(len, payloads))

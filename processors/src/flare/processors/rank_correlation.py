@@ -107,6 +107,36 @@ class JobState:
     ranks: dict[int, RankHealth] = field(default_factory=dict)
     pg_members: dict[str, set[int]] = field(default_factory=dict)
     pg_member_count: int = 0
+    rank_pg_names: dict[int, tuple[str, ...]] = field(default_factory=dict)  # last learned
+
+
+_STR_ONLY, _FLOAT_ONLY, _INT_ONLY = {str}, {float}, {int}
+
+
+def _pg_summary(attrs: dict[str, Any]) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
+    """A step span's per-PG (names, waits, last sequence numbers), equal lengths.
+
+    Runs once per rank per step: arrays of the expected types (what Flare's
+    instrumentation sends, checked with one C-level pass each) are taken as they are,
+    anything else is converted value by value.
+    """
+    raw_names = attrs.get(sc.STEP_PG_NAMES) or ()
+    if not raw_names:
+        return (), (), ()
+    raw_waits = attrs.get(sc.STEP_PG_WAIT_MS) or ()
+    raw_seqs = attrs.get(sc.STEP_PG_LAST_SEQ) or ()
+    n = len(raw_names)
+    names = raw_names if type(raw_names) is tuple and set(map(type, raw_names)) == _STR_ONLY \
+        else tuple(str(v) for v in raw_names)
+    if type(raw_waits) is tuple and len(raw_waits) == n and set(map(type, raw_waits)) == _FLOAT_ONLY:
+        waits = raw_waits
+    else:
+        waits = (tuple(as_float(w) or 0.0 for w in raw_waits) + (0.0,) * n)[:n]
+    if type(raw_seqs) is tuple and len(raw_seqs) == n and set(map(type, raw_seqs)) == _INT_ONLY:
+        seqs = raw_seqs
+    else:
+        seqs = (tuple(-1 if (i := as_int(v)) is None else i for v in raw_seqs) + (-1,) * n)[:n]
+    return names, waits, seqs
 
 
 def _ranks(values: Iterable[object]) -> tuple[int, ...]:
@@ -332,12 +362,9 @@ class RankCorrelation(Processor):
         if closed is not None:
             self._counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
             return
-        names = tuple(str(n) for n in (attrs.get(sc.STEP_PG_NAMES) or ()))
-        waits = tuple(as_float(w) or 0.0 for w in (attrs.get(sc.STEP_PG_WAIT_MS) or ()))
-        seqs = tuple(as_int(s) if as_int(s) is not None else -1 for s in (attrs.get(sc.STEP_PG_LAST_SEQ) or ()))
-        if names:
-            waits = (waits + (0.0,) * len(names))[: len(names)]
-            seqs = (seqs + (-1,) * len(names))[: len(names)]
+        names, waits, seqs = _pg_summary(attrs)
+        if names and job.rank_pg_names.get(rank) != names:
+            job.rank_pg_names[rank] = names  # a rank's groups rarely change: learn them once
             self._learn_members(job, names, rank)
         entry = RankStep(
             span_id=span_id, trace_id=trace_id, start_ns=start_ns, end_ns=end_ns,
