@@ -148,3 +148,17 @@ def test_collective_slow_per_process_group():
     assert found[0].cause == "communication" and found[0].first_step == 12
     assert found[0].evidence["pg"] == "7"
     assert found[0].evidence["gbps_after"] < 0.6 * found[0].evidence["gbps_before"]
+
+
+def test_hang_waits_for_late_dumps_before_blaming_the_silent():
+    t = 1_800_000_000_000_000_000
+    dumps = [_span(sc.SPAN_HANG, r, 20, t + r, {sc.HANG_OPERATION: "collective.all_reduce",
+                                               sc.HANG_PG: "0", sc.HANG_SEQ: 61, sc.HANG_TIMEOUT_S: 5.0})
+             for r in (0, 1, 3)]
+    base = job_spans("j", 4, 20)
+    early = hang.detect(_job(pa.concat_tables([base, _extra(dumps)])), DiagnosisConfig())
+    assert early == []  # rank 2's own dump may still be on its way
+    beats = [_span(sc.SPAN_HEARTBEAT, r, None, t + 6_000_000_000 + r, {sc.HEARTBEAT_INTERVAL_S: 10.0})
+             for r in (0, 1, 3)]
+    later = hang.detect(_job(pa.concat_tables([base, _extra(dumps + beats)])), DiagnosisConfig())
+    assert [(a.ranks, a.evidence["victims"]) for a in later] == [([2], [0, 1, 3])]

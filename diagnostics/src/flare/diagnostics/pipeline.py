@@ -128,6 +128,10 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                           and _overlap(s, anomaly)), None)
         if anomaly.kind == "fail_slow" and not anomaly.ranks:
             _blame_straggler(anomaly, stragglers)
+            if not anomaly.ranks and anomaly.cause == "unknown":
+                # A whole-job slowdown with no rank and no part to blame is what a busier
+                # shared host looks like; Flare cannot see that host, so it says nothing.
+                continue
         elif anomaly.kind == "fail_slow":
             _agree_with_straggler(anomaly, stragglers)
         if owner is None:

@@ -47,6 +47,11 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     rows = [frame.row(r) for r in ranks] if ranks else list(range(len(frame.ranks)))
     now, now_work = medians(frame, rows, after)
     past, past_work = medians(frame, rows, before)
+    if ranks and now_work - past_work < config.cause_min_share * (point.after - point.before):
+        # Those ranks' own growth is a small part of the job's: the job slowed as a whole.
+        ranks, rows = [], list(range(len(frame.ranks)))
+        now, now_work = medians(frame, rows, after)
+        past, past_work = medians(frame, rows, before)
     if not ranks:  # job-wide: everyone's own time is unchanged, look at communication
         now["wait"] = _comm_ms(frame, after)
         past["wait"] = _comm_ms(frame, before)
@@ -54,6 +59,10 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         past_work += past["wait"]
     why = attribute(now, past, config.cause_min_share, now_work, past_work,
                     means(frame, rows, after), means(frame, rows, before))
+    if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
+        # Without byte counts a longer least wait may be a slower fabric or a busier
+        # host (descheduled ranks): not enough to name communication.
+        why.cause = "unknown"
     onset = _cause_onset(frame, why.cause, rows, warm, persist, onset)
     first = frame.step_of(onset)
     last = frame.last_step_of(int(warm[-1]))

@@ -37,6 +37,13 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     size = job.world_size()
     if size:
         world |= set(range(size))
+    missing = world - set(latest)
+    if (not stuck_in_own_code and missing and not _behind_on_sequence(latest)
+            and not _waited_long_enough(job, latest)):
+        # Everyone who spoke is a victim inside a collective and some ranks have not
+        # spoken yet: their own dumps are likely still on the way. Naming them "never
+        # joined" now would often name the wrong rank; wait for their watchdogs.
+        return []
     if stuck_in_own_code:
         culprits, cause = stuck_in_own_code, "software"
     else:
@@ -108,3 +115,13 @@ def _behind_on_sequence(latest: dict[int, dict]) -> list[int]:
             low = min(seqs.values())
             behind |= {r for r, s in seqs.items() if s == low}
     return sorted(behind)
+
+
+def _waited_long_enough(job: JobData, latest: dict[int, dict]) -> bool:
+    """True once the job's own clock (its newest heartbeat or dump) has run a full hang
+    timeout past the first dump: any rank with a live watchdog would have dumped by then."""
+    first_dump = min(d["start_ns"] for d in latest.values())
+    timeout_s = max((d.get(sc.HANG_TIMEOUT_S) or 0.0) for d in latest.values()) or 10.0
+    activity = job.rank_activity([sc.SPAN_HEARTBEAT, sc.SPAN_HANG])
+    newest = max((t for t in activity["last_end_ns"].to_pylist() if t is not None), default=first_dump)
+    return newest - first_dump >= timeout_s * 1e9
