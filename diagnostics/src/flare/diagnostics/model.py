@@ -132,7 +132,10 @@ class DiagnosisConfig:
     # A rank is a straggler when the others wait for it at least this share of a step.
     straggler_min_impact: float = 0.05
     # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
-    min_persist_steps: int = 10  # 5 labelled 1-s CPU-starvation bursts on a shared host
+    min_persist_steps: int = 5
+    # Added: a straggler must be the culprit of this many steps (5 labelled 1-s CPU-starvation
+    # bursts on a shared host as stragglers).
+    straggler_min_steps: int = 10
     # Relative shift for a change point to count as fail-slow (Greyhound: >= 10%).
     fail_slow_min_shift: float = 0.10
     # Added: a change point must also stand this many noise units (MAD) above the noise.

@@ -49,7 +49,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
     share = np.where(duration > 0, lost / duration, 0.0)
     significant = warm & (share >= config.straggler_min_impact)
-    persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
+    persist = max(2, math.ceil(config.straggler_min_steps / frame.bucket))
     work = frame.work.astype(np.float64)
     deviation = work - nanmedian(work, axis=0)[None, :]
     noise_ms = mad(deviation[:, warm])
