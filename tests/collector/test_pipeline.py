@@ -188,3 +188,37 @@ def test_store_gets_the_correlators_spans_appended_to_a_request(tmp_path, helper
     finally:
         con.close()
     assert names == [sc.SPAN_STEP, sc.SPAN_STEP, sc.SPAN_STEP_RANKS]
+
+
+class _BufferedStore:
+    """A durable exporter whose buffer size the test sets (the policy reads only that)."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+    def buffered(self) -> int:
+        return self.pending
+
+    def flush(self, commit_marker=None) -> None:
+        self.pending = 0
+
+    def read_meta(self, key):
+        return None
+
+
+def test_flush_waits_for_a_row_group_under_load_only():
+    exporter = _BufferedStore()
+    worker = Worker(ItemQueue(1 << 20), [], {"store": exporter}, None, "k", Counters(), 0.5)
+    start = worker._last_flush_started
+    exporter.pending = 2_000  # a light load: flush on the interval as always
+    assert worker._flush_due(start + 0.5)
+    exporter.pending = 40_000  # 80 k spans/s would fill a row group within 2 s: wait
+    assert not worker._flush_due(start + 0.5)
+    exporter.pending = 100_000  # still on course for a row group
+    assert not worker._flush_due(start + 1.5)
+    exporter.pending = 45_000  # the rate fell: no row group by the cap, so flush now
+    assert worker._flush_due(start + 1.5)
+    exporter.pending = store.ROW_GROUP_ROWS  # a whole row group: now
+    assert worker._flush_due(start + 1.0)
+    exporter.pending = 100_000  # never later than 4 intervals
+    assert worker._flush_due(start + 2.0)

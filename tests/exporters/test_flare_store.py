@@ -250,3 +250,49 @@ def test_readers_get_in_between_flushes(tmp_path):
     assert seen and all(n % 2 == 0 for n in seen)  # never half a flush
     assert seen == sorted(seen)
     assert rows(path, "SELECT count(*) AS n FROM spans")[0]["n"] == 22
+
+
+def _compressions(path, column: str) -> set[str]:
+    con = store.open_reader(path)
+    try:
+        return {r[0] for r in con.execute(
+            "SELECT DISTINCT compression FROM pragma_storage_info('spans') WHERE column_name = ?",
+            [column]).fetchall()}
+    finally:
+        con.close()
+
+
+def test_json_columns_are_zstd_and_old_layout_stores_stay_writable(tmp_path):
+    new = tmp_path / "new.duckdb"
+    exporter = FlareStoreExporter(path=new)
+    for _ in range(50):
+        exporter.export_traces(step_request())
+    exporter.flush()
+    assert "ZSTD" in _compressions(new, "attributes")
+    # A store made before (default text compression) is appended to as it is and
+    # reads the same values back.
+    old = tmp_path / "old.duckdb"
+    con = store.create_or_open(old)
+    con.execute("DROP INDEX spans_job_name")
+    con.execute("DROP TABLE spans")
+    con.execute("CREATE TABLE spans (" + ", ".join(f"{n} {t}" for n, t, _ in store.SPAN_COLUMNS) + ")")
+    con.close()
+    exporter = FlareStoreExporter(path=old)
+    for _ in range(50):
+        exporter.export_traces(step_request())
+    exporter.flush()
+    assert "ZSTD" not in _compressions(old, "attributes")
+    sql = "SELECT name, attributes, resource, events, links FROM spans ORDER BY name, span_id LIMIT 4"
+    assert rows(old, sql) == rows(new, sql)
+
+
+def test_a_store_file_replaced_between_flushes_gets_its_schema_again(tmp_path):
+    path = tmp_path / "s.duckdb"
+    exporter = FlareStoreExporter(path=path)
+    exporter.export_traces(step_request())
+    exporter.flush()
+    path.unlink()  # e.g. an operator moved the store away while the collector runs
+    exporter.export_traces(step_request())
+    exporter.flush(commit_marker=("k", "2"))
+    assert rows(path, "SELECT count(*) AS n FROM spans")[0]["n"] == 2
+    assert exporter.read_meta("k") == "2"

@@ -397,3 +397,44 @@ def test_hang_reports_name_the_rank_that_did_not_join():
     # Arrival = detection time minus elapsed: rank 0 (300 s) arrived last.
     assert attrs[sc.RANKS_LAST_ARRIVAL] == 0
     assert span.trace_id == sc.step_trace_id(JOB, 1).to_bytes(16, "big")
+
+
+def test_encoded_path_and_badly_typed_pg_arrays_give_the_same_steps():
+    """`process_traces_encoded` (the bytes the request arrived as, what the collector
+    uses) concludes what `process_traces` does, also when a sender typed the per-PG
+    arrays badly (int waits, string sequence numbers, a short array) and when a rank's
+    groups change between steps."""
+
+    def odd_step(step: int, rank: int) -> Span:
+        # Each rank's DP group alternates between steps.
+        span = step_span(step, 10.0 - rank, pgs={"0": (10.0 - rank, 3), f"dp{(rank + step) % 2}": (1.0, 2)})
+        for kv in span.attributes:
+            if kv.key == sc.STEP_PG_WAIT_MS and rank == 1:  # ints where doubles belong
+                kv.value.array_value.values[0].Clear()
+                kv.value.array_value.values[0].int_value = 9
+            if kv.key == sc.STEP_PG_LAST_SEQ and rank == 2:  # strings, one missing
+                del kv.value.array_value.values[1]
+                kv.value.array_value.values[0].Clear()
+                kv.value.array_value.values[0].string_value = "3"
+        return span
+
+    def run(encoded: bool) -> dict[int, dict]:
+        proc = RankCorrelation(clock=FakeClock())
+        outs = []
+        for step in (1, 2):
+            for rank in range(4):
+                req = request(rank, [odd_step(step, rank)])
+                out = (proc.process_traces_encoded(req, req.SerializeToString()) if encoded
+                       else proc.process_traces(req))
+                outs.append(out)
+        return steps_out(outs)
+
+    plain, encoded = run(False), run(True)
+    assert plain == encoded and set(plain) == {1, 2}
+    assert plain[2][sc.RANKS_PG_COUNT] == 3  # "0", "dp0", "dp1": groups learned as they change
+    pg0 = plain[2][sc.RANKS_PG_NAMES].index("0")
+    # rank 1's int wait (9) is read as 9.0 and rank 2's "3" as sequence 3: nobody is
+    # behind in the world group, and rank 3 (least wait) arrived last, 3 ms after rank 0.
+    assert plain[2][sc.RANKS_PG_MISSING_COUNT][pg0] == 0
+    assert plain[2][sc.RANKS_PG_LAST_ARRIVAL][pg0] == 3
+    assert plain[2][sc.RANKS_PG_ARRIVAL_SKEW_MS][pg0] == pytest.approx(3.0)
