@@ -114,3 +114,42 @@ def test_cli_port_in_use_is_exit_1_without_traceback(tmp_path):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "cannot listen for OTLP/HTTP" in result.stderr.strip().splitlines()[-1]
+
+
+def test_bearer_token_file_guards_the_http_receiver(tmp_path):
+    """`auth.bearer_token_file` (the token is the file's text, trailing newline dropped)."""
+    import urllib.error
+    import urllib.request
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    cfg = config.embedded_config(str(tmp_path / "s.duckdb"))
+    cfg["receivers"]["otlp"]["protocols"]["http"]["auth"] = {"bearer_token_file": str(token_file)}
+    collector = Collector(cfg)
+    collector.start()
+    body = ExportTraceServiceRequest().SerializeToString()
+
+    def post(token: str | None) -> int:
+        headers = {"Content-Type": "application/x-protobuf"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(f"http://{collector.http_endpoint}/v1/traces", data=body,
+                                     headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert post(None) == 401
+        assert post("wrong") == 401
+        assert post("s3cret") == 200
+    finally:
+        collector.stop()
+    missing = config.embedded_config(str(tmp_path / "t.duckdb"))
+    missing["receivers"]["otlp"]["protocols"]["http"]["auth"] = {"bearer_token_file": str(tmp_path / "nope")}
+    with pytest.raises(ConfigError, match=r"cannot read auth\.bearer_token_file"):
+        Collector(missing).start()
