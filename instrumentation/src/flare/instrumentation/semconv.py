@@ -23,6 +23,10 @@ PROCESS_PID = "process.pid"
 GPU_INDEX = "flare.gpu.index"
 GPU_UUID = "flare.gpu.uuid"
 GPU_MODEL = "flare.gpu.model"
+# Added: where a job's spans came from when they are not a live job's telemetry. Absent on
+# live jobs; "kineto" on spans `flare import-kineto` wrote (no heartbeats, not running).
+JOB_SOURCE = "flare.source"
+JOB_SOURCE_KINETO = "kineto"
 
 # ---------------------------------------------------------------- span names
 SPAN_STEP = "train.step"
