@@ -104,6 +104,18 @@ def test_healthy_ddp_job_reports_every_step_from_every_rank():
     assert len({frozenset(s) for s in seqs.values()}) == 1, seqs
     assert len(seqs[0]) >= 3 * (steps_run // 5 - 1)  # DDP rebuilds its buckets after step 0
 
+    # ...and sized on every step, detail or not: the always-on bytes are the model's
+    # gradient bytes, which is also what the flight recorder's buckets add up to
+    gradient_bytes = 4 * sum(n_in * n_out + n_out for n_in, n_out in
+                             ((256, 512), (512, 512), (512, 512), (512, 16)))
+    for numbered in steps.values():
+        for span in numbered.values():
+            assert span["attributes"]["flare.step.pg.bytes"] == [gradient_bytes]
+            assert span["attributes"]["flare.step.collective_bytes"] == gradient_bytes
+    detail_trace = steps[0][10]["trace_id"]
+    assert sum(s["attributes"]["flare.collective.bytes"] for s in buckets
+               if rank_of(s) == 0 and s["trace_id"] == detail_trace) == gradient_bytes
+
     heartbeats = by_name(spans, "flare.heartbeat")
     assert {rank_of(s) for s in heartbeats} == set(range(RANKS))
 

@@ -464,3 +464,41 @@ def test_groups_created_before_instrumentation_are_still_traced(rank_env):
     assert [s.attributes[semconv.STEP_PG_COUNTS][0] for s in steps] == [1, 1]
     spans = finished(exporter, "collective.all_reduce")
     assert spans and spans[0].attributes[semconv.COLL_PG] == "0"
+
+
+def test_ddp_gradient_bytes_are_in_every_step_summary(process_group):
+    """DDP's bucket all-reduces are issued from C++; their bytes still reach the
+    always-on summary of every step (not only detail steps), and a backward under
+    no_sync() (no all-reduce) adds none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    frozen = torch.nn.Linear(16, 64)
+    frozen.requires_grad_(False)  # DDP does not reduce what needs no gradient
+    model = DistributedDataParallel(torch.nn.Sequential(frozen, torch.nn.Linear(64, 32)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        model(torch.randn(2, 16)).sum().backward()
+        optimizer.step()
+    with model.no_sync():
+        model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    steps = finished(process_group, semconv.SPAN_STEP)
+    gradient_bytes = (64 * 32 + 32) * 4
+    for step in steps[:4]:  # detail (even) and off-detail (odd) steps alike
+        assert list(step.attributes[semconv.STEP_PG_BYTES]) == [gradient_bytes]
+        assert step.attributes[semconv.STEP_COLLECTIVE_BYTES] == gradient_bytes
+        assert step.attributes[semconv.STEP_PG_COUNTS][0] >= 1  # the bucket, from C++
+    assert steps[4].attributes[semconv.STEP_COLLECTIVE_BYTES] == 0
+
+
+def test_uninstrument_restores_ddp_construction(rank_env):
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    provider, _ = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    assert DistributedDataParallel.__init__ is not original
+    instrumentor.uninstrument()
+    assert DistributedDataParallel.__init__ is original

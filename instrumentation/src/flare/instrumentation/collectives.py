@@ -5,8 +5,8 @@ Python call of the same group is that call, so nothing is counted twice).
 
 Always on (per step, on `train.step`): per process group the number of collectives
 (from the group's sequence counter, so C++-issued ones count too), the bytes and the
-wait of Python-issued ones, plus DDP's exposed gradient-sync wait measured at the end of
-backward. Detail steps: one `collective.<op>` span per collective.
+wait of Python-issued ones, plus DDP's gradient bytes (ddp_gradients.py) and its exposed
+gradient-sync wait, both measured at the end of backward. Detail steps: one `collective.<op>` span per collective.
 
 Wait time is the wall time the calling thread spent blocked: the blocking call itself,
 or `Work.wait()` for async calls. On CUDA, where calls return at enqueue, each
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from flare.instrumentation import semconv
 from flare.instrumentation.bandwidth import busbw_gbps
 from flare.instrumentation.callsite import caller_site, format_site
+from flare.instrumentation.ddp_gradients import DdpGradients
 from flare.instrumentation.flight_recorder import (
     FlightRecorder,
     entry_bytes,
@@ -144,6 +145,7 @@ class CollectiveTracker:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.groups = ProcessGroups()
+        self.ddp_gradients = DdpGradients(self.groups)
         self.recorder = FlightRecorder()
         self._patches = Patches()
         self._step = _StepCollectives()
@@ -175,6 +177,10 @@ class CollectiveTracker:
                 self._patches.replace(work_class, "wait", self._wrap_wait(work_class.wait))
             except (AttributeError, TypeError):
                 _log.info("flare: Work.wait cannot be wrapped; async waits are not timed")
+        try:
+            self.ddp_gradients.install()
+        except Exception as error:  # DDP buckets stay counted, just not sized every step
+            _log.info("flare: DDP gradient bytes are not summarised per step (%r)", error)
         self.runtime.add_step_listener(self)
         self.runtime.summary_contributors.append(self.add_step_summary)
 
@@ -185,6 +191,7 @@ class CollectiveTracker:
         self.runtime.remove_step_listener(self)
         if self.add_step_summary in self.runtime.summary_contributors:
             self.runtime.summary_contributors.remove(self.add_step_summary)
+        self.ddp_gradients.uninstall()
         self._patches.restore_all()
         self._pending.clear()
 
@@ -372,10 +379,12 @@ class CollectiveTracker:
 
     def record_backward(self, start: int, graph_done: int, end: int,
                         seqs_before: dict[str, int] | None) -> None:
-        """The tail of backward after the gradients were computed is the wait for the
-        gradient collectives the backward issued (DDP buckets); charge it to the group
-        whose sequence advanced most during the backward."""
-        if self.runtime.step_detail:
+        """A backward ended. Every group whose sequence advanced during it ran the
+        gradient collectives of the DDP wrappers on it: add their gradient bytes. The
+        tail of backward after the gradients were computed (`graph_done`, 0 when unknown)
+        is the wait for those collectives; charge it to the group whose sequence
+        advanced most."""
+        if self.runtime.step_detail and graph_done:
             self._step.backward_windows.append((start, graph_done, end))
         if not seqs_before:
             return
@@ -384,8 +393,13 @@ class CollectiveTracker:
                     if after.get(name, seq) > seq}
         if not advanced:
             return
-        busiest = max(advanced, key=advanced.get)
-        self.runtime.totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
+        for name in advanced:
+            nbytes = self.ddp_gradients.bytes_for(name)
+            if nbytes:
+                self.runtime.totals.pg_totals(name).bytes += nbytes
+        if graph_done:
+            busiest = max(advanced, key=advanced.get)
+            self.runtime.totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:

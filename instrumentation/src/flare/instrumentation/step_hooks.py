@@ -115,5 +115,5 @@ class StepHooks:
             if handle is not None:
                 handle.remove()
             runtime.totals.backward_ns += end - start
-            if self.collectives is not None and graph_done[0]:
+            if self.collectives is not None:
                 self.collectives.record_backward(start, graph_done[0], end, seqs_before)

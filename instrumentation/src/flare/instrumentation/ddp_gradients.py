@@ -1,0 +1,102 @@
+"""Bytes of DDP's gradient all-reduces for the always-on step summary.
+
+DDP's reducer issues its bucket all-reduces from C++, where no Python wrapper sees them;
+the flight recorder sizes them, but reading it costs a dump, so only detail steps do.
+Yet the buckets are exactly the module's gradients: their size is fixed when the
+`DistributedDataParallel` wrapper is built. So Flare wraps `DistributedDataParallel.__init__`
+(and nothing DDP runs per step: no comm hook, no forward hook), notes each wrapper's
+process group and gradient bytes once, and when a backward advanced that group's
+sequence counter (i.e. the reducer synchronised; under `no_sync()` it does not) adds
+those bytes to the step's total for the group: one dict lookup and an add per backward.
+
+The bytes are the logical gradient payload, in the dtype DDP reduces in
+(`mixed_precision.reduce_dtype` when set, else each parameter's dtype), before any
+compression a user's comm hook applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+from flare.instrumentation.patching import Patches
+from flare.instrumentation.process_groups import ProcessGroups
+
+_log = logging.getLogger(__name__)
+
+
+def gradient_bytes(ddp) -> int:
+    """Bytes DDP all-reduces per synchronised backward: every parameter it manages that
+    requires a gradient (ignored parameters excluded, as DDP excludes them)."""
+    params = getattr(ddp, "_module_parameters", None)
+    if params is None:
+        ignored = getattr(ddp, "parameters_to_ignore", set())
+        params = [p for name, p in ddp.module.named_parameters() if name not in ignored]
+    reduce_dtype = getattr(getattr(ddp, "mixed_precision", None), "reduce_dtype", None)
+    total = 0
+    for param in params:
+        if not param.requires_grad:
+            continue
+        itemsize = reduce_dtype.itemsize if reduce_dtype is not None else param.element_size()
+        total += param.numel() * itemsize
+    return total
+
+
+class DdpGradients:
+    """Registry of live DDP wrappers: process group name -> gradient bytes per sync."""
+
+    def __init__(self, groups: ProcessGroups):
+        self.groups = groups
+        self._patches = Patches()
+        # id(ddp) -> (weak reference, group name, bytes); weak so a dropped model is forgotten
+        self._wrappers: dict[int, tuple[weakref.ref, str, int]] = {}
+        self._bytes_by_group: dict[str, int] = {}
+
+    def install(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        original = DistributedDataParallel.__init__
+        registry = self
+
+        def __init__(ddp, *args, **kwargs):
+            original(ddp, *args, **kwargs)
+            registry.register(ddp)
+
+        __init__.__wrapped__ = original
+        __init__.__doc__ = original.__doc__
+        self._patches.replace(DistributedDataParallel, "__init__", __init__)
+
+    def uninstall(self) -> None:
+        self._patches.restore_all()
+        self._wrappers.clear()
+        self._bytes_by_group.clear()
+
+    def register(self, ddp) -> None:
+        """Note a DDP wrapper's group and gradient bytes (once, at construction)."""
+        try:
+            info = self.groups.info(getattr(ddp, "process_group", None))
+            nbytes = gradient_bytes(ddp)
+        except Exception as error:  # never break the user's model construction
+            _log.info("flare: cannot size DDP gradients (%r); its all-reduces are counted "
+                      "but not sized off detail steps", error)
+            return
+        if info is None or nbytes <= 0:
+            return
+        key = id(ddp)
+        self._wrappers[key] = (weakref.ref(ddp, lambda _ref: self._forget(key)), info.name,
+                               nbytes)
+        self._recompute()
+
+    def _forget(self, key: int) -> None:
+        if self._wrappers.pop(key, None) is not None:
+            self._recompute()
+
+    def _recompute(self) -> None:
+        by_group: dict[str, int] = {}
+        for _ref, group, nbytes in self._wrappers.values():
+            by_group[group] = by_group.get(group, 0) + nbytes
+        self._bytes_by_group = by_group
+
+    def bytes_for(self, group_name: str) -> int:
+        """Gradient bytes DDP all-reduces in this group per synchronised backward."""
+        return self._bytes_by_group.get(group_name, 0)
