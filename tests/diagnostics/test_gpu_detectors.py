@@ -9,8 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flare.diagnostics import frame as step_frame
+from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.backends.store import StoreBackend
-from flare.diagnostics.detectors import gpu_idle, gpu_throttle, kernel_slow, launch_bound
+from flare.diagnostics.detectors import (
+    gpu_idle,
+    gpu_throttle,
+    kernel_slow,
+    launch_bound,
+    rank_missing,
+)
 from flare.diagnostics.model import DiagnosisConfig
 from flare.exporters import kineto, store
 from flare.instrumentation import semconv as sc
@@ -160,6 +168,43 @@ def test_gpu_throttle_joined_to_the_straggler(tmp_path):
     assert anomaly.impact == pytest.approx(29 / 100, abs=0.01)
 
 
+def test_gpu_throttle_on_bucketed_steps_from_store_and_arrow(tmp_path):
+    """A long job reaches the detector in step buckets: the clock is a bucket mean, the
+    NVML mask the OR of the bucket's masks (not a mean), on both kinds of backend."""
+    job = _Job("long")
+    _steps(job, ranks=4, steps=24, throttled_rank=1, from_step=8)
+    config = DiagnosisConfig(max_step_columns=6)  # 24 steps → buckets of 4
+    store_job = job.save(tmp_path / "s.duckdb").job_data("long")
+    frame_of_store = step_frame.load(store_job, config)
+    assert frame_of_store.bucket == 4
+    arrow_job = ArrowJobData("long", "arrow:test", lambda *_: store.spans_table(job.cols))
+    for data in (store_job, arrow_job):
+        found = gpu_throttle.detect(data, config)
+        assert [(a.ranks, a.cause, a.first_step, a.last_step) for a in found] == [([1], "hardware", 8, 23)]
+        assert found[0].evidence["throttle_mask"] == 0x20
+        assert found[0].evidence["steps_throttled"] == 16
+    # Masks within one bucket are ORed: 0x4 (power cap) and 0x20 (thermal) → 0x24.
+    mixed = _Job("mixed")
+    for step, mask in enumerate((0x4, 0x20, 0, 0)):
+        mixed.span(sc.SPAN_STEP, 0, step, T0 + step * 10, T0 + step * 10 + 5,
+                   {sc.STEP: step, sc.STEP_GPU_THROTTLE: mask})
+    summary = mixed.save(tmp_path / "m.duckdb").job_data("mixed").step_summary(
+        [sc.STEP_GPU_THROTTLE], step_bucket=4)
+    assert summary[sc.STEP_GPU_THROTTLE].to_pylist() == [float(0x24)]
+    arrow_summary = ArrowJobData("mixed", "arrow:test", lambda *_: store.spans_table(mixed.cols)).step_summary(
+        [sc.STEP_GPU_THROTTLE], step_bucket=4)
+    assert arrow_summary[sc.STEP_GPU_THROTTLE].to_pylist() == [float(0x24)]
+
+
+def test_rank_missing_still_fires_on_a_live_store(tmp_path):
+    """The same 4-rank world with rank 3 silent, written as a live job (no flare.source)."""
+    job = _Job("live")
+    _steps(job, ranks=3)
+    data = job.save(tmp_path / "s.duckdb").job_data("live")
+    assert data.source() is None
+    assert [(a.kind, a.ranks) for a in rank_missing.detect(data, DiagnosisConfig())] == [("rank_missing", [3])]
+
+
 def test_gpu_throttle_quiet_without_throttling_or_nvml(tmp_path):
     job = _Job("cool")
     _steps(job)
@@ -188,5 +233,8 @@ def test_gpu_detectors_on_real_traces(tmp_path):
     assert launch[0].evidence["issue_latency_p50_us"] < 50
     for detector in (kernel_slow, gpu_throttle):
         assert detector.detect(backend.job_data("ws16"), config) == []
+    # One rank file of a 16-rank job: an import, not a live job whose other ranks vanished.
+    assert backend.job_data("ws16").source() == sc.JOB_SOURCE_KINETO
+    assert rank_missing.detect(backend.job_data("ws16"), config) == []
     json.dumps([a.to_json() for a in idle + launch])  # the ARCHITECTURE §5 shape serialises
     assert np.isfinite(idle[0].confidence)

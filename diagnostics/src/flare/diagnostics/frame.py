@@ -25,7 +25,11 @@ COMPONENTS = {
 }
 WAIT = sc.STEP_COLLECTIVE_WAIT_MS
 BYTES = sc.STEP_COLLECTIVE_BYTES
-STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES)
+# NVML state the instrumentation attaches to a step when it changes (gpu_throttle reads it
+# here, in the one shared pass, rather than every step span in Python).
+SM_CLOCK = sc.STEP_GPU_SM_CLOCK_MHZ
+THROTTLE = sc.STEP_GPU_THROTTLE
+STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE)
 
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
@@ -43,6 +47,8 @@ class StepFrame:
     bytes: np.ndarray
     start_ns: np.ndarray  # (R, S) float64
     end_ns: np.ndarray
+    sm_clock_mhz: np.ndarray  # (R, S) mean SM clock; NaN where the bucket reported none
+    throttle_reasons: np.ndarray  # (R, S) float64 holding the OR of the buckets' NVML masks
 
     @property
     def work(self) -> np.ndarray:
@@ -97,4 +103,5 @@ def from_summary(table: pa.Table, bucket: int) -> StepFrame:
         parts={name: matrix(key) for name, key in COMPONENTS.items()},
         bytes=matrix(BYTES), start_ns=matrix("start_ns", np.float64),
         end_ns=matrix("end_ns", np.float64),
+        sm_clock_mhz=matrix(SM_CLOCK), throttle_reasons=matrix(THROTTLE, np.float64),
     )

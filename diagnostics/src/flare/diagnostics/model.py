@@ -124,6 +124,21 @@ class JobData(Protocol):
 
     def count(self, names: Sequence[str]) -> int: ...
 
+    # Added: the job's `flare.source` resource value ("kineto" for an import), None for a
+    # live job. Optional for backends: detectors call it through `job_source(job)`.
+    def source(self) -> str | None: ...
+
+
+def job_source(job: JobData) -> str | None:
+    """Where the job's spans came from; None (a live job) for backends that cannot say."""
+    source = getattr(job, "source", None)
+    return source() if callable(source) else None
+
+
+def is_imported(job: JobData) -> bool:
+    """A trace import: no heartbeats, no running processes, one file per rank at most."""
+    return job_source(job) == semconv.JOB_SOURCE_KINETO
+
 
 @dataclasses.dataclass
 class DiagnosisConfig:

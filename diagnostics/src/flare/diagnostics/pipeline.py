@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import pyarrow as pa
 
 from flare.diagnostics import registry
-from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, job_source
 from flare.instrumentation import semconv as sc
 
 # Labels that, on the same ranks and cause as a straggler, describe the same problem.
@@ -65,6 +65,11 @@ class CachedJobData:
 
     def rank_activity(self, names: Sequence[str]) -> pa.Table:
         return self._cached("rank_activity", tuple(names))
+
+    def source(self) -> str | None:
+        if ("source",) not in self._cache:
+            self._cache[("source",)] = job_source(self._inner)
+        return self._cache[("source",)]
 
 
 @dataclasses.dataclass

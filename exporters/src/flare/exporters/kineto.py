@@ -529,7 +529,7 @@ def _to_spans(c: _Collector, meta: dict[str, Any], path: Path, job: str) -> Trac
 
     resource = {
         semconv.SERVICE_NAME: job, semconv.JOB_ID: job, semconv.RANK: rank,
-        "flare.source": "kineto", "flare.source.file": path.name,
+        semconv.JOB_SOURCE: semconv.JOB_SOURCE_KINETO, "flare.source.file": path.name,
     }
     if world is not None:
         resource[semconv.WORLD_SIZE] = world

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flare.diagnostics.backends.attributes import python_values
+from flare.diagnostics.backends.attributes import BITMASK_ATTRIBUTES, python_values
 from flare.exporters.store import SPAN_SCHEMA
 from flare.instrumentation import semconv as sc
 
@@ -77,7 +77,8 @@ class ArrowJobData:
             "start_ns": steps["start_ns"],
             "end_ns": steps["end_ns"],
             "duration_ms": duration_ms,
-            **{a: pc.cast(steps[a], pa.float64()) for a in attributes},
+            **{a: pc.cast(steps[a], pa.float64()) for a in attributes if a not in BITMASK_ATTRIBUTES},
+            **{f"{a}_bits": pc.cast(steps[a], pa.int64()) for a in attributes if a in BITMASK_ATTRIBUTES},
         })
         # As the store does: bucket directly (a duplicate delivery repeats its values).
         bucketed = pc.multiply(pc.divide(base["raw_step"], bucket), bucket)
@@ -85,7 +86,8 @@ class ArrowJobData:
         out = base.group_by(["rank", "step"]).aggregate(
             [("raw_step", "count"), ("start_ns", "min"), ("end_ns", "max"),
              ("duration_ms", "mean")]
-            + [(a, "mean") for a in attributes]
+            + [(a, "mean") for a in attributes if a not in BITMASK_ATTRIBUTES]
+            + [(f"{a}_bits", "list") for a in attributes if a in BITMASK_ATTRIBUTES]
         )
         table = pa.table({
             "rank": pc.cast(out["rank"], pa.int32()),
@@ -94,7 +96,8 @@ class ArrowJobData:
             "start_ns": out["start_ns_min"],
             "end_ns": out["end_ns_max"],
             "duration_ms": out["duration_ms_mean"],
-            **{a: out[f"{a}_mean"] for a in attributes},
+            **{a: out[f"{a}_mean"] if a not in BITMASK_ATTRIBUTES else _bit_or(out[f"{a}_bits_list"])
+               for a in attributes},
         })
         return table.sort_by([("step", "ascending"), ("rank", "ascending")])
 
@@ -119,6 +122,11 @@ class ArrowJobData:
             return max(sizes)
         ranks = [r for r in steps["rank"].to_pylist() if r is not None]
         return max(ranks) + 1 if ranks else None
+
+    def source(self) -> str | None:
+        steps = self.spans([sc.SPAN_STEP, sc.SPAN_KERNEL], columns=["resource"], limit=1)
+        texts = [t for t in steps["resource"].to_pylist() if t]
+        return json.loads(texts[0]).get(sc.JOB_SOURCE) if texts else None
 
     def rank_activity(self, names: Sequence[str]) -> pa.Table:
         spans = self.spans(names, columns=["rank", "start_ns", "end_ns", "step"])
@@ -153,3 +161,15 @@ def _name_mask(table: pa.Table, names: Sequence[str]) -> pa.ChunkedArray:
         if name.endswith("*"):
             mask = pc.or_(mask, pc.starts_with(table["name"], name[:-1]))
     return pc.fill_null(mask, False)
+
+
+def _bit_or(groups: pa.ChunkedArray) -> pa.Array:
+    """Per group, the OR of its non-null masks (NaN when it has none), as the store's bit_or."""
+    out = []
+    for values in groups.to_pylist():
+        present = [int(v) for v in values or () if v is not None]
+        mask = 0
+        for value in present:
+            mask |= value
+        out.append(float(mask) if present else None)
+    return pa.array(out, type=pa.float64())

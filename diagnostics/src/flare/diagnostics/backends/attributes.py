@@ -19,6 +19,10 @@ _INT = pa.int64()
 _BOOL = pa.bool_()
 _TEXT = pa.string()
 
+# Bit masks: a bucket of steps keeps the OR of its values (a mean of masks means nothing).
+# `step_summary` backends aggregate these with bit_or instead of avg.
+BITMASK_ATTRIBUTES = frozenset({sc.STEP_GPU_THROTTLE})
+
 _TYPES: dict[str, pa.DataType] = {
     sc.STEP: _INT,
     sc.STEP_DATALOADER_MS: _DOUBLE,
@@ -123,6 +127,19 @@ def sql_extract(key: str, column: str = "attributes") -> str:
     if typ == _TEXT:
         return f"json_extract_string({column}, {path_sql})"
     return f"TRY_CAST(json_extract({column}, {path_sql}) AS {sql_type(key)})"
+
+
+def sql_extract_from_list(key: str, index: int, column: str = "v") -> str:
+    """`key` typed out of element `index` (0-based) of `json_extract(attributes, [paths])`.
+
+    One multi-path extraction per span parses the JSON once for all keys; one
+    `json_extract` per key parses it once per key, and DuckDB's JSON arenas for eleven
+    of them over a few thousand kernel spans cost ~130 MB of peak memory (measured).
+    """
+    element = f"{column}[{index + 1}]"
+    if arrow_type(key) == _TEXT:
+        return f"json_extract_string({element}, '$')"
+    return f"TRY_CAST({element} AS {sql_type(key)})"
 
 
 def python_values(json_texts: Sequence[str | None], key: str) -> pa.Array:

@@ -14,7 +14,13 @@ from pathlib import Path
 import pyarrow as pa
 
 from flare.diagnostics.backends import BackendError
-from flare.diagnostics.backends.attributes import arrow_type, sql_extract, sql_path
+from flare.diagnostics.backends.attributes import (
+    BITMASK_ATTRIBUTES,
+    arrow_type,
+    sql_extract,
+    sql_extract_from_list,
+    sql_path,
+)
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
@@ -111,9 +117,14 @@ class StoreJobData:
         if status_code is not None:
             range_sql += f" AND status_code = {int(status_code)}"
         cols = list(columns) if columns is not None else list(_SPAN_COLUMN_NAMES)
-        select = ", ".join(cols + [f'{sql_extract(a)} AS "{a}"' for a in attributes])
+        select = ", ".join(cols + [f'{sql_extract_from_list(a, i)} AS "{a}"'
+                                   for i, a in enumerate(attributes)])
+        source = "spans"
+        if attributes:  # parse each span's JSON once for all keys
+            paths = "[" + ", ".join(sql_path(a) for a in attributes) + "]"
+            source = f"(SELECT *, json_extract(attributes, {paths}) AS v FROM spans)"
         sql = (
-            f"SELECT {select} FROM spans WHERE job = ? AND {name_sql} AND {range_sql} "
+            f"SELECT {select} FROM {source} WHERE job = ? AND {name_sql} AND {range_sql} "
             "ORDER BY start_ns"
         )
         if limit is not None:
@@ -131,14 +142,17 @@ class StoreJobData:
         """Per (rank, step bucket) means of train.step duration and `attributes`.
 
         Columns: rank, step (first step of the bucket), steps (how many steps),
-        start_ns (min), end_ns (max), duration_ms (mean), then one mean per attribute.
+        start_ns (min), end_ns (max), duration_ms (mean), then one mean per attribute
+        (the bitwise OR for the bit masks of `attributes.BITMASK_ATTRIBUTES`).
         Duplicated deliveries of one span collapse first, then buckets average.
         """
         bucket = max(1, int(step_bucket))
         range_sql, range_params = _range_filter(first_step, last_step, None)
         # One JSON parse per span for all attributes (a list of paths), not one per key.
         paths = "[" + ", ".join(sql_path(a) for a in attributes) + "]"
-        means = ", ".join(f'avg(TRY_CAST(v[{i + 1}] AS DOUBLE)) AS "{a}"' for i, a in enumerate(attributes))
+        means = ", ".join(
+            f'bit_or(TRY_CAST(v[{i + 1}] AS BIGINT))::DOUBLE AS "{a}"' if a in BITMASK_ATTRIBUTES
+            else f'avg(TRY_CAST(v[{i + 1}] AS DOUBLE)) AS "{a}"' for i, a in enumerate(attributes))
         # Grouped straight into buckets: a duplicated delivery of a span repeats the
         # same values, so it leaves the means as they are. (Deduplicating first would
         # build a hash table of every (rank, step), the largest thing in a thousand-rank
@@ -184,6 +198,13 @@ class StoreJobData:
         if row["hi"] is not None:
             return int(row["hi"]) + 1
         return None
+
+    def source(self) -> str | None:
+        """The `flare.source` resource of the job's spans (any one: an importer marks all)."""
+        row = self._backend.query(
+            f"SELECT {sql_extract(sc.JOB_SOURCE, 'resource')} AS source FROM spans "
+            "WHERE job = ? AND resource IS NOT NULL LIMIT 1", [self.job]).to_pylist()
+        return row[0]["source"] if row and row[0]["source"] else None
 
     def rank_activity(self, names: Sequence[str]) -> pa.Table:
         """Per rank: spans, first_start_ns, last_end_ns, last_step, over spans named `names`."""

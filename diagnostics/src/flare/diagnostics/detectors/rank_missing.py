@@ -3,18 +3,23 @@
 Every rank sends a heartbeat span from a background thread, so even a rank blocked
 in a collective keeps talking; one whose heartbeats stop has died or is wedged below
 Python. A rank that never reported at all (world size says it exists) is missing
-from the start. Ranks whose failure the error detector explains are left to it.
+from the start. Ranks whose failure the error detector explains are left to it. Imported traces
+(`flare.source` = "kineto") are not live jobs and never get this label.
 """
 
 from __future__ import annotations
 
-from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, is_imported
 from flare.instrumentation import semconv as sc
 
 _DEFAULT_INTERVAL_S = 10.0
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
+    # An imported trace is a recording of some ranks, not a running job: it has no
+    # heartbeats, and ranks nobody imported did not go missing.
+    if is_imported(job):
+        return []
     anomalies = []
     beats = job.rank_activity([sc.SPAN_HEARTBEAT]).to_pylist()
     if len(beats) >= 2:
