@@ -15,6 +15,10 @@ from flare.instrumentation import semconv
 _log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 10.0
+# At interpreter exit the SDK flushes what is queued; against an unreachable collector
+# its retries held a finished rank for 30-45 s. After this many seconds Flare stops the
+# exporters (a healthy collector takes the last spans well within it).
+DEFAULT_EXIT_FLUSH_TIMEOUT_S = 5.0
 # The hang limit when FLARE_HANG_TIMEOUT_S is unset: the larger of this floor and
 # HANG_STEP_MULTIPLE times the median of the recent step durations.
 HANG_TIMEOUT_FLOOR_S = 60.0
@@ -47,6 +51,7 @@ class FlareConfig:
     detail_every: int = semconv.DEFAULT_DETAIL_EVERY  # 0 turns periodic detail off
     hang_timeout_s: float | None = None  # None: adaptive (see HANG_TIMEOUT_FLOOR_S)
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # 0 turns the heartbeat off
+    exit_flush_timeout_s: float = DEFAULT_EXIT_FLUSH_TIMEOUT_S  # 0: the SDK's own limits
     detail_flag_file: str | None = None
     traced_functions: tuple[str, ...] = ()
 
@@ -58,6 +63,8 @@ class FlareConfig:
             detail_every=int(detail),
             hang_timeout_s=_number(semconv.ENV_HANG_TIMEOUT_S, None, 0.1),
             heartbeat_s=_number(semconv.ENV_HEARTBEAT_S, DEFAULT_HEARTBEAT_S, 0),
+            exit_flush_timeout_s=_number(semconv.ENV_EXIT_FLUSH_TIMEOUT_S,
+                                         DEFAULT_EXIT_FLUSH_TIMEOUT_S, 0),
             detail_flag_file=os.environ.get(semconv.ENV_DETAIL_FLAG_FILE) or None,
             traced_functions=tuple(e.strip() for e in traced.split(",") if e.strip()),
         )

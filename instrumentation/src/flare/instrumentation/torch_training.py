@@ -16,13 +16,14 @@ import signal
 import threading
 from collections.abc import Collection
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 import flare.instrumentation as flare_instrumentation
 from flare.instrumentation import flight_recorder, semconv
 from flare.instrumentation.callsite import add_plumbing_dir
 from flare.instrumentation.config import FlareConfig
+from flare.instrumentation.flush_deadline import FlushDeadline
 from flare.instrumentation.identity import current_identity, in_training_rank
 from flare.instrumentation.runtime import Runtime
 from flare.instrumentation.version import __version__
@@ -89,6 +90,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
                           {} if has_rank else identity.span_fallback_attributes())
         self._runtime = runtime
         self._provider = provider
+        self._flush_deadline = FlushDeadline(provider)
         flight_recorder.enable_if_unset()
 
         from flare.instrumentation.dataloader_hook import DataLoaderHook
@@ -167,17 +169,19 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
                 _log.warning("flare: %s.install failed: %r", name, error)
 
     def _flush(self, timeout_millis: int) -> None:
-        force_flush = getattr(self._provider, "force_flush", None)
-        if force_flush is not None:
-            try:
-                force_flush(timeout_millis)
-            except Exception as error:
-                _log.warning("flare: flushing spans failed: %r", error)
+        """Flare's own flushes (hang, error, signal): never longer than asked, even
+        against an unreachable collector (the SDK's flush ignores its timeout)."""
+        self._flush_deadline.flush(timeout_millis / 1000)
 
     def _at_exit(self) -> None:
         """Interpreter exit: the step in progress never ends, so stop the watchdog and
         let the GPU layer close any capture window it opened for it (a profiler left
-        running into interpreter teardown crashes the process)."""
+        running into interpreter teardown crashes the process). The SDK's exit flush runs
+        after this handler: bound it, so an unreachable collector cannot hold the rank."""
+        deadline = getattr(self, "_flush_deadline", None)
+        if deadline is not None and self._runtime is not None:
+            deadline.meter_provider = metrics.get_meter_provider()
+            deadline.arm_exit_deadline(self._runtime.config.exit_flush_timeout_s)
         watchdog = getattr(self, "_watchdog", None)
         if watchdog is not None:
             watchdog.stop()

@@ -1,0 +1,103 @@
+"""Flushes with a deadline, for a collector that may be unreachable.
+
+The SDK ignores the timeout of `force_flush` (it exports everything queued, each batch
+retrying for up to OTEL_EXPORTER_OTLP_TIMEOUT, 10 s), and at interpreter exit its
+shutdown waits up to 30 s for the batch worker and then the exporter: with a dead
+endpoint a rank that finished training hung on for ~30-45 s. Two bounds:
+
+- `flush(timeout_s)`: Flare's own flushes (hang, error, signal) run the SDK's flush on a
+  helper thread and wait at most `timeout_s`; a flush still running is not started twice.
+- `arm_exit_deadline(timeout_s)`: at exit, after `timeout_s` the exporters are shut
+  down. Shutting an OTLP exporter down is the SDK's own way to end a retry: it wakes the
+  backoff sleep, closes the channel (cancelling the call in flight) and fails any later
+  batch at once, so the SDK's exit shutdown returns promptly. With a live collector the
+  exit flush ends long before the deadline and nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+_log = logging.getLogger(__name__)
+
+
+def _span_exporters(tracer_provider) -> list:
+    """The exporters behind a TracerProvider's processors (SDK internals; [] if unknown)."""
+    processors = getattr(getattr(tracer_provider, "_active_span_processor", None),
+                         "_span_processors", ())
+    exporters = []
+    for processor in processors:
+        exporter = getattr(processor, "span_exporter", None)
+        if exporter is None:
+            exporter = getattr(getattr(processor, "_batch_processor", None), "_exporter", None)
+        if exporter is not None:
+            exporters.append(exporter)
+    return exporters
+
+
+def _metric_exporters(meter_provider) -> list:
+    config = getattr(meter_provider, "_sdk_config", None)
+    readers = getattr(config, "metric_readers", ()) or ()
+    return [r._exporter for r in readers if getattr(r, "_exporter", None) is not None]
+
+
+class FlushDeadline:
+    def __init__(self, tracer_provider, meter_provider=None):
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self._flushing: threading.Thread | None = None
+        self._exit_timer: threading.Timer | None = None
+        self.exporters_stopped = False
+
+    def flush(self, timeout_s: float) -> bool:
+        """Flush the tracer provider, waiting at most `timeout_s`; True if it finished."""
+        force_flush = getattr(self.tracer_provider, "force_flush", None)
+        if force_flush is None:
+            return True
+        running = self._flushing
+        if running is not None and running.is_alive():
+            running.join(timeout_s)  # the one already under way is this flush too
+            return not running.is_alive()
+
+        def run() -> None:
+            try:
+                force_flush(int(timeout_s * 1000))
+            except Exception as error:
+                _log.warning("flare: flushing spans failed: %r", error)
+
+        thread = threading.Thread(target=run, name="flare-flush", daemon=True)
+        self._flushing = thread
+        thread.start()
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
+    def arm_exit_deadline(self, timeout_s: float) -> None:
+        """From now on the exit flush has `timeout_s`; then the exporters are stopped."""
+        if self._exit_timer is not None or timeout_s <= 0:
+            return
+        timer = threading.Timer(timeout_s, self.stop_exporters)
+        timer.name = "flare-exit-deadline"
+        timer.daemon = True
+        self._exit_timer = timer
+        timer.start()
+
+    def disarm(self) -> None:
+        if self._exit_timer is not None:
+            self._exit_timer.cancel()
+            self._exit_timer = None
+
+    def stop_exporters(self) -> None:
+        """The collector did not take the last spans in time: stop retrying."""
+        exporters = _span_exporters(self.tracer_provider)
+        exporters += _metric_exporters(self.meter_provider)
+        if not exporters:
+            return
+        _log.warning("flare: the exit flush did not finish in time; stopping %d exporter(s) "
+                     "(unsent telemetry is dropped)", len(exporters))
+        self.exporters_stopped = True
+        for exporter in exporters:
+            try:
+                exporter.shutdown()
+            except Exception as error:
+                _log.info("flare: stopping exporter %r failed: %r", exporter, error)

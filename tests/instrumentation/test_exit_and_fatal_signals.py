@@ -1,0 +1,117 @@
+"""A rank's last moments, with real OTLP to a loopback receiver: exit against an
+unreachable collector is bounded (FLARE_EXIT_FLUSH_TIMEOUT_S), a healthy exit loses
+nothing, and SIGABRT / SIGSEGV leave what the design promises (docs/instrumentation.md:
+an ERROR step span for a signal Python can handle, the faulthandler stacks on stderr
+where Python cannot run)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from otlp_sink import OtlpSink
+
+from flare.instrumentation import semconv
+from flare.instrumentation.config import DEFAULT_EXIT_FLUSH_TIMEOUT_S
+
+JOB_SCRIPT = Path(__file__).with_name("exit_job.py")
+INSTRUMENT = Path(sys.executable).with_name("opentelemetry-instrument")
+
+
+def rank_env(endpoint: str, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OTEL_", "FLARE_", "TORCHELASTIC", "SLURM"))}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", FLARE_JOB_ID="exit-job",
+               OTEL_SERVICE_NAME="exit_job", OTEL_TRACES_EXPORTER="otlp",
+               OTEL_METRICS_EXPORTER="none", OTEL_LOGS_EXPORTER="none",
+               OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+               OTEL_BSP_SCHEDULE_DELAY="200", FLARE_HEARTBEAT_S="0")
+    env.update(extra)
+    return env
+
+
+def run_rank(endpoint: str, steps: int, ending: str, **extra):
+    """(completed process, seconds from the last step to the process being gone)."""
+    process = subprocess.Popen([str(INSTRUMENT), sys.executable, str(JOB_SCRIPT), str(steps),
+                                ending], env=rank_env(endpoint, **extra),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = process.communicate(timeout=180)
+    gone = time.time()
+    last = [line for line in stdout.splitlines() if line.startswith("LAST_STEP_DONE")]
+    assert last, stderr[-3000:]
+    return process, stdout, stderr, gone - float(last[0].split()[1])
+
+
+def dead_endpoint() -> str:
+    """A loopback port nobody listens on (connections are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def step_spans(sink: OtlpSink) -> dict[int, dict]:
+    return {s["attributes"][semconv.STEP]: s for s in sink.spans()
+            if s["name"] == semconv.SPAN_STEP}
+
+
+@pytest.mark.e2e
+def test_rank_exits_within_the_deadline_when_the_collector_is_unreachable():
+    # enough steps to overflow the SDK's bounded queue (2,048 spans): memory stays
+    # bounded by dropping, and the exit flush has several batches to retry
+    process, _, stderr, linger_s = run_rank(dead_endpoint(), 2500, "exit")
+    assert process.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    # without the deadline the SDK's retries held the process ~30 s after its last step
+    assert linger_s < DEFAULT_EXIT_FLUSH_TIMEOUT_S + 5, f"lingered {linger_s:.1f} s"
+    assert "exit flush did not finish in time" in stderr
+
+
+@pytest.mark.e2e
+def test_a_healthy_exit_still_delivers_every_step():
+    with OtlpSink() as sink:
+        process, _, stderr, linger_s = run_rank(sink.endpoint, 300, "exit")
+        assert process.returncode == 0, stderr[-3000:]
+        steps = step_spans(sink)
+    assert sorted(steps) == list(range(300))
+    assert "exit flush did not finish" not in stderr
+    assert linger_s < DEFAULT_EXIT_FLUSH_TIMEOUT_S
+
+
+@pytest.mark.e2e
+def test_sigabrt_marks_the_step_error_and_reaches_the_collector_before_death():
+    with OtlpSink() as sink:
+        process, _, stderr, _ = run_rank(sink.endpoint, 5, "sigabrt")
+        steps = step_spans(sink)
+    assert process.returncode == -signal.SIGABRT, stderr[-3000:]
+    assert sorted(steps) == list(range(6)), "steps before the crash, and the crashed one"
+    crashed = steps[5]
+    assert crashed["status_code"] == 2  # STATUS_CODE_ERROR
+    assert crashed["status_message"] == "killed by SIGABRT"
+    assert crashed["attributes"][semconv.ERROR_SIGNAL] == "SIGABRT"
+    assert crashed["attributes"][semconv.CODE_CALLSITE].endswith("in crash_in_step")
+    assert "crash_in_step" in crashed["attributes"][semconv.ERROR_STACKTRACE]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("ending, signum, fatal_error", [
+    ("abort", signal.SIGABRT, "Fatal Python error: Aborted"),
+    ("segv", signal.SIGSEGV, "Fatal Python error: Segmentation fault")])
+def test_native_crash_dumps_every_threads_stack_through_faulthandler(ending, signum,
+                                                                     fatal_error):
+    """abort() and a segfault with the GIL held: no Python code can run after them, so
+    the design's promise is faulthandler's dump of every thread on stderr (which the
+    launcher's log keeps), naming the crashing function."""
+    with OtlpSink() as sink:
+        process, _, stderr, _ = run_rank(sink.endpoint, 5, ending)
+    assert process.returncode == -signum
+    assert fatal_error in stderr, stderr[-3000:]
+    current = stderr[stderr.index("Current thread"):]
+    assert "in crash_in_step" in current.split("\n\n")[0]
+    assert stderr.count("Thread 0x") >= 2  # the other threads too (exporter, watchdog)
