@@ -41,7 +41,7 @@ class ErrorHooks:
         self._previous_wakeup_fd = -1
         self._wakeup_pipe: tuple[int, int] | None = None
         self._signal_thread: threading.Thread | None = None
-        self._recorded_signals: set[int] = set()
+        self._recorded_signals: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._enabled_faulthandler = False
 
@@ -144,14 +144,28 @@ class ErrorHooks:
 
     # ------------------------------------------------------------------ signals
     def record_signal(self, signum: int) -> bool:
-        """Record a fatal signal once; True if this call recorded it."""
+        """Record a fatal signal once; True if this call recorded it. A second caller
+        (the main thread's handler and the flare-signals thread both see the signal)
+        waits until the first one has flushed: otherwise the handler re-raises the
+        signal and the process dies with the error span still in the queue."""
         with self._lock:
-            if signum in self._recorded_signals:
-                return False
-            self._recorded_signals.add(signum)
+            done = self._recorded_signals.get(signum)
+            first = done is None
+            if first:
+                done = self._recorded_signals[signum] = threading.Event()
+        if not first:
+            done.wait(FLUSH_TIMEOUT_MS / 1000 + 1.0)
+            return False
+        try:
+            self._record_signal(signum)
+        finally:
+            done.set()
+        return True
+
+    def _record_signal(self, signum: int) -> None:
         runtime = self.runtime
         if not runtime.enabled:
-            return True
+            return
         name = signal.Signals(signum).name
         main_frame = sys._current_frames().get(threading.main_thread().ident)
         stack = "".join(traceback.format_stack(main_frame)) if main_frame else ""
@@ -160,7 +174,6 @@ class ErrorHooks:
                                       semconv.ERROR_STACKTRACE: stack,
                                       semconv.ERROR_TYPE: name})
         self.flush(FLUSH_TIMEOUT_MS)
-        return True
 
     def _signal_handler(self, signum, frame) -> None:
         self.record_signal(signum)
