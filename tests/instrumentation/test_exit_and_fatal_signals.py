@@ -115,3 +115,29 @@ def test_native_crash_dumps_every_threads_stack_through_faulthandler(ending, sig
     current = stderr[stderr.index("Current thread"):]
     assert "in crash_in_step" in current.split("\n\n")[0]
     assert stderr.count("Thread 0x") >= 2  # the other threads too (exporter, watchdog)
+
+
+def test_flare_flush_returns_on_time_against_a_dead_collector():
+    """The SDK's force_flush ignores its timeout (each batch retries for up to 10 s);
+    Flare's hang/error/signal flushes must not."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from flare.instrumentation.flush_deadline import FlushDeadline
+
+    provider = TracerProvider(shutdown_on_exit=False)
+    exporter = OTLPSpanExporter(endpoint=dead_endpoint().removeprefix("http://"),
+                                insecure=True)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    provider.get_tracer("t").start_span("s").end()
+    deadline = FlushDeadline(provider)
+    started = time.monotonic()
+    assert deadline.flush(0.5) is False  # not delivered, but back on time
+    assert deadline.flush(0.2) is False  # joins the flush under way, starts no other
+    assert time.monotonic() - started < 2.0
+    deadline.stop_exporters()  # ends the retrying at once
+    assert deadline.exporters_stopped
+    started = time.monotonic()
+    provider.shutdown()
+    assert time.monotonic() - started < 3.0
