@@ -111,7 +111,8 @@ class JobData(Protocol):
         last_step: int | None = None,
     ) -> pa.Table:
         """Per (rank, bucket of `step_bucket` steps): rank, step, steps, start_ns,
-        end_ns, duration_ms and the mean of each attribute, over train.step spans."""
+        end_ns, duration_ms and the mean of each attribute (float32; bit masks are ORed),
+        over train.step spans."""
         ...
 
     def steps_range(self) -> tuple[int, int] | None: ...

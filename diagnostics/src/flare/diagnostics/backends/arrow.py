@@ -96,7 +96,8 @@ class ArrowJobData:
             "start_ns": out["start_ns_min"],
             "end_ns": out["end_ns_max"],
             "duration_ms": out["duration_ms_mean"],
-            **{a: out[f"{a}_mean"] if a not in BITMASK_ATTRIBUTES else _bit_or(out[f"{a}_bits_list"])
+            **{a: pc.cast(out[f"{a}_mean"] if a not in BITMASK_ATTRIBUTES
+                          else _bit_or(out[f"{a}_bits_list"]), pa.float32())
                for a in attributes},
         })
         return table.sort_by([("step", "ascending"), ("rank", "ascending")])
