@@ -191,6 +191,16 @@ def micro() -> dict:
         "collective wrapper (per all_reduce)": (lambda: dist.all_reduce(tensor), 2000),
         "backward wrapper (per backward)": (backward, 1000),
     }
+
+    def ddp_backward():
+        """Built in each arm (DDP wrappers are sized at construction), then timed: the
+        backward wrapper plus the gradient-bytes add, on top of DDP's own all-reduce."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp_model = DistributedDataParallel(torch.nn.Linear(4, 1))
+        return lambda: ddp_model(loss_input).sum().backward()
+
+    built_per_arm = {"DDP backward (per backward, incl. bucket bytes)": (ddp_backward, 1000)}
     torch_training.GPU_LAYER_MODULES = ()  # measure this layer alone
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(DropExporter()))
@@ -200,6 +210,12 @@ def micro() -> dict:
         plain = _per_call_us(function, calls)
         instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
         with_flare = _per_call_us(function, calls)
+        instrumentor.uninstrument()
+        results[name] = (plain, with_flare, with_flare - plain)
+    for name, (build, calls) in built_per_arm.items():
+        plain = _per_call_us(build(), calls)
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+        with_flare = _per_call_us(build(), calls)
         instrumentor.uninstrument()
         results[name] = (plain, with_flare, with_flare - plain)
     recorder = FlightRecorder()
