@@ -112,6 +112,9 @@ def pg_summaries(
     arrival skew. A member is missing when it did not report the step, or reported a
     lower last sequence number than its peers (it never reached the latest one).
     """
+    shared = _shared_pg_names(ranks)
+    if shared is not None:
+        return _uniform_pg_summaries(ranks, shared, known_members)
     per_pg: dict[str, list[tuple[int, float, int]]] = {}
     for rank, step in ranks.items():
         for name, wait, seq in zip(step.pg_names, step.pg_wait_ms, step.pg_last_seq, strict=True):
@@ -132,6 +135,61 @@ def pg_summaries(
                 arrival_skew_ms=round(max(waits) - min(waits), 3),
                 last_arrival=last_rank,
                 reporting=sorted(rank for rank, _ in reached),
+                missing=sorted(absent.union(behind)),
+            )
+        )
+    return out
+
+
+def _shared_pg_names(ranks: dict[int, RankStep]) -> tuple[str, ...] | None:
+    """The PG names every rank of the step reported, when they all report the same
+    distinct names (the usual case: one job, one set of groups); else None."""
+    first = None
+    for step in ranks.values():
+        names = step.pg_names
+        if first is None:
+            first = names
+        elif names is not first and names != first:
+            return None
+    if not first or len(set(first)) != len(first):
+        return None
+    return first
+
+
+def _uniform_pg_summaries(
+    ranks: dict[int, RankStep], names: tuple[str, ...], known_members: dict[str, set[int]]
+) -> list[PgSummary]:
+    """`pg_summaries` when every rank reported the same PGs: one column per PG
+    instead of one tuple per (rank, PG); the same result, a few times faster on the
+    correlator's hottest path (it runs for every step of every job)."""
+    rank_ids = list(ranks)
+    steps = ranks.values()
+    wait_columns = zip(*(s.pg_wait_ms for s in steps), strict=True)
+    seq_columns = zip(*(s.pg_last_seq for s in steps), strict=True)
+    sorted_ranks = sorted(rank_ids)
+    out = []
+    for name, waits, seqs in zip(names, wait_columns, seq_columns, strict=True):
+        last_seq = max(seqs)
+        if min(seqs) == last_seq:  # everyone reached the PG's last collective
+            reached_waits = waits
+            reached_ranks = rank_ids
+            reporting = sorted_ranks[:]
+            behind: list[int] = []
+        else:
+            reached = [(w, r) for r, w, q in zip(rank_ids, waits, seqs, strict=True) if q == last_seq]
+            reached_waits = [w for w, _ in reached]
+            reached_ranks = [r for _, r in reached]
+            reporting = sorted(reached_ranks)
+            behind = [r for r, q in zip(rank_ids, seqs, strict=True) if q < last_seq]
+        members = known_members.get(name)
+        absent = members.difference(rank_ids) if members else set()
+        out.append(
+            PgSummary(
+                name=name,
+                last_seq=last_seq,
+                arrival_skew_ms=round(max(reached_waits) - min(reached_waits), 3),
+                last_arrival=min(zip(reached_waits, reached_ranks, strict=True))[1],
+                reporting=reporting,
                 missing=sorted(absent.union(behind)),
             )
         )

@@ -113,12 +113,16 @@ class JobState:
 _STR_ONLY, _FLOAT_ONLY, _INT_ONLY = {str}, {float}, {int}
 
 
-def _pg_summary(attrs: dict[str, Any]) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
+def _pg_summary(
+    attrs: dict[str, Any], learned: tuple[str, ...] | None = None,
+) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
     """A step span's per-PG (names, waits, last sequence numbers), equal lengths.
 
     Runs once per rank per step: arrays of the expected types (what Flare's
     instrumentation sends, checked with one C-level pass each) are taken as they are,
-    anything else is converted value by value.
+    anything else is converted value by value. `learned` is the rank's names from an
+    earlier step: names equal to them are strings already, and sharing that one tuple
+    lets the window's summary see at a glance that all ranks report the same groups.
     """
     raw_names = attrs.get(sc.STEP_PG_NAMES) or ()
     if not raw_names:
@@ -126,8 +130,12 @@ def _pg_summary(attrs: dict[str, Any]) -> tuple[tuple[str, ...], tuple[float, ..
     raw_waits = attrs.get(sc.STEP_PG_WAIT_MS) or ()
     raw_seqs = attrs.get(sc.STEP_PG_LAST_SEQ) or ()
     n = len(raw_names)
-    names = raw_names if type(raw_names) is tuple and set(map(type, raw_names)) == _STR_ONLY \
-        else tuple(str(v) for v in raw_names)
+    if learned is not None and type(raw_names) is tuple and raw_names == learned:
+        names = learned
+    elif type(raw_names) is tuple and set(map(type, raw_names)) == _STR_ONLY:
+        names = raw_names
+    else:
+        names = tuple(str(v) for v in raw_names)
     if type(raw_waits) is tuple and len(raw_waits) == n and set(map(type, raw_waits)) == _FLOAT_ONLY:
         waits = raw_waits
     else:
@@ -221,8 +229,9 @@ class RankCorrelation(Processor):
                 self._ingest_resource(resource, records, now, completed)
             if self._state_bytes > self.max_state_bytes:
                 completed.extend(self._over_budget())
-            emitted = self._emit(completed)
-        request.resource_spans.extend(emitted)
+            # Built in place: a span extended into a request later is copied whole,
+            # and a train.step.ranks span carries one link per rank.
+            self._emit(completed, request.resource_spans)
         return request
 
     def tick(self, now_ns: int) -> list[ExportTraceServiceRequest]:
@@ -245,8 +254,9 @@ class RankCorrelation(Processor):
                 if now_ns - job.last_arrival_ns >= self.window_ns and not job.steps and not job.collectives:
                     del self._jobs[job_id]
                     self._counters["jobs_evicted"] += 1
-            emitted = self._emit(closing)
-        return [ExportTraceServiceRequest(resource_spans=emitted)] if emitted else []
+            out = ExportTraceServiceRequest()
+            self._emit(closing, out.resource_spans)
+        return [out] if out.resource_spans else []
 
     def shutdown(self) -> list[ExportTraceServiceRequest]:
         with self._lock:
@@ -256,8 +266,9 @@ class RankCorrelation(Processor):
                 closing.extend((job, win, "shutdown") for win in job.collectives.values())
                 job.steps.clear()
                 job.collectives.clear()
-            emitted = self._emit(closing)
-        return [ExportTraceServiceRequest(resource_spans=emitted)] if emitted else []
+            out = ExportTraceServiceRequest()
+            self._emit(closing, out.resource_spans)
+        return [out] if out.resource_spans else []
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -343,33 +354,47 @@ class RankCorrelation(Processor):
         self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
         completed: list[tuple[JobState, Window, str]],
     ) -> None:
-        self._counters["step_spans"] += 1
+        # Runs for every rank's every step: plain ints and floats (what the picker
+        # returns for Flare's own spans) skip the converters.
+        counters = self._counters
+        counters["step_spans"] += 1
         _, trace_id, span_id, start_ns, end_ns, attrs = record
-        rank = as_int(attrs.get(sc.RANK, resource_rank))
-        step = as_int(attrs.get(sc.STEP))
+        rank = attrs.get(sc.RANK, resource_rank)
+        if type(rank) is not int:
+            rank = as_int(rank)
+        step = attrs.get(sc.STEP)
+        if type(step) is not int:
+            step = as_int(step)
         if rank is None:
-            self._counters["spans_without_rank"] += 1
+            counters["spans_without_rank"] += 1
             return
         if step is None:
-            self._counters["spans_without_step"] += 1
+            counters["spans_without_step"] += 1
             return
-        health = self._heard(job, rank, now)
-        health.last_span_end_ns = max(health.last_span_end_ns, end_ns)
-        health.last_step = step if health.last_step is None else max(health.last_step, step)
+        health = job.ranks.get(rank)
+        if health is None:
+            health = job.ranks[rank] = RankHealth(last_heard_ns=now)
+        else:
+            health.last_heard_ns = now
+        if end_ns > health.last_span_end_ns:
+            health.last_span_end_ns = end_ns
+        if health.last_step is None or step > health.last_step:
+            health.last_step = step
         if health.hang and end_ns > health.hang_since_ns:
             health.hang = None  # it finished a step after the report: no longer stuck
         closed = job.closed_steps.get(step)
         if closed is not None:
-            self._counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
+            counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
             return
-        names, waits, seqs = _pg_summary(attrs)
-        if names and job.rank_pg_names.get(rank) != names:
+        learned = job.rank_pg_names.get(rank)
+        names, waits, seqs = _pg_summary(attrs, learned)
+        if names and names is not learned:
             job.rank_pg_names[rank] = names  # a rank's groups rarely change: learn them once
             self._learn_members(job, names, rank)
+        wait = attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)
         entry = RankStep(
-            span_id=span_id, trace_id=trace_id, start_ns=start_ns, end_ns=end_ns,
-            collective_wait_ms=as_float(attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)),
-            pg_names=names, pg_wait_ms=waits, pg_last_seq=seqs,
+            span_id, trace_id, start_ns, end_ns,
+            wait if type(wait) is float else as_float(wait), names, waits, seqs,
         )
         win = job.steps.get(step)
         if win is None:
@@ -377,10 +402,10 @@ class RankCorrelation(Processor):
         previous = win.ranks.get(rank)
         if previous is not None:
             if previous.span_id == entry.span_id:
-                self._counters["duplicate_spans"] += 1
+                counters["duplicate_spans"] += 1
                 return
             # A restarted rank ran the step again: its latest attempt is what counts.
-            self._counters["replaced_reports"] += 1
+            counters["replaced_reports"] += 1
             if previous.end_ns >= entry.end_ns:
                 return
             win.cost -= previous.cost()
@@ -389,7 +414,7 @@ class RankCorrelation(Processor):
         cost = entry.cost()
         win.cost += cost
         self._state_bytes += cost
-        expected = self._expected(job)
+        expected = self.expected_ranks or job.world_size
         if expected and len(win.ranks) >= expected and set(range(expected)) <= win.ranks.keys():
             completed.append((job, job.steps.pop(step), "complete"))
 
@@ -545,36 +570,39 @@ class RankCorrelation(Processor):
                 memory.popitem(last=False)
 
     # ------------------------------------------------------------ output
-    def _emit(self, closing: list[tuple[JobState, Window, str]]) -> list[ResourceSpans]:
+    def _emit(self, closing: list[tuple[JobState, Window, str]], into: Any) -> None:
+        """Close `closing` and add its spans to `into` (a request's `resource_spans`),
+        one `ResourceSpans` per job."""
         if not closing:
-            return []
+            return
         now = self._clock()
-        by_job: dict[str, tuple[JobState, list[Span]]] = {}
+        by_job: dict[str, Any] = {}  # job id -> its scope's spans container
         for job, win, closed_by in closing:
             self._state_bytes -= win.cost
-            spans = by_job.setdefault(job.job, (job, []))[1]
+            spans = by_job.get(job.job)
+            if spans is None:
+                spans = by_job[job.job] = self._job_scope_spans(job, into)
             if isinstance(win, StepWindow):
                 job.closed_steps[win.key] = (now, _bitmap(win.ranks))
-                spans.extend(self._step_spans(job, win, closed_by))
+                self._step_spans(job, win, closed_by, spans)
             else:
                 job.closed_collectives[win.key] = (now, _bitmap(win.ranks))
-                spans.append(self._collective_span(job, win, closed_by))
+                self._collective_span(job, win, closed_by, spans)
             self._forget_closed(job, now)
-        out = []
-        for job, spans in by_job.values():
-            resource_spans = ResourceSpans()
-            resource_spans.resource.attributes.extend(key_values({
-                sc.SERVICE_NAME: job.service or job.job,
-                sc.JOB_ID: job.job,
-                sc.WORLD_SIZE: job.world_size,
-            }))
-            scope_spans = resource_spans.scope_spans.add()
-            scope_spans.scope.name = SCOPE_NAME
-            scope_spans.spans.extend(spans)
-            out.append(resource_spans)
-        return out
 
-    def _step_spans(self, job: JobState, win: StepWindow, closed_by: str) -> list[Span]:
+    @staticmethod
+    def _job_scope_spans(job: JobState, into: Any) -> Any:
+        resource_spans: ResourceSpans = into.add()
+        resource_spans.resource.attributes.extend(key_values({
+            sc.SERVICE_NAME: job.service or job.job,
+            sc.JOB_ID: job.job,
+            sc.WORLD_SIZE: job.world_size,
+        }))
+        scope_spans = resource_spans.scope_spans.add()
+        scope_spans.scope.name = SCOPE_NAME
+        return scope_spans.spans
+
+    def _step_spans(self, job: JobState, win: StepWindow, closed_by: str, into: Any) -> None:
         step = win.key
         assert isinstance(step, int)
         self._counters["steps_emitted"] += 1
@@ -588,7 +616,7 @@ class RankCorrelation(Processor):
         # The id every rank's train.step names as its parent: this span becomes the
         # root of the step's trace in Jaeger/Tempo.
         step_span_id = _step_root(job.job, step)
-        span = Span(
+        span: Span = into.add(
             trace_id=trace_id, span_id=step_span_id, name=sc.SPAN_STEP_RANKS,
             kind=Span.SPAN_KIND_INTERNAL,
             start_time_unix_nano=min(s.start_ns for s in win.ranks.values()),
@@ -601,11 +629,9 @@ class RankCorrelation(Processor):
             link = links.add(trace_id=entry.trace_id, span_id=entry.span_id)
             kv = link.attributes.add(key=sc.RANK)
             kv.value.int_value = rank
-        out = [span]
         for pg in pgs:
             if pg.missing:
-                out.append(self._summary_collective_span(job, step, trace_id, step_span_id, pg, closed_by, span))
-        return out
+                self._summary_collective_span(job, step, trace_id, step_span_id, pg, closed_by, span, into)
 
     def _step_trace_id(self, job: JobState, win: StepWindow) -> bytes:
         # The ranks' own trace id when they agree (it is derived from job and step);
@@ -617,10 +643,10 @@ class RankCorrelation(Processor):
 
     def _summary_collective_span(
         self, job: JobState, step: int, trace_id: bytes, parent: bytes, pg: PgSummary,
-        closed_by: str, step_span: Span,
-    ) -> Span:
+        closed_by: str, step_span: Span, into: Any,
+    ) -> None:
         self._counters["collectives_emitted"] += 1
-        return Span(
+        into.add(
             trace_id=trace_id, parent_span_id=parent,
             span_id=derived_span_id(
                 job.job, pg.name, pg.last_seq, sc.SPAN_COLLECTIVE_RANKS, "step_summary"
@@ -631,7 +657,7 @@ class RankCorrelation(Processor):
             attributes=key_values(summary_collective_attributes(pg, step, closed_by)),
         )
 
-    def _collective_span(self, job: JobState, win: CollectiveWindow, closed_by: str) -> Span:
+    def _collective_span(self, job: JobState, win: CollectiveWindow, closed_by: str, into: Any) -> None:
         pg, seq = win.key  # type: ignore[misc]
         self._counters["collectives_emitted"] += 1
         if closed_by == "budget":
@@ -644,7 +670,7 @@ class RankCorrelation(Processor):
         else:
             trace_id = next(iter(trace_ids))
             parent = b""
-        span = Span(
+        span: Span = into.add(
             trace_id=trace_id, parent_span_id=parent,
             span_id=derived_span_id(job.job, pg, seq, sc.SPAN_COLLECTIVE_RANKS),
             name=sc.SPAN_COLLECTIVE_RANKS, kind=Span.SPAN_KIND_INTERNAL,
@@ -659,4 +685,3 @@ class RankCorrelation(Processor):
             link = span.links.add(trace_id=arrival.trace_id, span_id=arrival.span_id)
             kv = link.attributes.add(key=sc.RANK)
             kv.value.int_value = rank
-        return span
