@@ -126,13 +126,8 @@ class KernelWindows:
             worker.join(timeout=5.0)
 
     # ------------------------------------------------------------ internals
-    def _new_profiler(self) -> Any:
-        import torch
-
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self._cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        return torch.profiler.profile(activities=activities, record_shapes=True)
+    def _new_profiler(self) -> _ProfilerWindow:
+        return _ProfilerWindow(self._cuda)
 
     def _disable(self, reason: str) -> None:
         self._disabled_reason = reason
@@ -155,7 +150,7 @@ class KernelWindows:
             profiler, parent, step = item
             started = time.thread_time()
             try:
-                events = profiler.profiler.kineto_results.events()
+                events = profiler.result.events()
                 rows = window_rows(events, self._cuda)
                 self._emit(rows, parent, step)
                 self.windows_recorded += 1
@@ -177,6 +172,43 @@ class KernelWindows:
 
 
 _STOP = object()
+
+
+class _ProfilerWindow:
+    """One Kineto session through torch.autograd's low-level profiler calls.
+
+    `torch.profiler.profile` wraps a session in Python objects that form reference
+    cycles; the garbage collector later freed them in an order that crashed the
+    process (reproduced with windows on consecutive steps followed by gc.collect()).
+    The low-level calls leave a single `_ProfilerResult`, freed by reference counting
+    on the conversion thread. They also skip the device synchronise that
+    `torch.profiler` does at stop: kernels still running then are simply not in the
+    window, and the training stream is never synchronised.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState
+
+        self._activities = {ProfilerActivity.CPU}
+        if cuda:
+            self._activities.add(ProfilerActivity.CUDA)
+        # state, record shapes, memory, stack, flops, modules, experimental
+        self._config = ProfilerConfig(
+            ProfilerState.KINETO, True, False, False, False, False, _ExperimentalConfig()
+        )
+        self.result: Any = None
+
+    def start(self) -> None:
+        from torch.autograd import _enable_profiler, _prepare_profiler
+
+        _prepare_profiler(self._config, self._activities)
+        _enable_profiler(self._config, self._activities)
+
+    def stop(self) -> None:
+        from torch.autograd import _disable_profiler
+
+        self.result = _disable_profiler()
 
 
 def window_rows(events: list[Any], cuda: bool) -> list[tuple[int, int, dict]]:
@@ -291,7 +323,8 @@ def _profiler_active() -> bool:
     try:
         import torch
 
-        return bool(torch.autograd.profiler._is_profiler_enabled)
+        # The C-level flag: true for the user's torch.profiler and for raw sessions alike.
+        return bool(torch.autograd._profiler_enabled())
     except Exception:
         return False
 
