@@ -49,7 +49,8 @@ def test_healthy_job_gives_no_anomalies():
     assert diagnose(_job(job_spans("j", 8, 80, seed=3))).anomalies == []
 
 
-@pytest.mark.parametrize("kind, cause", [("compute", "compute"), ("input", "input"), ("gc", "gc")])
+@pytest.mark.parametrize("kind, cause", [("compute", "compute"), ("input", "input"), ("gc", "gc"),
+                                         ("busy_thread", "cpu")])
 def test_straggler_names_culprit_and_cause(kind, cause):
     found = straggler.detect(_job(job_spans("j", 8, 60, (Fault(kind, 5, 25),))), DiagnosisConfig())
     assert [(a.ranks, a.cause, a.first_step) for a in found] == [([5], cause, 25)]

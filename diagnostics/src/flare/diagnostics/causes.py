@@ -13,12 +13,15 @@ the data loader — pure Python that should take ~1 ms — erratically slow (mea
 against 1–2 ms on its peers, p75 7 ms against 1 ms), because every time the main
 thread gives up the GIL it waits a switch interval to get it back. So a second,
 unrelated Python-side component inflating by its *mean* beside the main one names
-`cpu`, not `compute`.
+`cpu`, not `compute`. The direct sign, where the instrumentation reports it, is the
+CPU the rank's *other* threads burn during its steps (`flare.step.cpu.other_threads_ms`):
+a busy thread burns it, slower compute on the training thread does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -70,7 +73,19 @@ _STARVED_RATIO = 2.0
 _STARVED_MIN_MS = 2.0
 
 
+# Other threads' CPU must grow by this share of the compute growth (and by this many
+# ms) for the growth to be starvation: a busy thread burns CPU that slower compute on
+# the training thread does not.
+_OTHER_CPU_MIN_SHARE = 0.25
+_OTHER_CPU_MIN_MS = 2.0
+
+
 def _python_side_starved(subject_mean: dict[str, float], reference_mean: dict[str, float]) -> bool:
+    other = subject_mean.get("other_cpu", math.nan) - reference_mean.get("other_cpu", math.nan)
+    compute_growth = subject_mean["compute"] - reference_mean["compute"]
+    if math.isfinite(other) and other >= max(_OTHER_CPU_MIN_MS,
+                                             _OTHER_CPU_MIN_SHARE * compute_growth):
+        return True
     grew = subject_mean["dataloader"] - reference_mean["dataloader"]
     ratio = (subject_mean["dataloader"] + 1.0) / (reference_mean["dataloader"] + 1.0)
     return ratio >= _STARVED_RATIO and grew >= _STARVED_MIN_MS
@@ -89,10 +104,13 @@ def medians(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | s
 
 def means(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | slice) -> dict[str, float]:
     """Per-component means over steps (median across the rows per step first): the
-    mean keeps the erratic tail a median hides."""
+    mean keeps the erratic tail a median hides. `other_cpu` (CPU of the rank's other
+    threads) rides along; NaN when the instrumentation did not report it."""
     out = {}
-    for name, matrix in frame.parts.items():
+    for name, matrix in (*frame.parts.items(), ("other_cpu", frame.other_cpu)):
         per_step = nanmedian(matrix[np.asarray(rows)][:, cols].astype(np.float64), axis=0)
         value = np.nanmean(per_step) if np.isfinite(per_step).any() else 0.0
         out[name] = float(value)
+    if not np.isfinite(frame.other_cpu[np.asarray(rows)][:, cols]).any():
+        out["other_cpu"] = math.nan
     return out

@@ -29,7 +29,10 @@ BYTES = sc.STEP_COLLECTIVE_BYTES
 # here, in the one shared pass, rather than every step span in Python).
 SM_CLOCK = sc.STEP_GPU_SM_CLOCK_MHZ
 THROTTLE = sc.STEP_GPU_THROTTLE
-STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE)
+# CPU burnt by the rank's other threads: not part of its step time, but what tells a
+# starved Python side (a GIL-holding thread) from slower compute.
+OTHER_CPU = sc.STEP_OTHER_THREADS_CPU_MS
+STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_CPU)
 
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
@@ -49,6 +52,7 @@ class StepFrame:
     end_ns: np.ndarray
     sm_clock_mhz: np.ndarray  # (R, S) mean SM clock; NaN where the bucket reported none
     throttle_reasons: np.ndarray  # (R, S) float64 holding the OR of the buckets' NVML masks
+    other_cpu: np.ndarray  # (R, S) ms of CPU on the rank's other threads; NaN if unreported
 
     @property
     def work(self) -> np.ndarray:
@@ -104,4 +108,5 @@ def from_summary(table: pa.Table, bucket: int) -> StepFrame:
         bytes=matrix(BYTES), start_ns=matrix("start_ns", np.float64),
         end_ns=matrix("end_ns", np.float64),
         sm_clock_mhz=matrix(SM_CLOCK), throttle_reasons=matrix(THROTTLE, np.float64),
+        other_cpu=matrix(OTHER_CPU),
     )

@@ -21,7 +21,7 @@ from flare.instrumentation import semconv as sc
 
 @dataclasses.dataclass
 class Fault:
-    kind: str  # compute | input | gc | cpu | communication | hang | error | silent
+    kind: str  # compute | input | gc | cpu | busy_thread | communication | hang | error | silent
     rank: int
     from_step: int
     extra_ms: float = 30.0
@@ -51,10 +51,12 @@ def job_spans(
     span_counter = 0
     for step in range(steps):
         parts = {}
+        other_cpu_ms = {}
         for rank in range(world):
             jitter = rng.normal(1.0, 0.02)
             part = {"dataloader": 2.0 * jitter, "compute": base_ms * jitter, "gc": 0.0,
                     "pycall": 1.0 * jitter}
+            other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
             for f in faults:
                 active = f.rank == rank and step >= f.from_step and (f.to_step is None or step < f.to_step)
                 if not active:
@@ -68,7 +70,13 @@ def job_spans(
                 elif f.kind == "cpu":
                     for key in part:
                         part[key] *= 1.0 + f.extra_ms / base_ms
+                elif f.kind == "busy_thread":
+                    # A GIL-holding thread: the training thread's ops wait for the GIL
+                    # (compute grows alone) while the other thread burns the CPU.
+                    part["compute"] += f.extra_ms
+                    other_cpu += f.extra_ms
             parts[rank] = part
+            other_cpu_ms[rank] = other_cpu
         ready = {r: sum(p.values()) for r, p in parts.items()}
         live = [r for r in range(world) if stopped.get(r, 1 << 60) > step]
         if not live:
@@ -83,6 +91,7 @@ def job_spans(
                 sc.STEP: step,
                 sc.STEP_DATALOADER_MS: round(parts[rank]["dataloader"], 3),
                 sc.STEP_COMPUTE_MS: round(parts[rank]["compute"], 3),
+                sc.STEP_OTHER_THREADS_CPU_MS: round(other_cpu_ms[rank], 3),
                 sc.STEP_GC_MS: round(parts[rank]["gc"], 3),
                 sc.STEP_PYCALL_MS: round(parts[rank]["pycall"], 3),
                 sc.STEP_COLLECTIVE_WAIT_MS: round(wait, 3),

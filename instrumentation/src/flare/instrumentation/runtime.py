@@ -90,6 +90,7 @@ class Runtime:
         # (cheaper than listeners setting attributes on the span one call at a time).
         self.summary_contributors: list = []
         self.step_start_ns = 0
+        self.step_start_cpu_ns = (0, 0)
         self.totals = StepTotals()
         self.last_step_end_ns = 0
         self.recent_step_s: deque[float] = deque(maxlen=101)
@@ -155,6 +156,7 @@ class Runtime:
             return
         self.step_detail = self._decide_detail(self.step_number)
         self.step_start_ns = start_ns or time.time_ns()
+        self.step_start_cpu_ns = (time.process_time_ns(), time.thread_time_ns())
         self.totals = StepTotals()
         self._children = []
         self._step_span = None
@@ -260,6 +262,8 @@ class Runtime:
         dataloader_ms = totals.dataloader_ns / 1e6
         gc_ms = totals.gc_ns / 1e6
         wait_ns = sum(pg.wait_ns for pg in totals.pg.values())
+        process_cpu_ns = time.process_time_ns() - self.step_start_cpu_ns[0]
+        step_thread_cpu_ns = time.thread_time_ns() - self.step_start_cpu_ns[1]
         attributes = {
             semconv.STEP_DATALOADER_MS: round(dataloader_ms, 3),
             semconv.STEP_DATALOADER_COUNT: totals.dataloader_count,
@@ -271,6 +275,8 @@ class Runtime:
             semconv.STEP_COLLECTIVE_WAIT_MS: round(wait_ns / 1e6, 3),
             semconv.STEP_COMPUTE_MS: round(max(0.0, wall_ms - dataloader_ms - gc_ms
                                                - wait_ns / 1e6), 3),
+            semconv.STEP_OTHER_THREADS_CPU_MS: round(
+                max(0, process_cpu_ns - step_thread_cpu_ns) / 1e6, 3),
             semconv.STEP_DETAIL: self.step_detail,
         }
         return attributes
