@@ -37,6 +37,8 @@ STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
                    "wait": "communication"}
+# Which component dates a cause's onset (cpu starvation shows first in compute).
+CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute"}
 
 
 @dataclasses.dataclass
@@ -58,6 +60,15 @@ class StepFrame:
     def work(self) -> np.ndarray:
         """A rank's own time in the step: everything but waiting for the others."""
         return self.duration - np.nan_to_num(self.wait)
+
+    def cause_series(self, cause: str) -> np.ndarray | None:
+        """The (R, S) matrix whose jump dates a slowdown of this cause: the component
+        that grew, or for `cpu` the other threads' CPU when reported (it jumps the step a
+        busy thread starts, where the training thread's compute only drifts up)."""
+        if cause == "cpu" and np.isfinite(self.other_cpu).any():
+            return self.other_cpu
+        component = CAUSE_COMPONENT.get(cause)
+        return None if component is None else self.parts[component]
 
     def step_of(self, column: int) -> int:
         return int(self.steps[column])

@@ -90,17 +90,16 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     )]
 
 
-_CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute"}
 
 
 def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.ndarray,
                  persist: int, onset: int) -> int:
     """Date the slowdown by the named cause's own component when it jumps nearby: it is
     sharper than the step time, which noise can move a few steps early."""
-    component = _CAUSE_COMPONENT.get(cause)
-    if component is None:
+    matrix = frame.cause_series(cause)
+    if matrix is None:
         return onset
-    series = nanmedian(frame.parts[component][rows][:, warm].astype(np.float64), axis=0)
+    series = nanmedian(matrix[rows][:, warm].astype(np.float64), axis=0)
     after = series[warm >= onset]
     level = float(np.nanmedian(after)) if np.isfinite(after).any() else 0.0
     if not level > 0:

@@ -22,7 +22,6 @@ from flare.diagnostics.stats import first_rise, mad, nanmedian, runs
 
 _MIN_DENSITY = 0.7  # culprit in at least this share of the run's steps
 # The part of a step whose jump dates a cause's onset (CPU starvation shows in compute).
-_CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute"}
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
@@ -67,9 +66,9 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         anomaly = _label(frame, config, int(row), cols, mask, share)
         # The onset of the named cause is sharper than that of the whole step: place
         # first_step where that component of the rank's step jumped.
-        component = _CAUSE_COMPONENT.get(anomaly.cause)
-        if component is not None:
-            part = frame.parts[component].astype(np.float64)
+        series = frame.cause_series(anomaly.cause)
+        if series is not None:
+            part = series.astype(np.float64)
             part_deviation = part - nanmedian(part, axis=0)[None, :]
             start = _onset(part_deviation[row], first_warm, int(cols[0]), int(cols[-1]), persist)
             if start != int(cols[0]):
