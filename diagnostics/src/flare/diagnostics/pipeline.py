@@ -124,7 +124,10 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
     kept = []
     for anomaly in anomalies:
         cause = _SUBSUMED_BY_STRAGGLER.get(anomaly.kind)
-        owner = next((s for s in stragglers if cause == s.cause == anomaly.cause
+        # A CPU-starved rank (a busy thread holding the GIL) stalls its data loader and
+        # its collections too: symptoms of the same straggler, not separate problems.
+        owner = next((s for s in stragglers
+                      if cause is not None and s.cause in (cause, "cpu") and anomaly.cause == cause
                       and set(anomaly.ranks) <= set(s.ranks) and _overlap(s, anomaly)), None)
         if anomaly.kind == "collective_slow":
             # The least wait of a step is the straggler's own: a slow rank's collectives
