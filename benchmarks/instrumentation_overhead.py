@@ -71,12 +71,17 @@ def macro(pairs: int, steps: int) -> dict:
     plain_medians, instrumented_medians, ratios = [], [], []
     wire_per_rank_step, detail_costs = [], []
     for pair in range(pairs):
-        plain = statistics.median(run_job(steps, False, None)[warmup:])
+        # ABBA order (plain first in even pairs, instrumented first in odd ones), so
+        # that a drift of the machine's speed over the session cancels out.
+        if pair % 2 == 0:
+            plain = statistics.median(run_job(steps, False, None)[warmup:])
         with OtlpSink() as sink:
             times = run_job(steps, True, sink)
             time.sleep(1.0)  # the last batch export
             by_rank = sink.bytes_by_rank()
             step_spans = [s for s in sink.spans() if s["name"] == "train.step"]
+        if pair % 2 == 1:
+            plain = statistics.median(run_job(steps, False, None)[warmup:])
         instrumented = statistics.median(times[warmup:])
         plain_medians.append(plain)
         instrumented_medians.append(instrumented)
@@ -95,7 +100,14 @@ def macro(pairs: int, steps: int) -> dict:
               f"{instrumented * 1e3:.2f} ms/step, ratio {instrumented / plain:.4f}, "
               f"{wire_per_rank_step[-1]:.0f} B/rank/step, ranks seen "
               f"{sorted({rank_of(s) for s in step_spans})}", flush=True)
+    mean = statistics.fmean(ratios)
+    # 95 % confidence interval of the mean pair ratio (Student's t, two-sided).
+    t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
+           9: 2.26, 10: 2.23, 11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13}
+    half = (t95.get(len(ratios) - 1, 2.0) * statistics.stdev(ratios) / len(ratios) ** 0.5
+            if len(ratios) > 1 else float("nan"))
     return {
+        "ratios": ratios, "ratio_mean": mean, "ratio_ci95": (mean - half, mean + half),
         "plain_ms": statistics.median(plain_medians) * 1e3,
         "instrumented_ms": statistics.median(instrumented_medians) * 1e3,
         "ratio_median_of_pairs": statistics.median(ratios),
@@ -250,6 +262,10 @@ def main() -> None:
               f"{figures['ratio_median_of_pairs']:.4f} (ratio of medians "
               f"{figures['ratio_of_medians']:.4f}); targets <= 1.005 (issue 2), <= 1.01 "
               "with collectives (issue 3)")
+        low, high = figures["ratio_ci95"]
+        print(f"mean pair ratio {figures['ratio_mean']:.4f}, 95% confidence interval "
+              f"[{low:.4f}, {high:.4f}]; pairs: "
+              + ", ".join(f"{r:.4f}" for r in figures["ratios"]))
         print(f"bytes on the wire per rank per step: {figures['bytes_per_rank_per_step']:.0f} "
               f"(target <= 4096, default FLARE_DETAIL_EVERY=100, {args.steps} steps)")
         detail = figures["detail_step_extra_ms"]
