@@ -147,6 +147,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
             try:
                 store_path = getattr(backend, "path", None)
                 if store_path is not None:
+                    backend.close()  # its read-only connection would hold the writer off
                     writeback.write_to_store(str(store_path), job, diagnosis.anomalies, diagnosis.evidence_links)
                 if args.otlp_endpoint:
                     writeback.send_otlp(args.otlp_endpoint, writeback.anomaly_spans(

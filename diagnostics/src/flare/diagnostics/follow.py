@@ -469,6 +469,7 @@ class FollowService:
                 )
             elif self.backend_spec.startswith("store:") or "://" not in self.backend_spec:
                 path = self.backend_spec.removeprefix("store:")
+                self.backend.close()  # release the read-only connection for the writer
                 writeback.write_to_store(path, self.job, anomalies, links)
         except writeback.WritebackError as exc:
             with self.metrics.lock:

@@ -1,13 +1,20 @@
 """The embedded DuckDB store as a diagnosis backend, with filters and aggregation
 pushed down to SQL so a thousand-rank hour never has to fit in Python memory.
 
-The collector writes the file in short flushes; every query here opens the file
-read-only, runs, and closes it again, so the collector is never locked out for long.
+The collector writes the file in short flushes, and a reader holding the file locks
+it out, so a backend never holds the file for long: a query opens it read-only, and
+the connection is kept for the next queries only within `hold_s` of that open (a
+timer closes it then, busy or idle) and never past a large result. A diagnosis asks
+about a dozen queries, most of them a few rows; opening the file is ~20 ms of each,
+and re-used, DuckDB also keeps what it read. Closing after a large result returns
+DuckDB's working memory of that query before the next one builds its own.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,17 +34,43 @@ from flare.instrumentation import semconv as sc
 _SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
 
 
+# A result this large ends the connection's reuse (the kernel table of one Kineto rank
+# is ~5 MB; the step summaries and counts around it are a few KB).
+_RELEASE_AFTER_BYTES = 1 << 20
+
+
 class StoreBackend:
     def __init__(self, path: str | os.PathLike[str], open_timeout_s: float = 30.0,
-                 memory_limit: str = "256MB") -> None:
+                 memory_limit: str = "256MB", hold_s: float = 0.5) -> None:
         self.path = Path(path)
         self.memory_limit = memory_limit
         self.name = f"store:{self.path}"
         self.open_timeout_s = open_timeout_s
+        self.hold_s = hold_s
+        self._lock = threading.Lock()
+        self._con = None
+        self._opened_at = 0.0
+        self._timer: threading.Timer | None = None
         # Fail now, with the store's own one-line reason, rather than at first query.
         self.query("SELECT 1")
 
     def query(self, sql: str, params: Sequence[object] = ()) -> pa.Table:
+        with self._lock:
+            if self._con is not None and time.monotonic() - self._opened_at > self.hold_s:
+                self._release()
+            if self._con is None:
+                self._open()
+            try:
+                # A cursor of its own: open_reader leaves its version check result on `con`.
+                table = self._con.cursor().sql(sql, params=list(params)).to_arrow_table()
+            except BaseException:
+                self._release()
+                raise
+            if table.nbytes >= _RELEASE_AFTER_BYTES or self.hold_s <= 0:
+                self._release()
+            return table
+
+    def _open(self) -> None:
         try:
             con = flare_store.open_reader(self.path, timeout_s=self.open_timeout_s)
         except flare_store.StoreError as exc:
@@ -46,9 +79,28 @@ class StoreBackend:
             # Diagnosis must stay small beside a training job: cap DuckDB's working memory
             # (it spills to disk beyond it) instead of its default share of the machine's RAM.
             con.execute(f"SET memory_limit = '{self.memory_limit}'")
-            # A cursor of its own: open_reader leaves its version check result on `con`.
-            return con.cursor().sql(sql, params=list(params)).to_arrow_table()
-        finally:
+        except BaseException:
+            con.close()
+            raise
+        self._con, self._opened_at = con, time.monotonic()
+        if self.hold_s > 0:
+            self._timer = threading.Timer(self.hold_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._con is not None and time.monotonic() - self._opened_at >= self.hold_s * 0.99:
+                self._release()
+
+    def _release(self) -> None:
+        """Close the held connection (the caller holds `_lock`)."""
+        if self._timer is not None:
+            if self._timer is not threading.current_thread():
+                self._timer.cancel()
+            self._timer = None
+        if self._con is not None:
+            con, self._con = self._con, None
             con.close()
 
     def jobs(self) -> list[str]:
@@ -59,7 +111,9 @@ class StoreBackend:
         return StoreJobData(self, job)
 
     def close(self) -> None:
-        """Nothing is held between queries."""
+        """Release the store file now (a later query opens it again)."""
+        with self._lock:
+            self._release()
 
 
 def _name_filter(names: Sequence[str]) -> tuple[str, list[object]]:
