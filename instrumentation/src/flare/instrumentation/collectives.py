@@ -130,7 +130,7 @@ class CollectiveRecord:
 @dataclass
 class _StepCollectives:
     seq_at_start: dict[str, int] = field(default_factory=dict)
-    seq_at_end: dict[str, int] = field(default_factory=dict)
+    seq_at_end: dict[str, int] | None = None  # set by add_step_summary
     # (pg name, call start, call end) of Python-issued collectives: a flight-recorder
     # entry created inside one of these windows is that call (sequence numbers cannot
     # join them: with point-to-point traffic the group counter and the recorder's
@@ -403,7 +403,16 @@ class CollectiveTracker:
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:
-        self._step = _StepCollectives(seq_at_start=self.groups.sequence_snapshot())
+        runtime = self.runtime
+        previous = self._step
+        if (step > 0 and previous.seq_at_end is not None
+                and runtime.step_start_ns == runtime.last_step_end_ns):
+            # This step began where the last one ended (the optimizer-hook boundary):
+            # the sequence numbers taken at that end are this step's start.
+            started = previous.seq_at_end
+        else:
+            started = self.groups.sequence_snapshot()
+        self._step = _StepCollectives(seq_at_start=started)
 
     def add_step_summary(self, summary: dict) -> None:
         """Always-on per-group arrays for the step span (a Runtime summary contributor)."""
@@ -436,7 +445,7 @@ class CollectiveTracker:
 
     def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:
-            self._emit_flight_recorder(self.runtime.step_start_ns, self._step.seq_at_end,
+            self._emit_flight_recorder(self.runtime.step_start_ns, self._step.seq_at_end or {},
                                        self._step.seq_at_start)
 
     def _emit_flight_recorder(self, step_start_ns: int, now_seqs: dict, started: dict) -> None:

@@ -30,6 +30,10 @@ class ProcessGroups:
         self._c10d = distributed_c10d
         self._info: dict[int, tuple[object, PgInfo]] = {}
         self._no_sequence: set[int] = set()
+        # sequence_snapshot() runs a few times per step: the groups and their names are
+        # resolved again only when the set of groups changes.
+        self._snapshot_groups: tuple = ()
+        self._snapshot_named: list[tuple[object, str]] = []
 
     def resolve(self, group):
         """The ProcessGroup object a `group=` argument means (None: the default group)."""
@@ -79,13 +83,22 @@ class ProcessGroups:
             return []
 
     def sequence_snapshot(self) -> dict[str, int]:
-        snapshot = {}
-        for pg in self.all_groups():
-            seq = self.sequence(pg)
-            if seq is not None:
+        try:
+            groups = tuple(self._c10d._world.pg_map)
+        except Exception:
+            groups = ()
+        if groups != self._snapshot_groups:
+            named = []
+            for pg in groups:
                 info = self.info(pg)
                 if info is not None:
-                    snapshot[info.name] = seq
+                    named.append((pg, info.name))
+            self._snapshot_groups, self._snapshot_named = groups, named
+        snapshot = {}
+        for pg, name in self._snapshot_named:
+            seq = self.sequence(pg)
+            if seq is not None:
+                snapshot[name] = seq
         return snapshot
 
     def infos_by_name(self) -> dict[str, PgInfo]:

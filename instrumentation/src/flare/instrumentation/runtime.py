@@ -22,6 +22,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 
 from flare.instrumentation import semconv
 from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
+from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity
 
 _log = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class Runtime:
         self._children: list[tuple[str, int, int, dict]] = []
         self._ops: dict[int, list[Operation]] = {}
         self._lock = threading.Lock()
+        # Step spans created when the step is over skip the SDK's span machinery
+        # (finished_span.py); None when the tracer is not one this is safe for.
+        self._finished = FinishedSpans.for_tracer(tracer)
 
     # ------------------------------------------------------------ identity (public API)
     @property
@@ -164,15 +168,16 @@ class Runtime:
         self.step_open = True
         self._notify("on_step_start", self.step_number, self.step_detail)
 
+    def _step_parent(self) -> SpanContext:
+        job, step = self.identity.job_id, self.step_number
+        return SpanContext(trace_id=semconv.step_trace_id(job, step),
+                           span_id=semconv.step_root_span_id(job, step),
+                           is_remote=True, trace_flags=_SAMPLED)
+
     def _start_step_span(self, attributes: dict):
-        step = self.step_number
-        job = self.identity.job_id
-        root = NonRecordingSpan(SpanContext(
-            trace_id=semconv.step_trace_id(job, step),
-            span_id=semconv.step_root_span_id(job, step),
-            is_remote=True, trace_flags=_SAMPLED))
-        attributes[semconv.STEP] = step
+        attributes[semconv.STEP] = self.step_number
         attributes.update(self.span_attributes)
+        root = NonRecordingSpan(self._step_parent())
         return self.tracer.start_span(semconv.SPAN_STEP, context=trace.set_span_in_context(root),
                                       start_time=self.step_start_ns, attributes=attributes)
 
@@ -203,16 +208,41 @@ class Runtime:
         summary = self._summary(end_ns)
         for contributor in self.summary_contributors:
             contributor(summary)
+        finished = self._finished
         with self._lock:
-            if self._step_span is None:
-                self._step_span = self._start_step_span(summary)
-            else:
-                self._step_span.set_attributes(summary)
             span = self._step_span
+            if span is not None:
+                span.set_attributes(summary)
+            elif finished is not None and finished.usable():
+                # Nothing needed the span during the step: it is emitted finished, with
+                # a pending stand-in (same context) for the listeners and children.
+                summary[semconv.STEP] = self.step_number
+                summary.update(self.span_attributes)
+                parent = self._step_parent()
+                span = self._step_span = PendingStepSpan(
+                    SpanContext(parent.trace_id, finished.new_span_id(), is_remote=False,
+                                trace_flags=_SAMPLED), summary)
+            else:
+                span = self._step_span = self._start_step_span(summary)
+        self._emit_step_end(span, end_ns)
+        if isinstance(span, PendingStepSpan):
+            finished.emit(semconv.SPAN_STEP, parent, span.get_span_context().span_id,
+                          summary, self.step_start_ns, end_ns)
+        else:
+            span.end(end_time=end_ns)
+        self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
+        self.last_step_end_ns = end_ns
+        self.step_number += 1
+        self.step_open = False
+        self._step_span = None
+        self._step_context = None
+
+    def _emit_step_end(self, span, end_ns: int) -> None:
+        """Listeners, then the step's buffered children, while `span` is still open."""
         self._notify("on_step_end", self.step_number, self.step_detail, span)
         children, self._children = self._children, []
         if children:
-            context = self.step_context
+            context = trace.set_span_in_context(span)
             for name, start, end, attributes in children:
                 # a collection can also run inside this bookkeeping, after end_ns was taken
                 start, end = min(start, end_ns), min(end, end_ns)
@@ -220,13 +250,6 @@ class Runtime:
                 child = self.tracer.start_span(name, context=context, start_time=start,
                                                attributes=dict(attributes))
                 child.end(end_time=end)
-        span.end(end_time=end_ns)
-        self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
-        self.last_step_end_ns = end_ns
-        self.step_number += 1
-        self.step_open = False
-        self._step_span = None
-        self._step_context = None
 
     def abandon_step(self) -> None:
         """Forget an open step that will never complete (never exported: not ended)."""

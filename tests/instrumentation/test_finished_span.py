@@ -1,0 +1,115 @@
+"""Step spans emitted finished (flare.instrumentation.finished_span) against the SDK path.
+
+The fast path must be indistinguishable from `Tracer.start_span` + `end()` for what an
+exporter sees, honour the sampler, and step aside for processors that do work in
+`on_start`."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from test_instrumentor import finished, rank_env, train  # noqa: F401  (fixture)
+
+import flare.instrumentation as flare_instrumentation
+from flare.instrumentation import semconv
+from flare.instrumentation.finished_span import FinishedSpans
+from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+
+_TIMINGS = {semconv.STEP_DATALOADER_MS, semconv.STEP_GC_MS, semconv.STEP_PYCALL_MS,
+            semconv.STEP_BACKWARD_MS, semconv.STEP_COMPUTE_MS,
+            semconv.STEP_OTHER_THREADS_CPU_MS, semconv.STEP_COLLECTIVE_WAIT_MS,
+            semconv.STEP_GC_COUNT}
+
+
+class StartCounting(SpanProcessor):
+    """A processor with its own on_start: step spans must reach it through the SDK."""
+
+    def __init__(self):
+        self.started = []
+
+    def on_start(self, span, parent_context=None):
+        self.started.append(span.name)
+
+
+class Listener:
+    def on_step_start(self, step, detail):
+        pass
+
+    def on_step_end(self, step, detail, span):
+        span.set_attribute("test.list", [1, 2, 3])
+        span.set_attributes({"test.none": None, "test.step": step})
+
+
+def run(provider, steps=3):
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        runtime = flare_instrumentation.active_runtime()
+        runtime.add_step_listener(Listener())
+        fast = runtime._finished is not None and runtime._finished.usable()
+        train(steps)
+    finally:
+        instrumentor.uninstrument()
+    return fast, finished(exporter, semconv.SPAN_STEP), exporter
+
+
+def comparable(span):
+    return {
+        "name": span.name, "kind": span.kind, "status": span.status.status_code,
+        "trace_id": span.context.trace_id, "sampled": span.context.trace_flags.sampled,
+        "parent": (span.parent.trace_id, span.parent.span_id),
+        "resource": dict(span.resource.attributes),
+        "scope": span.instrumentation_scope.name,
+        "attributes": {k: tuple(v) if isinstance(v, (list, tuple)) else v
+                       for k, v in span.attributes.items() if k not in _TIMINGS},
+        "valid_times": span.start_time < span.end_time,
+    }
+
+
+def test_finished_step_spans_match_the_sdk_path(rank_env):  # noqa: F811
+    resource = Resource({"service.name": "t"})
+    fast, fast_spans, fast_exporter = run(TracerProvider(resource=resource))
+    slow_provider = TracerProvider(resource=resource)
+    counting = StartCounting()
+    slow_provider.add_span_processor(counting)
+    slow, slow_spans, _ = run(slow_provider)
+    assert fast and not slow
+    assert counting.started.count(semconv.SPAN_STEP) == 3  # it saw every step span start
+    for fast_span, slow_span in zip(fast_spans, slow_spans, strict=True):
+        want, got = comparable(slow_span), comparable(fast_span)
+        got_attributes, want_attributes = got.pop("attributes"), want.pop("attributes")
+        assert {k: (got_attributes.get(k), v) for k, v in want_attributes.items()
+                if got_attributes.get(k) != v} == {}
+        assert set(got_attributes) == set(want_attributes)
+        assert got == want
+    assert len(fast_spans) == 3
+    for span in fast_spans:
+        assert span.attributes["test.list"] == (1, 2, 3)
+        assert span.attributes["test.none"] is None  # kept, as the SDK keeps it
+        assert span.attributes["test.step"] == span.attributes[semconv.STEP]
+    # children of detail steps name the finished span as their parent
+    ids = {s.context.span_id for s in fast_spans}
+    loader = finished(fast_exporter, semconv.SPAN_DATALOADER)
+    assert loader and all(s.parent.span_id in ids for s in loader)
+
+
+@pytest.mark.parametrize("with_start_processor", [False, True])
+def test_the_sampler_still_decides(rank_env, with_start_processor):  # noqa: F811
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    if with_start_processor:
+        provider.add_span_processor(StartCounting())
+    _, spans, _ = run(provider)
+    assert spans == []
+
+
+def test_a_non_sdk_tracer_keeps_the_sdk_path():
+    class NotTheSdk:
+        span_processor = None
+
+    assert FinishedSpans.for_tracer(NotTheSdk()) is None
