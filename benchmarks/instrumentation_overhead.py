@@ -4,7 +4,10 @@ Macro: the same 4-rank gloo DDP job (examples/train_ddp.py), plain `torchrun` ve
 `opentelemetry-instrument torchrun` exporting real OTLP/gRPC to a loopback receiver,
 runs alternated (plain, instrumented, plain, ...). Prints the median step time of each
 run, the median of the per-pair ratios, the bytes on the wire per rank per step, and
-the detail-step cost on its own line. Collective tracing is part of the instrumented
+the detail-step cost on its own line. Both arms run through benchmarks/step_cpu_probe.py,
+which also gives the CPU the instrumentation adds per rank and step (training thread and
+whole process): a figure the machine's wall-time noise does not move. `--train-args`
+changes the job's step (e.g. '--hidden 1024 --batch-size 128' for ~100 ms). Collective tracing is part of the instrumented
 runs (it is always on).
 
 Interleaved: the same job with the instrumentor switched on and off in alternating
@@ -41,12 +44,16 @@ RANKS = 4
 
 
 # ---------------------------------------------------------------------------- macro
-def run_job(steps: int, instrumented: bool, sink: OtlpSink | None) -> list[float]:
+def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
+            train_args: list[str]) -> tuple[list[float], dict]:
+    """One run; returns rank 0's step wall times and the ranks' mean per-step CPU
+    medians (training thread, whole process) from benchmarks/step_cpu_probe.py."""
     with tempfile.TemporaryDirectory() as tmp:
         times_path = os.path.join(tmp, "steps.json")
         command = [str(BIN / "torchrun"), "--nproc_per_node", str(RANKS),
+                   str(REPO / "benchmarks" / "step_cpu_probe.py"), tmp,
                    str(REPO / "examples" / "train_ddp.py"), "--steps", str(steps),
-                   "--step-times", times_path]
+                   "--step-times", times_path, *train_args]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
         if instrumented:
@@ -58,30 +65,41 @@ def run_job(steps: int, instrumented: bool, sink: OtlpSink | None) -> list[float
                 "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
             })
         result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
-                                timeout=600)
+                                timeout=900)
         if result.returncode != 0:
             raise SystemExit(f"training run failed:\n{result.stdout[-2000:]}"
                              f"{result.stderr[-2000:]}")
         with open(times_path) as handle:
-            return json.load(handle)
+            times = json.load(handle)
+        probes = []
+        for rank in range(RANKS):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as handle:
+                probes.append(json.load(handle))
+        cpu = {key: statistics.fmean(p[key] for p in probes)
+               for key in ("thread_cpu_ms", "process_cpu_ms")}
+        return times, cpu
 
 
-def macro(pairs: int, steps: int) -> dict:
+def macro(pairs: int, steps: int, train_args: list[str]) -> dict:
     warmup = 10  # first steps include DDP bucket rebuilding and allocator warm-up
     plain_medians, instrumented_medians, ratios = [], [], []
     wire_per_rank_step, detail_costs = [], []
+    thread_added, process_added = [], []
     for pair in range(pairs):
         # ABBA order (plain first in even pairs, instrumented first in odd ones), so
         # that a drift of the machine's speed over the session cancels out.
         if pair % 2 == 0:
-            plain = statistics.median(run_job(steps, False, None)[warmup:])
+            plain_times, plain_cpu = run_job(steps, False, None, train_args)
         with OtlpSink() as sink:
-            times = run_job(steps, True, sink)
+            times, cpu = run_job(steps, True, sink, train_args)
             time.sleep(1.0)  # the last batch export
             by_rank = sink.bytes_by_rank()
             step_spans = [s for s in sink.spans() if s["name"] == "train.step"]
         if pair % 2 == 1:
-            plain = statistics.median(run_job(steps, False, None)[warmup:])
+            plain_times, plain_cpu = run_job(steps, False, None, train_args)
+        plain = statistics.median(plain_times[warmup:])
+        thread_added.append(cpu["thread_cpu_ms"] - plain_cpu["thread_cpu_ms"])
+        process_added.append(cpu["process_cpu_ms"] - plain_cpu["process_cpu_ms"])
         instrumented = statistics.median(times[warmup:])
         plain_medians.append(plain)
         instrumented_medians.append(instrumented)
@@ -98,7 +116,9 @@ def macro(pairs: int, steps: int) -> dict:
             detail_costs.append(statistics.mean(detail) - statistics.median(normal))
         print(f"pair {pair}: plain {plain * 1e3:.2f} ms/step, instrumented "
               f"{instrumented * 1e3:.2f} ms/step, ratio {instrumented / plain:.4f}, "
-              f"{wire_per_rank_step[-1]:.0f} B/rank/step, ranks seen "
+              f"{wire_per_rank_step[-1]:.0f} B/rank/step, CPU added per rank-step "
+              f"{thread_added[-1] * 1e3:+.0f} us training thread, "
+              f"{process_added[-1] * 1e3:+.0f} us process, ranks seen "
               f"{sorted({rank_of(s) for s in step_spans})}", flush=True)
     mean = statistics.fmean(ratios)
     # 95 % confidence interval of the mean pair ratio (Student's t, two-sided).
@@ -107,6 +127,8 @@ def macro(pairs: int, steps: int) -> dict:
     half = (t95.get(len(ratios) - 1, 2.0) * statistics.stdev(ratios) / len(ratios) ** 0.5
             if len(ratios) > 1 else float("nan"))
     return {
+        "thread_added_us": statistics.median(thread_added) * 1e3,
+        "process_added_us": statistics.median(process_added) * 1e3,
         "ratios": ratios, "ratio_mean": mean, "ratio_ci95": (mean - half, mean + half),
         "plain_ms": statistics.median(plain_medians) * 1e3,
         "instrumented_ms": statistics.median(instrumented_medians) * 1e3,
@@ -247,6 +269,9 @@ def main() -> None:
     parser.add_argument("--interleaved-steps", type=int, default=1200)
     parser.add_argument("--block", type=int, default=25)
     parser.add_argument("--skip-macro", action="store_true")
+    parser.add_argument("--train-args", default="",
+                        help="extra arguments for examples/train_ddp.py, e.g. "
+                        "'--hidden 1024 --batch-size 128' for a ~100 ms step")
     args = parser.parse_args()
     if args.interleaved_steps:
         figures = interleaved(args.interleaved_steps, args.block)
@@ -255,13 +280,16 @@ def main() -> None:
               f"{figures['plain_ms']:.2f} ms, instrumented {figures['instrumented_ms']:.2f} ms, "
               f"ratio {figures['ratio']:.4f}", flush=True)
     if not args.skip_macro:
-        figures = macro(args.pairs, args.steps)
+        figures = macro(args.pairs, args.steps, args.train_args.split())
         print(f"plain median step: {figures['plain_ms']:.2f} ms; instrumented: "
               f"{figures['instrumented_ms']:.2f} ms")
         print(f"step-time overhead ratio (median of {args.pairs} alternated pairs): "
               f"{figures['ratio_median_of_pairs']:.4f} (ratio of medians "
               f"{figures['ratio_of_medians']:.4f}); targets <= 1.005 (issue 2), <= 1.01 "
               "with collectives (issue 3)")
+        print(f"CPU added per rank per step (median of pairs, ranks' mean of per-step "
+              f"medians): training thread {figures['thread_added_us']:+.0f} us, whole "
+              f"process {figures['process_added_us']:+.0f} us")
         low, high = figures["ratio_ci95"]
         print(f"mean pair ratio {figures['ratio_mean']:.4f}, 95% confidence interval "
               f"[{low:.4f}, {high:.4f}]; pairs: "
