@@ -1,9 +1,15 @@
 """Flare's `import-kineto` + `diagnose` against Holistic Trace Analysis on the same trace.
 
     .venv/bin/python benchmarks/kineto_vs_hta.py [--trace FILE] [--hta-python PY] [--sizes 1,2,4]
+                                                 [--rounds 3]
 
-Side by side in one run, each side a fresh process measured with wait4 (wall time and
-peak RSS of exactly that process):
+Side by side in one run, each side a fresh process measured with wait4 (wall time, CPU
+seconds = user + system, and peak RSS of exactly that process); after one untimed
+warm-up of each side, `--rounds` rounds alternate which side goes first (Flare, HTA;
+then HTA, Flare; ...) and the medians are compared, so load from other processes on a
+shared machine falls on both sides. Both sides run as installed: with Python's bytecode
+cache (the warm-up writes Flare's, as `pip install` does for HTA's packages), even
+where PYTHONDONTWRITEBYTECODE is set in the calling shell.
 - Flare: `flare import-kineto FILE --store S` then `flare diagnose --store S --format json`
   (wall times added, peak RSS the larger of the two processes);
 - HTA 0.5.0: `TraceAnalysis(trace_dir)` + `get_temporal_breakdown()` +
@@ -23,6 +29,7 @@ import argparse
 import gzip
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,21 +60,33 @@ pid = os.fork()
 if pid == 0:
     os.execv(sys.argv[1], sys.argv[1:])
 _, status, usage = os.wait4(pid, 0)
-sys.stderr.write(f"\n@@measured {time.perf_counter() - start} {usage.ru_maxrss}\n")
+cpu = usage.ru_utime + usage.ru_stime
+sys.stderr.write(f"\n@@measured {time.perf_counter() - start} {usage.ru_maxrss} {cpu}\n")
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+# The children run as installed programs do: with the bytecode cache.
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+_CPU: dict[tuple[str, ...], float] = {}  # CPU seconds of the last run of each command
+
+
 def measured(cmd: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS MB, stdout) of one command, in a clean process."""
+    """(wall seconds, peak RSS MB, stdout) of one command, in a clean process; its CPU
+    seconds are left in `_CPU[tuple(cmd)]`."""
     proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True,
-                          text=True)
+                          text=True, env=_ENV)
     lines = proc.stderr.rstrip().splitlines()
     if proc.returncode != 0 or not lines or not lines[-1].startswith("@@measured"):
         raise SystemExit(f"{' '.join(cmd[:4])}… failed ({proc.returncode}): "
                          f"{proc.stderr.strip()[-400:]}")
-    _, wall, rss_kb = lines[-1].split()
+    _, wall, rss_kb, cpu = lines[-1].split()
+    _CPU[tuple(cmd)] = float(cpu)
     return float(wall), int(rss_kb) / 1024, proc.stdout
+
+
+def last_cpu(cmd: list[str]) -> float:
+    return _CPU[tuple(cmd)]
 
 
 def hta_python(requested: str | None) -> tuple[str | None, str]:
@@ -89,15 +108,19 @@ def flare_run(trace: Path, work: Path, diagnose: bool = True) -> dict:
     store = work / f"{trace.stem}.duckdb"
     store.unlink(missing_ok=True)
     cli = [sys.executable, "-m", "flare.diagnostics.cli"]
-    wall_i, rss_i, _ = measured([*cli, "import-kineto", str(trace), "--store", str(store),
-                                  "--job", "bench"])
-    result = {"import_s": wall_i, "import_rss_mb": rss_i, "store": store}
+    command = [*cli, "import-kineto", str(trace), "--store", str(store), "--job", "bench"]
+    wall_i, rss_i, _ = measured(command)
+    result = {"import_s": wall_i, "import_rss_mb": rss_i, "import_cpu_s": last_cpu(command),
+              "store": store}
     if diagnose:
         report = work / "report.json"
-        wall_d, rss_d, _ = measured([*cli, "diagnose", "--store", str(store), "--job", "bench",
-                                           "--format", "json", "-o", str(report)])
-        result.update(diagnose_s=wall_d, diagnose_rss_mb=rss_d,
+        command = [*cli, "diagnose", "--store", str(store), "--job", "bench", "--format", "json",
+                   "-o", str(report)]
+        wall_d, rss_d, _ = measured(command)
+        result.update(diagnose_s=wall_d, diagnose_rss_mb=rss_d, diagnose_cpu_s=last_cpu(command),
                       kinds=sorted({a["kind"] for a in json.loads(report.read_text())["anomalies"]}))
+        result.update(wall_s=wall_i + wall_d, cpu_s=result["import_cpu_s"] + last_cpu(command),
+                      rss_mb=max(rss_i, rss_d))
     return result
 
 
@@ -108,9 +131,11 @@ def hta_run(python: str, trace: Path, work: Path, analyse: bool = True) -> dict:
     if not link.exists():
         link.symlink_to(trace.resolve())
     script = HTA_SCRIPT if analyse else HTA_SCRIPT.split("breakdown =")[0] + "print(0, 0)"
-    wall, rss, out = measured([python, "-c", script, str(trace_dir)])
+    command = [python, "-c", script, str(trace_dir)]
+    wall, rss, out = measured(command)
     idle, launch_median = (float(x) for x in out.split())
-    return {"wall_s": wall, "rss_mb": rss, "idle_pct": idle, "launch_delay_median_us": launch_median}
+    return {"wall_s": wall, "rss_mb": rss, "cpu_s": last_cpu(command), "idle_pct": idle,
+            "launch_delay_median_us": launch_median}
 
 
 def flare_figures(store: Path) -> tuple[float, float]:
@@ -193,6 +218,7 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--hta-python", help="a Python with holistictraceanalysis installed")
     parser.add_argument("--sizes", default="1,2,4", help="replication factors for the memory curve")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the comparison")
     args = parser.parse_args()
     if not args.trace.exists():
         print(f"skipped: {args.trace} not found (the shared Kineto traces are absent)")
@@ -200,27 +226,53 @@ def main() -> int:
     python, hta_version = hta_python(args.hta_python)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        flare = flare_run(args.trace, work)
+        # Warm-up, untimed: bytecode caches written, both sides' files in the page cache.
+        flare_run(args.trace, work)
+        if python:
+            hta_run(python, args.trace, work)
+        flares: list[dict] = []
+        htas: list[dict] = []
+        for round_no in range(max(1, args.rounds)):
+            hta_first = python is not None and round_no % 2 == 1
+            if hta_first:
+                htas.append(hta_run(python, args.trace, work))
+            flares.append(flare_run(args.trace, work))
+            if python and not hta_first:
+                htas.append(hta_run(python, args.trace, work))
+        flare = flares[-1]
         idle, delay = flare_figures(flare["store"])
-        flare_wall = flare["import_s"] + flare["diagnose_s"]
-        flare_rss = max(flare["import_rss_mb"], flare["diagnose_rss_mb"])
-        print(f"trace: {args.trace.name} ({args.trace.stat().st_size / 1e6:.1f} MB gzip)")
-        print(f"{'':34}{'wall s':>9}{'peak RSS MB':>13}")
-        print(f"{'flare import-kineto':34}{flare['import_s']:9.2f}{flare['import_rss_mb']:13.0f}")
-        print(f"{'flare diagnose':34}{flare['diagnose_s']:9.2f}{flare['diagnose_rss_mb']:13.0f}")
-        print(f"{'flare import + diagnose':34}{flare_wall:9.2f}{flare_rss:13.0f}")
+
+        def med(rows: list[dict], key: str) -> float:
+            return statistics.median(r[key] for r in rows)
+
+        print(f"trace: {args.trace.name} ({args.trace.stat().st_size / 1e6:.1f} MB gzip); "
+              f"median of {len(flares)} alternating rounds after a warm-up "
+              f"(load average {os.getloadavg()[0]:.1f})")
+        print(f"{'':34}{'wall s':>9}{'CPU s':>8}{'peak RSS MB':>13}")
+        print(f"{'flare import-kineto':34}{med(flares, 'import_s'):9.2f}"
+              f"{med(flares, 'import_cpu_s'):8.2f}{med(flares, 'import_rss_mb'):13.0f}")
+        print(f"{'flare diagnose':34}{med(flares, 'diagnose_s'):9.2f}"
+              f"{med(flares, 'diagnose_cpu_s'):8.2f}{med(flares, 'diagnose_rss_mb'):13.0f}")
+        flare_wall, flare_cpu, flare_rss = (med(flares, k) for k in ("wall_s", "cpu_s", "rss_mb"))
+        print(f"{'flare import + diagnose':34}{flare_wall:9.2f}{flare_cpu:8.2f}{flare_rss:13.0f}")
         print(f"flare anomalies: {', '.join(flare['kinds'])}")
         print(f"flare figures: GPU idle {idle:.2f}% (HTA definition), "
               f"median launch delay {delay:.1f} µs")
         if python is None:
             print(f"HTA side skipped: {hta_version}")
         else:
-            hta = hta_run(python, args.trace, work)
-            print(f"{'HTA ' + hta_version + ' load + analyse':34}{hta['wall_s']:9.2f}{hta['rss_mb']:13.0f}")
+            hta = htas[-1]
+            hta_wall, hta_cpu, hta_rss = (med(htas, k) for k in ("wall_s", "cpu_s", "rss_mb"))
+            print(f"{'HTA ' + hta_version + ' load + analyse':34}{hta_wall:9.2f}{hta_cpu:8.2f}"
+                  f"{hta_rss:13.0f}")
             print(f"HTA figures:   GPU idle {hta['idle_pct']:.2f}%, median launch delay "
                   f"{hta['launch_delay_median_us']:.1f} µs")
-            print(f"ratio flare/HTA: wall {flare_wall / hta['wall_s']:.2f}, "
-                  f"peak RSS {flare_rss / hta['rss_mb']:.2f}  (target <= 0.50 each)")
+            print(f"ratio flare/HTA: wall {flare_wall / hta_wall:.2f}, CPU {flare_cpu / hta_cpu:.2f}, "
+                  f"peak RSS {flare_rss / hta_rss:.2f}  (target <= 0.50 wall and RSS)")
+            print("rounds (flare wall/CPU/RSS | HTA wall/CPU/RSS): " + "; ".join(
+                f"{f['wall_s']:.2f}/{f['cpu_s']:.2f}/{f['rss_mb']:.0f} | "
+                f"{h['wall_s']:.2f}/{h['cpu_s']:.2f}/{h['rss_mb']:.0f}"
+                for f, h in zip(flares, htas, strict=True)))
         print("\nmemory against trace size (events replicated; factor 0 = a one-kernel trace,")
         print("the fixed cost of interpreter, pyarrow, DuckDB / pandas):")
         print(f"{'factor':>6}{'events MB (json)':>18}{'flare import MB':>17}{'HTA MB':>9}")

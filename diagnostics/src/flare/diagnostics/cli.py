@@ -10,9 +10,11 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from flare.diagnostics.backends import Backend, BackendError, open_backend
-from flare.diagnostics.model import DiagnosisConfig
+if TYPE_CHECKING:  # each command imports what it uses: import-kineto needs no diagnosis
+    from flare.diagnostics.backends import Backend
+    from flare.diagnostics.model import DiagnosisConfig
 
 DEFAULT_STORE = os.path.join(".flare", "store.duckdb")
 EXIT_USAGE = 2
@@ -95,6 +97,8 @@ def backend_spec(args: argparse.Namespace) -> str:
 
 
 def open_user_backend(spec: str) -> Backend:
+    from flare.diagnostics.backends import BackendError, open_backend
+
     try:
         return open_backend(spec)
     except BackendError as exc:
@@ -102,6 +106,8 @@ def open_user_backend(spec: str) -> Backend:
 
 
 def pick_job(backend: Backend, job: str | None) -> str:
+    from flare.diagnostics.backends import BackendError
+
     try:
         jobs = backend.jobs()
     except BackendError as exc:
@@ -119,7 +125,9 @@ def pick_job(backend: Backend, job: str | None) -> str:
 
 
 def diagnose_command(args: argparse.Namespace) -> int:
-    from flare.diagnostics import pipeline, writeback
+    from flare.diagnostics import pipeline
+    from flare.diagnostics.backends import BackendError
+    from flare.diagnostics.model import DiagnosisConfig
 
     if args.interval <= 0:
         raise UserError("--interval must be positive")
@@ -144,6 +152,8 @@ def diagnose_command(args: argparse.Namespace) -> int:
             raise UserError(str(exc)) from None
         emit(diagnosis, job_data, config, args.format, args.output)
         if args.write_back:
+            from flare.diagnostics import writeback  # OTLP protos: only when writing back
+
             try:
                 store_path = getattr(backend, "path", None)
                 if store_path is not None:
@@ -160,13 +170,15 @@ def diagnose_command(args: argparse.Namespace) -> int:
 
 
 def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | None) -> None:
-    from flare.diagnostics import report_html, report_text
-
     if fmt == "json":
         text = json.dumps(diagnosis.to_json(), indent=2) + "\n"
     elif fmt == "html":
+        from flare.diagnostics import report_html
+
         text = report_html.render(diagnosis, diagnosis.job_data or job_data, config)
     else:
+        from flare.diagnostics import report_text
+
         colour = output is None and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         text = report_text.render(diagnosis, colour=colour)
     if output:
