@@ -204,9 +204,15 @@ def test_random_garbage_never_crashes(fast, monkeypatch):
 
 
 class RefusingDecoder:
-    @staticmethod
-    def decode_traces(*args):
-        raise ValueError("malformed OTLP ExportTraceServiceRequest")
+    class SpanBuilder:
+        def __len__(self) -> int:
+            return 0
+
+        def nbytes(self) -> int:
+            return 0
+
+        def decode(self, payload):
+            raise ValueError("malformed OTLP ExportTraceServiceRequest")
 
 
 def test_a_refusing_c_decoder_never_loses_the_request(monkeypatch):
@@ -217,3 +223,80 @@ def test_a_refusing_c_decoder_never_loses_the_request(monkeypatch):
     assert SpanColumns.decoder_fallbacks == before + 1
     with pytest.raises(ValueError):  # raw bytes have no reference to fall back on
         columns.add_payload(b"\x0a\x05abc")
+
+
+def out_of_range_request() -> ExportTraceServiceRequest:
+    """Values a broken sender can put on the wire that the store's columns cannot hold."""
+    spans = [
+        Span(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, name="kind 200", kind=200,
+             status=Status(code=300), start_time_unix_nano=2**64 - 1, end_time_unix_nano=5,
+             attributes=kvs({sc.RANK: 2**40, sc.STEP: 2**62})),
+        Span(name="fine", kind=Span.SPAN_KIND_SERVER, start_time_unix_nano=2**63,
+             end_time_unix_nano=2**63 + 7, attributes=kvs({sc.RANK: -(2**31)})),
+    ]
+    return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource={"attributes": kvs({sc.SERVICE_NAME: "s", sc.RANK: 2**33, sc.PROCESS_PID: 2**40})},
+        scope_spans=[ScopeSpans(spans=spans)])])
+
+
+def test_values_out_of_column_range_are_null_or_wrap_alike(fast, monkeypatch):
+    c_rows, py_rows = both(fast, monkeypatch, [out_of_range_request().SerializeToString()])
+    assert c_rows == py_rows
+    first, second = c_rows
+    assert (first["kind"], first["status_code"], first["rank"], first["pid"]) == (None, None, None, None)
+    assert first["step"] == 2**62
+    assert first["start_ns"] == -1 and first["end_ns"] == 5 and first["duration_ns"] == 6
+    assert second["start_ns"] == -(2**63) and second["duration_ns"] == 7
+    assert second["kind"] == 2 and second["rank"] == -(2**31)
+
+
+def test_runs_of_c_and_reference_decoding_keep_arrival_order(fast, monkeypatch):
+    monkeypatch.setattr(otlp_columns, "_otlp_fast", fast)
+    requests = [realistic_request(seed) for seed in range(5)] + [hostile_request()]
+    mixed = SpanColumns()
+    reference = SpanColumns()
+    for i, request in enumerate(requests):
+        if i % 3 == 1:
+            mixed.add_request_python(request)
+        else:
+            mixed.add_payload(request.SerializeToString())
+        reference.add_request_python(request)
+        assert len(mixed) == len(reference)
+    first = mixed.table()
+    assert first.to_pylist() == reference.table().to_pylist()
+    assert mixed.table().to_pylist() == first.to_pylist()  # table() does not consume
+    mixed.add_payload(requests[0].SerializeToString())
+    reference.add_request_python(requests[0])
+    assert mixed.table().to_pylist() == reference.table().to_pylist()
+
+
+def test_a_full_builder_starts_a_new_chunk(fast, monkeypatch):
+    monkeypatch.setattr(otlp_columns, "_otlp_fast", fast)
+    monkeypatch.setattr(otlp_columns, "_SEAL_BYTES", 1000)
+    payloads = [realistic_request(seed).SerializeToString() for seed in range(4)]
+    chunked = SpanColumns()
+    for payload in payloads:
+        chunked.add_payload(payload)
+    table = chunked.table()
+    assert table.column("attributes").num_chunks == 4
+    c_rows, py_rows = both(fast, monkeypatch, payloads)
+    assert table.to_pylist() == c_rows == py_rows
+
+
+def test_doubles_are_written_as_python_repr(fast):
+    """The decoder's short path for doubles (a few decimals) must give repr's digits."""
+    import json
+    import struct
+
+    encode = json.JSONEncoder(allow_nan=False).encode
+    rng = random.Random(11)
+    values = [0.0, -0.0, 1e-4, 9.999e-5, 1e15, 1e15 - 1, 999999999999999.9, 0.1, 0.3, 1 / 3,
+              -7.125, 1e-7, 123456.7891234, 5e-324, 1.7976931348623157e308, 2.0**53, 1e16]
+    for _ in range(50_000):
+        values.append(round(rng.uniform(-1e6, 1e6), rng.randrange(0, 9)))
+        values.append(struct.unpack("<d", rng.randbytes(8))[0])
+        values.append(rng.randrange(1, 10 ** rng.randrange(1, 16)) / 10 ** rng.randrange(0, 9))
+        values.append(round(rng.random() * 10 ** rng.randrange(-5, 16), rng.randrange(0, 12)))
+    for value in values:
+        if math.isfinite(value):
+            assert fast.double_json(value) == encode(value), value

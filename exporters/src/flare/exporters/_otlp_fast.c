@@ -3,12 +3,14 @@
  * Why this exists: through the protobuf Python API every field access allocates a
  * wrapper object, so turning a span's ~10 attributes into JSON text costs ~10 us in
  * Python, ten times the parse itself. Reading the wire format directly and writing
- * the JSON text in one pass keeps ingest near the parse-only ceiling.
+ * the JSON text in one pass keeps ingest near the parse-only ceiling. The values go
+ * straight into Arrow-layout buffers (`SpanBuilder`), which the store wraps as Arrow
+ * arrays without a copy: no Python object per value, no list-to-Arrow conversion.
  *
  * Output must match the pure-Python reference (otlp_columns.SpanColumns.add_request)
  * value for value; tests/exporters/test_otlp_fast.py checks that on realistic and
  * hostile input. Malformed input raises ValueError; nothing is appended for a request
- * that fails (the caller truncates the columns back).
+ * that fails (the builder is truncated back to where the request started).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -154,9 +156,49 @@ static int json_string(Buf *b, const uint8_t *s, size_t n) {
     return 0;
 }
 
+/* repr(d) for the doubles senders mostly have, a few decimals between 1e-4 and 1e15
+ * (3.5, 0.125, 742.318): the fewest decimals j <= 7 whose k / 10**j converts back to
+ * exactly d are the shortest round-tripping digits repr picks (a decimal with fewer
+ * digits would have fewer decimals, and was tried first), written the way repr writes
+ * numbers of that size (fixed notation, ".0" for integral values). 0 when it does not
+ * apply; the caller then asks Python's own repr. */
+static const double POW10[] = {1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7};
+
+static int json_double_short(Buf *b, double d) {
+    double a = fabs(d);
+    if (!(a >= 1e-4 && a < 1e15)) return 0;
+    for (int j = 0; j < 8; j++) {
+        double scaled = a * POW10[j];
+        if (scaled >= 1e15) return 0;
+        double k = nearbyint(scaled);
+        if (k / POW10[j] != a) continue;
+        uint64_t digits = (uint64_t)k;
+        char text[40];
+        char *end = text + sizeof text, *o = end;
+        if (j == 0) {
+            *--o = '0';
+            *--o = '.';
+        }
+        for (int i = 0; i < j; i++) {
+            *--o = (char)('0' + digits % 10);
+            digits /= 10;
+        }
+        if (j) *--o = '.';
+        do {
+            *--o = (char)('0' + digits % 10);
+            digits /= 10;
+        } while (digits);
+        if (d < 0) *--o = '-';
+        return buf_put(b, o, (size_t)(end - o)) ? -1 : 1;
+    }
+    return 0;
+}
+
 static int json_double(Buf *b, double d) {
     if (isnan(d)) return PUT_LIT(b, "null");
     if (isinf(d)) return d > 0 ? PUT_LIT(b, "\"Infinity\"") : PUT_LIT(b, "\"-Infinity\"");
+    int fast = json_double_short(b, d);
+    if (fast) return fast < 0 ? -1 : 0;
     char *text = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
     if (!text) return -1;
     int rc = buf_put(b, text, strlen(text));
@@ -448,35 +490,132 @@ static int anyvalue_as_int(const uint8_t *p, size_t n, long long *out) {
     return 0;
 }
 
-/* ------------------------------------------------------------------ spans */
+/* ------------------------------------------------------------------ span columns
+ * The spans are appended to Arrow-layout buffers (int32 offsets + UTF-8 data for
+ * text, little-endian values, validity bitmaps for the nullable step and rank), so
+ * the store builds its Arrow table from them without one Python object per value. */
 enum {
-    C_TRACE_ID, C_SPAN_ID, C_PARENT, C_NAME, C_KIND, C_START, C_END, C_DURATION,
-    C_STATUS_CODE, C_STATUS_MESSAGE, C_STEP, C_RANK, C_ATTRIBUTES, C_EVENTS, C_LINKS,
-    N_COLUMNS
+    S_TRACE_ID, S_SPAN_ID, S_PARENT, S_NAME, S_STATUS_MESSAGE, S_ATTRIBUTES, S_EVENTS,
+    S_LINKS, N_STRINGS
 };
+static const char *STRING_NAMES[N_STRINGS] = {
+    "trace_id", "span_id", "parent_span_id", "name", "status_message", "attributes",
+    "events", "links",
+};
+enum { F_KIND, F_STATUS_CODE, F_START, F_END, F_DURATION, F_STEP, F_RANK, N_FIXED };
+static const char *FIXED_NAMES[N_FIXED] = {
+    "kind", "status_code", "start_ns", "end_ns", "duration_ns", "step", "rank",
+};
+static const int FIXED_WIDTH[N_FIXED] = {1, 1, 8, 8, 8, 8, 4};
+/* kind and status_code are TINYINT: a value outside int8 (a broken sender) is NULL. */
+static const int FIXED_NULLABLE[N_FIXED] = {1, 1, 0, 0, 0, 1, 1};
 
-static PyObject *hex_str(const uint8_t *p, size_t n) {
+typedef struct {
+    Buf data;
+    Buf offsets; /* int32, one more than rows */
+} StrCol;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t rows;
+    StrCol str[N_STRINGS];
+    Buf fixed[N_FIXED];
+    Buf valid[N_FIXED]; /* bitmaps, used for the nullable columns */
+} SpanBuilder;
+
+static int str_put(StrCol *c, const char *s, size_t n) {
+    size_t end = c->data.len + n;
+    if (end > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "spans too large for one store batch (2 GiB of text in a column)");
+        return -1;
+    }
+    if (buf_put(&c->data, s, n) || buf_reserve(&c->offsets, 4)) return -1;
+    int32_t off = (int32_t)end;
+    memcpy(c->offsets.buf + c->offsets.len, &off, 4);
+    c->offsets.len += 4;
+    return 0;
+}
+
+/* Text as Python's UTF-8 decoder with errors="replace" leaves it: ASCII (nearly all of
+ * it) is copied as is, anything else goes through that very decoder. */
+static int str_put_text(StrCol *c, const char *s, size_t n) {
+    size_t i = 0;
+    while (i < n && !((uint8_t)s[i] & 0x80)) i++;
+    if (i == n) return str_put(c, s, n);
+    PyObject *u = PyUnicode_DecodeUTF8(s, (Py_ssize_t)n, "replace");
+    if (!u) return -1;
+    Py_ssize_t len;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(u, &len);
+    int rc = utf8 ? str_put(c, utf8, (size_t)len) : -1;
+    Py_DECREF(u);
+    return rc;
+}
+
+static int str_put_hex(StrCol *c, const uint8_t *p, size_t n) {
     char stack[64];
     char *text = n * 2 <= sizeof stack ? stack : PyMem_Malloc(n * 2 + 1);
-    if (!text) return PyErr_NoMemory();
+    if (!text) {
+        PyErr_NoMemory();
+        return -1;
+    }
     for (size_t i = 0; i < n; i++) {
         text[2 * i] = HEX[p[i] >> 4];
         text[2 * i + 1] = HEX[p[i] & 15];
     }
-    PyObject *s = PyUnicode_DecodeASCII(text, (Py_ssize_t)(2 * n), "strict");
+    int rc = str_put(c, text, 2 * n);
     if (text != stack) PyMem_Free(text);
-    return s;
-}
-
-static int append_new(PyObject *list, PyObject *value) {
-    if (!value) return -1;
-    int rc = PyList_Append(list, value);
-    Py_DECREF(value);
     return rc;
 }
 
-static PyObject *buf_str(Buf *b) {
-    return PyUnicode_DecodeUTF8(b->buf, (Py_ssize_t)b->len, "replace");
+static int set_bit(Buf *bits, Py_ssize_t row, int on) {
+    size_t need = (size_t)(row >> 3) + 1;
+    if (bits->len < need) {
+        if (buf_reserve(bits, need - bits->len)) return -1;
+        memset(bits->buf + bits->len, 0, need - bits->len);
+        bits->len = need;
+    }
+    if (on) bits->buf[row >> 3] |= (char)(1 << (row & 7));
+    else bits->buf[row >> 3] &= (char)~(1 << (row & 7));
+    return 0;
+}
+
+/* One value of fixed column `col` for row `rows`; `present` 0 stores NULL. */
+static int fixed_put(SpanBuilder *sb, int col, int present, int64_t v) {
+    Buf *b = &sb->fixed[col];
+    int w = FIXED_WIDTH[col];
+    if (buf_reserve(b, (size_t)w)) return -1;
+    if (w == 1 && (v < -128 || v > 127)) present = 0;
+    if (w == 4 && (v < INT32_MIN || v > INT32_MAX)) present = 0;
+    if (!present) v = 0;
+    if (w == 1) {
+        int8_t x = (int8_t)v;
+        memcpy(b->buf + b->len, &x, 1);
+    } else if (w == 4) {
+        int32_t x = (int32_t)v;
+        memcpy(b->buf + b->len, &x, 4);
+    } else {
+        memcpy(b->buf + b->len, &v, 8);
+    }
+    b->len += (size_t)w;
+    if (FIXED_NULLABLE[col]) return set_bit(&sb->valid[col], sb->rows, present);
+    return 0;
+}
+
+/* Back to `rows` rows (a request that failed half-way leaves nothing behind). */
+static void builder_truncate(SpanBuilder *sb, Py_ssize_t rows) {
+    for (int i = 0; i < N_STRINGS; i++) {
+        StrCol *c = &sb->str[i];
+        c->offsets.len = 4 * (size_t)(rows + 1);
+        int32_t end;
+        memcpy(&end, c->offsets.buf + 4 * rows, 4);
+        c->data.len = (size_t)end;
+    }
+    for (int i = 0; i < N_FIXED; i++) {
+        sb->fixed[i].len = (size_t)rows * (size_t)FIXED_WIDTH[i];
+        if (FIXED_NULLABLE[i] && sb->valid[i].len > (size_t)((rows + 7) >> 3))
+            sb->valid[i].len = (size_t)((rows + 7) >> 3);
+    }
+    sb->rows = rows;
 }
 
 /* Events: [{"name":..,"time_ns":..,"attributes":{..}}]; links alike. */
@@ -525,8 +664,9 @@ static int events_json(Buf *b, const uint8_t **items, const size_t *lens, size_t
 
 #define MAX_ITEMS 4096 /* events or links per span kept; more is a broken sender */
 
-static int decode_span(const uint8_t *p, size_t n, PyObject **cols, PyObject *resource_rank,
-                       Buf *b, const uint8_t **items, size_t *lens) {
+/* 0 ok, -1 Python error set, -2 malformed. */
+static int decode_span(const uint8_t *p, size_t n, SpanBuilder *sb, int has_resource_rank,
+                       long long resource_rank, Buf *b, const uint8_t **items, size_t *lens) {
     Reader r = {p, p + n};
     Field f, trace = {0}, span_id = {0}, parent = {0}, name = {0}, status = {0};
     uint64_t kind = 0, start = 0, end = 0;
@@ -603,83 +743,65 @@ static int decode_span(const uint8_t *p, size_t n, PyObject **cols, PyObject *re
         if (rc < 0) return -2;
     }
 
-    if (append_new(cols[C_TRACE_ID], hex_str(trace.data, trace.len))) return -1;
-    if (append_new(cols[C_SPAN_ID], hex_str(span_id.data, span_id.len))) return -1;
-    if (append_new(cols[C_PARENT], hex_str(parent.data, parent.len))) return -1;
-    if (append_new(cols[C_NAME], PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"))) return -1;
-    if (append_new(cols[C_KIND], PyLong_FromLongLong((long long)(int32_t)kind))) return -1;
-    if (append_new(cols[C_START], PyLong_FromUnsignedLongLong(start))) return -1;
-    if (append_new(cols[C_END], PyLong_FromUnsignedLongLong(end))) return -1;
-    if (append_new(cols[C_DURATION], PyLong_FromLongLong((long long)(end - start)))) return -1;
-    if (append_new(cols[C_STATUS_CODE], PyLong_FromLongLong(status_code))) return -1;
-    if (append_new(cols[C_STATUS_MESSAGE], PyUnicode_DecodeUTF8((const char *)status_message.data, (Py_ssize_t)status_message.len, "replace"))) return -1;
-    if (append_new(cols[C_STEP], has_step && step_ok ? PyLong_FromLongLong(step) : Py_NewRef(Py_None))) return -1;
-    PyObject *rank_value = has_rank ? (rank_ok ? PyLong_FromLongLong(rank) : Py_NewRef(Py_None))
-                                    : Py_NewRef(resource_rank);
-    if (append_new(cols[C_RANK], rank_value)) return -1;
+    StrCol *s = sb->str;
+    if (str_put_hex(&s[S_TRACE_ID], trace.data, trace.len)) return -1;
+    if (str_put_hex(&s[S_SPAN_ID], span_id.data, span_id.len)) return -1;
+    if (str_put_hex(&s[S_PARENT], parent.data, parent.len)) return -1;
+    if (str_put_text(&s[S_NAME], (const char *)name.data, name.len)) return -1;
+    if (str_put_text(&s[S_STATUS_MESSAGE], (const char *)status_message.data, status_message.len)) return -1;
     /* `{}` is what an empty attribute map encodes to in both implementations. */
-    if (append_new(cols[C_ATTRIBUTES], buf_str(b))) return -1;
+    if (str_put_text(&s[S_ATTRIBUTES], b->buf, b->len)) return -1;
     if (n_events) {
         b->len = 0;
         if (events_json(b, events, event_lens, n_events, 0)) return PyErr_Occurred() ? -1 : -2;
-        if (append_new(cols[C_EVENTS], buf_str(b))) return -1;
-    } else if (append_new(cols[C_EVENTS], PyUnicode_FromString("[]"))) {
+        if (str_put_text(&s[S_EVENTS], b->buf, b->len)) return -1;
+    } else if (str_put(&s[S_EVENTS], "[]", 2)) {
         return -1;
     }
     if (n_links) {
         b->len = 0;
         if (events_json(b, links, link_lens, n_links, 1)) return PyErr_Occurred() ? -1 : -2;
-        if (append_new(cols[C_LINKS], buf_str(b))) return -1;
-    } else if (append_new(cols[C_LINKS], PyUnicode_FromString("[]"))) {
+        if (str_put_text(&s[S_LINKS], b->buf, b->len)) return -1;
+    } else if (str_put(&s[S_LINKS], "[]", 2)) {
         return -1;
     }
+    if (fixed_put(sb, F_KIND, 1, (int64_t)(int32_t)kind)) return -1;
+    if (fixed_put(sb, F_STATUS_CODE, 1, status_code)) return -1;
+    /* Nanoseconds past 2**63 (year 2262) wrap, as the int64 column can only hold them. */
+    if (fixed_put(sb, F_START, 1, (int64_t)start)) return -1;
+    if (fixed_put(sb, F_END, 1, (int64_t)end)) return -1;
+    if (fixed_put(sb, F_DURATION, 1, (int64_t)(end - start))) return -1;
+    if (fixed_put(sb, F_STEP, has_step && step_ok, step)) return -1;
+    if (has_rank) {
+        if (fixed_put(sb, F_RANK, rank_ok, rank)) return -1;
+    } else if (fixed_put(sb, F_RANK, has_resource_rank, resource_rank)) {
+        return -1;
+    }
+    sb->rows++;
     return 0;
 }
 
-/* The flare.rank of a resource's attribute dict, with _as_int semantics. */
-static PyObject *resource_rank_of(const uint8_t *p, size_t n) {
+/* The flare.rank of a resource's attributes, with _as_int semantics: 1 and *out set,
+ * 0 for None (absent, or not an integer). The last one on the wire wins. */
+static int resource_rank_of(const uint8_t *p, size_t n, long long *out) {
     Reader r = {p, p + n};
     Field f;
-    int rc;
-    PyObject *result = Py_NewRef(Py_None);
-    while ((rc = next_field(&r, &f)) == 0) {
+    int result = 0;
+    while (next_field(&r, &f) == 0) {
         if (f.num != 1 || f.wt != 2) continue;
         Field key, value;
         int has_value;
         if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) break;
-        if (key.len == 10 && !memcmp(key.data, "flare.rank", 10)) {
-            long long rank;
-            Py_DECREF(result);
-            result = has_value && anyvalue_as_int(value.data, value.len, &rank)
-                         ? PyLong_FromLongLong(rank) : Py_NewRef(Py_None);
-            if (!result) return NULL;
-        }
+        if (key.len == 10 && !memcmp(key.data, "flare.rank", 10))
+            result = has_value && anyvalue_as_int(value.data, value.len, out);
     }
     return result;
 }
 
-static void truncate_columns(PyObject **cols, Py_ssize_t size) {
-    for (int i = 0; i < N_COLUMNS; i++)
-        if (PyList_GET_SIZE(cols[i]) > size) PyList_SetSlice(cols[i], size, PyList_GET_SIZE(cols[i]), NULL);
-}
-
-static PyObject *decode_traces(PyObject *self, PyObject *args) {
+static PyObject *builder_decode(SpanBuilder *sb, PyObject *arg) {
     Py_buffer payload;
-    PyObject *columns;
-    if (!PyArg_ParseTuple(args, "y*O!", &payload, &PyTuple_Type, &columns)) return NULL;
-    PyObject *cols[N_COLUMNS];
-    if (PyTuple_GET_SIZE(columns) != N_COLUMNS) {
-        PyBuffer_Release(&payload);
-        return PyErr_Format(PyExc_TypeError, "expected %d column lists", N_COLUMNS);
-    }
-    for (int i = 0; i < N_COLUMNS; i++) {
-        cols[i] = PyTuple_GET_ITEM(columns, i);
-        if (!PyList_Check(cols[i])) {
-            PyBuffer_Release(&payload);
-            return PyErr_Format(PyExc_TypeError, "column %d is not a list", i);
-        }
-    }
-    Py_ssize_t before = PyList_GET_SIZE(cols[0]);
+    if (PyObject_GetBuffer(arg, &payload, PyBUF_SIMPLE)) return NULL;
+    Py_ssize_t before = sb->rows;
     PyObject *resources = PyList_New(0);
     const uint8_t **items = PyMem_Malloc(2 * MAX_ITEMS * sizeof *items);
     size_t *lens = PyMem_Malloc(2 * MAX_ITEMS * sizeof *lens);
@@ -704,8 +826,8 @@ static PyObject *decode_traces(PyObject *self, PyObject *args) {
         if (rc < 0) { malformed = 1; goto fail; }
         PyObject *attrs = kvlist_py(resource.data, resource.len, 1, 0);
         if (!attrs) goto fail;
-        PyObject *rank = resource_rank_of(resource.data, resource.len);
-        if (!rank) { Py_DECREF(attrs); goto fail; }
+        long long rank = 0;
+        int has_rank = resource_rank_of(resource.data, resource.len, &rank);
         Py_ssize_t count = 0;
         rr.p = rs.data;
         while ((rc = next_field(&rr, &f)) == 0) {
@@ -715,10 +837,9 @@ static PyObject *decode_traces(PyObject *self, PyObject *args) {
             while ((rc = next_field(&sr, &sf)) == 0) {
                 if (sf.num != 2) continue;
                 if (sf.wt != 2) { rc = -1; break; }
-                int err = decode_span(sf.data, sf.len, cols, rank, &b, items, lens);
+                int err = decode_span(sf.data, sf.len, sb, has_rank, rank, &b, items, lens);
                 if (err) {
                     Py_DECREF(attrs);
-                    Py_DECREF(rank);
                     malformed = err == -2;
                     goto fail;
                 }
@@ -726,7 +847,6 @@ static PyObject *decode_traces(PyObject *self, PyObject *args) {
             }
             if (rc < 0) break;
         }
-        Py_DECREF(rank);
         if (rc < 0) { Py_DECREF(attrs); malformed = 1; goto fail; }
         PyObject *entry = Py_BuildValue("(Nn)", attrs, count);
         if (!entry || PyList_Append(resources, entry)) { Py_XDECREF(entry); goto fail; }
@@ -741,7 +861,7 @@ static PyObject *decode_traces(PyObject *self, PyObject *args) {
 fail:
     if (malformed && !PyErr_Occurred())
         PyErr_SetString(PyExc_ValueError, "malformed OTLP ExportTraceServiceRequest");
-    truncate_columns(cols, before);
+    builder_truncate(sb, before);
     Py_XDECREF(resources);
     PyMem_Free(items);
     PyMem_Free(lens);
@@ -750,17 +870,183 @@ fail:
     return NULL;
 }
 
-static PyMethodDef methods[] = {
-    {"decode_traces", decode_traces, METH_VARARGS,
-     "decode_traces(payload, columns) -> [(resource_attributes, span_count), ...]\n\n"
-     "Append every span of a serialized ExportTraceServiceRequest to the 15 column lists "
-     "(trace_id, span_id, parent_span_id, name, kind, start_ns, end_ns, duration_ns, "
-     "status_code, status_message, step, rank, attributes, events, links)."},
+/* ------------------------------------------------------------------ Chunk
+ * Memory handed to Arrow without a copy: a read-only buffer that owns it. */
+typedef struct {
+    PyObject_HEAD
+    char *buf;
+    Py_ssize_t len;
+} Chunk;
+
+static void chunk_dealloc(Chunk *c) {
+    PyMem_Free(c->buf);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int chunk_getbuffer(Chunk *c, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)c, c->buf ? c->buf : (char *)"", c->len, 1, flags);
+}
+
+static PyBufferProcs chunk_as_buffer = {(getbufferproc)chunk_getbuffer, NULL};
+
+static PyTypeObject ChunkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "flare.exporters._otlp_fast.Chunk",
+    .tp_basicsize = sizeof(Chunk),
+    .tp_dealloc = (destructor)chunk_dealloc,
+    .tp_as_buffer = &chunk_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Read-only memory of one column buffer (kept alive by whoever views it).",
+};
+
+/* The Buf's memory moves into a Chunk; the Buf is left empty. */
+static PyObject *chunk_from(Buf *b) {
+    Chunk *c = PyObject_New(Chunk, &ChunkType);
+    if (!c) return NULL;
+    c->buf = b->buf;
+    c->len = (Py_ssize_t)b->len;
+    b->buf = NULL;
+    b->len = b->cap = 0;
+    return (PyObject *)c;
+}
+
+/* ------------------------------------------------------------------ SpanBuilder */
+static int builder_reset(SpanBuilder *sb) {
+    sb->rows = 0;
+    for (int i = 0; i < N_STRINGS; i++) {
+        sb->str[i].data.len = 0;
+        sb->str[i].offsets.len = 0;
+        int32_t zero = 0;
+        if (buf_put(&sb->str[i].offsets, (const char *)&zero, 4)) return -1;
+    }
+    for (int i = 0; i < N_FIXED; i++) sb->fixed[i].len = sb->valid[i].len = 0;
+    return 0;
+}
+
+static PyObject *builder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "SpanBuilder() takes no arguments");
+        return NULL;
+    }
+    SpanBuilder *sb = (SpanBuilder *)type->tp_alloc(type, 0);
+    if (!sb) return NULL;
+    if (builder_reset(sb)) {
+        Py_DECREF(sb);
+        return NULL;
+    }
+    return (PyObject *)sb;
+}
+
+static void builder_dealloc(SpanBuilder *sb) {
+    for (int i = 0; i < N_STRINGS; i++) {
+        PyMem_Free(sb->str[i].data.buf);
+        PyMem_Free(sb->str[i].offsets.buf);
+    }
+    for (int i = 0; i < N_FIXED; i++) {
+        PyMem_Free(sb->fixed[i].buf);
+        PyMem_Free(sb->valid[i].buf);
+    }
+    Py_TYPE(sb)->tp_free((PyObject *)sb);
+}
+
+static Py_ssize_t builder_len(SpanBuilder *sb) { return sb->rows; }
+
+static PyObject *builder_nbytes(SpanBuilder *sb, PyObject *unused) {
+    size_t most = 0;
+    for (int i = 0; i < N_STRINGS; i++)
+        if (sb->str[i].data.len > most) most = sb->str[i].data.len;
+    return PyLong_FromSize_t(most);
+}
+
+/* {column: (validity or None, offsets or None, values)}; the builder is empty after. */
+static PyObject *builder_take(SpanBuilder *sb, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    for (int i = 0; i < N_STRINGS; i++) {
+        PyObject *entry = Py_BuildValue("(ONN)", Py_None, chunk_from(&sb->str[i].offsets),
+                                        chunk_from(&sb->str[i].data));
+        if (!entry || PyDict_SetItemString(out, STRING_NAMES[i], entry)) {
+            Py_XDECREF(entry);
+            goto fail;
+        }
+        Py_DECREF(entry);
+    }
+    for (int i = 0; i < N_FIXED; i++) {
+        PyObject *valid = FIXED_NULLABLE[i] ? chunk_from(&sb->valid[i]) : Py_NewRef(Py_None);
+        PyObject *entry = Py_BuildValue("(NON)", valid, Py_None, chunk_from(&sb->fixed[i]));
+        if (!entry || PyDict_SetItemString(out, FIXED_NAMES[i], entry)) {
+            Py_XDECREF(entry);
+            goto fail;
+        }
+        Py_DECREF(entry);
+    }
+    if (builder_reset(sb)) goto fail;
+    return out;
+fail:
+    Py_DECREF(out);
+    builder_reset(sb);
+    return NULL;
+}
+
+/* The JSON text of a double as the decoder writes it (tests compare it with repr). */
+static PyObject *double_json(PyObject *self, PyObject *arg) {
+    double d = PyFloat_AsDouble(arg);
+    if (d == -1.0 && PyErr_Occurred()) return NULL;
+    Buf b = {0};
+    if (json_double(&b, d)) {
+        PyMem_Free(b.buf);
+        return NULL;
+    }
+    PyObject *s = PyUnicode_DecodeASCII(b.buf, (Py_ssize_t)b.len, "strict");
+    PyMem_Free(b.buf);
+    return s;
+}
+
+static PyMethodDef module_methods[] = {
+    {"double_json", double_json, METH_O, "double_json(x) -> the JSON text the decoder writes for float x."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_otlp_fast", "OTLP wire format to Flare store columns.", -1, methods,
+static PyMethodDef builder_methods[] = {
+    {"decode", (PyCFunction)builder_decode, METH_O,
+     "decode(payload) -> [(resource_attributes, span_count), ...]\n\n"
+     "Append every span of a serialized ExportTraceServiceRequest. Raises ValueError for "
+     "bytes that are not one; nothing is appended then."},
+    {"take", (PyCFunction)builder_take, METH_NOARGS,
+     "take() -> {column: (validity, offsets, values)}: the Arrow buffers of the spans so "
+     "far (validity None where the column has no NULLs, offsets None for fixed-width "
+     "columns); the builder starts empty again."},
+    {"nbytes", (PyCFunction)builder_nbytes, METH_NOARGS,
+     "nbytes() -> bytes of the largest text column (its int32 offsets end at 2 GiB)."},
+    {NULL, NULL, 0, NULL},
 };
 
-PyMODINIT_FUNC PyInit__otlp_fast(void) { return PyModule_Create(&module); }
+static PySequenceMethods builder_as_sequence = {.sq_length = (lenfunc)builder_len};
+
+static PyTypeObject SpanBuilderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "flare.exporters._otlp_fast.SpanBuilder",
+    .tp_basicsize = sizeof(SpanBuilder),
+    .tp_dealloc = (destructor)builder_dealloc,
+    .tp_as_sequence = &builder_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Spans of serialized OTLP requests as Arrow buffers of the store's span columns "
+              "(all but the per-resource job, service, host, pid and resource).",
+    .tp_methods = builder_methods,
+    .tp_new = builder_new,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_otlp_fast", "OTLP wire format to Flare store columns.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__otlp_fast(void) {
+    if (PyType_Ready(&ChunkType) < 0 || PyType_Ready(&SpanBuilderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "SpanBuilder", (PyObject *)&SpanBuilderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,8 +1,11 @@
 """OTLP protobuf requests → columns of the store schema.
 
 This is the hot path of ingest: every span the collector stores passes through
-`SpanColumns.add_request` once. It is written for CPython speed, which is why it looks
-less tidy than the rest of the code:
+`SpanColumns.add_payload` once. With the C decoder (`_otlp_fast`, the normal case) a
+request's spans go from the wire straight into Arrow buffers; the pure-Python
+reference below (`add_request_python`, used where no compiler was available and as
+the fallback) gives the same values and is written for CPython speed, which is why it
+looks less tidy than the rest of the code:
 - values that belong to a resource (job, service, rank, host, pid, resource JSON) are
   computed once per `ResourceSpans` and repeated with `list.extend([x] * n)`;
 - per span, only the fields the schema keeps are touched, each exactly once (every
@@ -122,13 +125,77 @@ def resource_identity(resource_attrs: dict[str, Any]) -> tuple[str, str, int | N
     return job, service, _as_int(resource_attrs.get(semconv.RANK))
 
 
+# The span columns that vary per span (the rest are per resource, see SpanColumns).
+_SPAN_VALUE_COLUMNS = (
+    "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns", "end_ns",
+    "duration_ns", "status_code", "status_message", "step", "rank", "attributes", "events",
+    "links",
+)
+_TYPES = {column: typ for column, _, typ in store.SPAN_COLUMNS}
+# A C builder is sealed into its own chunk before its largest text column passes this
+# (Arrow's string offsets are int32).
+_SEAL_BYTES = 1 << 30
+_INT_RANGES = {pa.int8(): 1 << 7, pa.int32(): 1 << 31, pa.int64(): 1 << 63}
+
+
+def _int_column(values: list[Any], typ: pa.DataType) -> pa.Array:
+    """Integers into a column of `typ` as the C builder stores them: a value out of
+    range is NULL for the nullable kinds (TINYINT, INTEGER) and wraps for BIGINT
+    (nanoseconds past 2**63), so one broken span cannot make a flush fail forever."""
+    try:
+        return pa.array(values, type=typ)
+    except (pa.ArrowInvalid, OverflowError):
+        half = _INT_RANGES[typ]
+        if typ == pa.int64():
+            values = [v if v is None or -half <= v < half else (v + half) % (2 * half) - half for v in values]
+        else:
+            values = [v if v is None or -half <= v < half else None for v in values]
+        return pa.array(values, type=typ)
+
+
+class _ListColumns:
+    """The Python reference's output: one list per span column."""
+
+    __slots__ = _SPAN_VALUE_COLUMNS
+
+    def __init__(self) -> None:
+        for column in self.__slots__:
+            setattr(self, column, [])
+
+    def __len__(self) -> int:
+        return len(self.span_id)
+
+    def arrays(self) -> dict[str, pa.Array]:
+        out = {}
+        for column in self.__slots__:
+            typ = _TYPES[column]
+            values = getattr(self, column)
+            out[column] = _int_column(values, typ) if pa.types.is_integer(typ) else pa.array(values, type=typ)
+        return out
+
+
+def _builder_arrays(buffers: dict[str, tuple[Any, Any, Any]], rows: int) -> dict[str, pa.Array]:
+    """Arrow arrays over the C builder's buffers (no copy: the arrays keep them alive)."""
+    out = {}
+    for column, (valid, offsets, values) in buffers.items():
+        bufs = [None if valid is None else pa.py_buffer(valid)]
+        if offsets is not None:
+            bufs.append(pa.py_buffer(offsets))
+        bufs.append(pa.py_buffer(values))
+        out[column] = pa.Array.from_buffers(_TYPES[column], rows, bufs)
+    return out
+
+
 class SpanColumns:
-    """Accumulates spans of many requests as Python columns; `table()` makes Arrow."""
+    """Accumulates spans of many requests; `table()` makes the store's Arrow table.
+
+    The C decoder writes the span columns straight into Arrow buffers (a
+    `_otlp_fast.SpanBuilder`); the Python reference appends to lists. Each run of
+    requests decoded one way is a chunk of the table, in arrival order.
+    """
 
     __slots__ = (
-        "_resource_index", "_resource_of_span", "attributes", "duration_ns", "end_ns",
-        "events", "kind", "links", "name", "parent_span_id", "pid", "rank", "span_id",
-        "start_ns", "status_code", "status_message", "step", "trace_id",
+        "_builder", "_chunks", "_lists", "_resource_index", "_resource_of_span", "_rows", "pid",
     )
     # Columns that hold one value per resource (process): kept as dictionary indices,
     # which makes both the Arrow build and DuckDB's insert cheaper than repeating a
@@ -137,12 +204,26 @@ class SpanColumns:
     decoder_fallbacks = 0  # process-wide: requests the C decoder refused, the reference took
 
     def __init__(self) -> None:
-        for column in self.__slots__:
-            setattr(self, column, [])
+        self._builder: Any = None  # _otlp_fast.SpanBuilder while C-decoded spans come in
+        self._lists: _ListColumns | None = None  # while reference-decoded spans come in
+        self._chunks: list[dict[str, pa.Array]] = []  # earlier runs, in order
+        self._rows = 0
+        self._resource_of_span: list[int] = []
+        self.pid: list[int | None] = []
         self._resource_index: dict[tuple[str, str, str | None, str], int] = {}
 
     def __len__(self) -> int:
-        return len(self.span_id)
+        return self._rows
+
+    def _seal(self) -> None:
+        """Close the current run of spans into a chunk."""
+        if self._builder is not None and len(self._builder):
+            rows = len(self._builder)
+            self._chunks.append(_builder_arrays(self._builder.take(), rows))
+        if self._lists is not None:
+            if len(self._lists):
+                self._chunks.append(self._lists.arrays())
+            self._lists = None
 
     def add_request(self, request: Any) -> int:
         """Append every span of an `ExportTraceServiceRequest`; returns the count."""
@@ -171,20 +252,18 @@ class SpanColumns:
             except Exception as exc:
                 raise ValueError(f"malformed OTLP ExportTraceServiceRequest: {exc}") from None
             return self.add_request_python(request)
-        resources = _otlp_fast.decode_traces(
-            payload,
-            (
-                self.trace_id, self.span_id, self.parent_span_id, self.name, self.kind,
-                self.start_ns, self.end_ns, self.duration_ns, self.status_code,
-                self.status_message, self.step, self.rank, self.attributes, self.events,
-                self.links,
-            ),
-        )
+        builder = self._builder
+        if builder is None or self._lists is not None or builder.nbytes() > _SEAL_BYTES:
+            self._seal()
+            if builder is None:
+                builder = self._builder = _otlp_fast.SpanBuilder()
+        resources = builder.decode(payload)
         added = 0
         for resource_attrs, count in resources:
             job, service, _ = resource_identity(resource_attrs)
             self._extend_resource(resource_attrs, job, service, count)
             added += count
+        self._rows += added
         return added
 
     def _extend_resource(
@@ -194,20 +273,27 @@ class SpanColumns:
         key = (job, service, None if host is None else str(host), to_json(resource_attrs))
         index = self._resource_index.setdefault(key, len(self._resource_index))
         self._resource_of_span.extend([index] * count)
-        self.pid.extend([_as_int(resource_attrs.get(semconv.PROCESS_PID))] * count)
+        pid = _as_int(resource_attrs.get(semconv.PROCESS_PID))
+        if pid is not None and not -(1 << 31) <= pid < 1 << 31:
+            pid = None  # not a process id; an INTEGER column cannot hold it
+        self.pid.extend([pid] * count)
 
     def add_request_python(self, request: Any) -> int:
         """The reference implementation of `add_payload`, on a parsed request."""
+        if self._lists is None:
+            self._seal()
+            self._lists = _ListColumns()
+        lists = self._lists
         added = 0
         step_key = semconv.STEP
         rank_key = semconv.RANK
-        trace_id, span_id, parent_id = self.trace_id, self.span_id, self.parent_span_id
+        trace_id, span_id, parent_id = lists.trace_id, lists.span_id, lists.parent_span_id
         name, kind, start, end, duration = (
-            self.name, self.kind, self.start_ns, self.end_ns, self.duration_ns,
+            lists.name, lists.kind, lists.start_ns, lists.end_ns, lists.duration_ns,
         )
-        status_code, status_message = self.status_code, self.status_message
-        rank_col, step_col, attrs_col = self.rank, self.step, self.attributes
-        events_col, links_col = self.events, self.links
+        status_code, status_message = lists.status_code, lists.status_message
+        rank_col, step_col, attrs_col = lists.rank, lists.step, lists.attributes
+        events_col, links_col = lists.events, lists.links
         scalar_kinds = _SCALAR_KINDS
         for resource_spans in request.resource_spans:
             resource_attrs = attributes_dict(resource_spans.resource.attributes)
@@ -248,20 +334,26 @@ class SpanColumns:
                     count += 1
             self._extend_resource(resource_attrs, job, service, count)
             added += count
+        self._rows += added
         return added
 
     def table(self) -> pa.Table:
         """An Arrow table with the store's span columns (resource columns dictionary-encoded)."""
+        self._seal()
         indices = pa.array(self._resource_of_span, type=pa.int32())
         resources = list(self._resource_index)  # insertion order is index order
-        arrays = []
+        arrays: list[Any] = []
         for column, _, typ in store.SPAN_COLUMNS:
             if column in self.RESOURCE_COLUMNS:
                 position = self.RESOURCE_COLUMNS.index(column)
                 dictionary = pa.array([r[position] for r in resources], type=pa.string())
                 arrays.append(pa.DictionaryArray.from_arrays(indices, dictionary))
+            elif column == "pid":
+                arrays.append(pa.array(self.pid, type=typ))
+            elif len(self._chunks) == 1:
+                arrays.append(self._chunks[0][column])
             else:
-                arrays.append(pa.array(getattr(self, column), type=typ))
+                arrays.append(pa.chunked_array([c[column] for c in self._chunks], type=typ))
         return pa.Table.from_arrays(arrays, names=[c for c, _, _ in store.SPAN_COLUMNS])
 
 
