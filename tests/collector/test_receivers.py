@@ -185,3 +185,46 @@ def test_empty_request_is_ok_without_logging(shared_collector, helpers):
     status, _, reply = helpers.post(f"http://{proc.http}/v1/metrics", b"{}", "application/json")
     assert status == 200 and json.loads(reply) == {}
     assert proc.scrape()["flare_collector_wal_last_lsn"] == before
+
+
+def test_id_check_on_the_wire_agrees_with_the_check_on_the_parsed_request():
+    """The C pass over the bytes and the Python loop count the same spans as unusable."""
+    import random
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+    from flare.collector import validate
+
+    if validate._check_span_ids is None:
+        pytest.skip("flare.exporters built without its C decoder")
+    rng = random.Random(5)
+    ids = [b"", bytes(8), bytes(16), b"\x01" * 7, b"\x01" * 8, b"\x01" * 9, b"\x01" * 16,
+           b"\x00" * 15 + b"\x01", b"\x01" * 17]
+    for _ in range(400):
+        request = ExportTraceServiceRequest(resource_spans=[
+            ResourceSpans(scope_spans=[
+                ScopeSpans(spans=[
+                    Span(trace_id=rng.choice(ids[5:] if rng.random() < 0.8 else ids),
+                         span_id=rng.choice(ids[3:6] if rng.random() < 0.8 else ids),
+                         parent_span_id=rng.choice([b"", b"\x02" * 8] if rng.random() < 0.9 else ids),
+                         name="s")
+                    for _ in range(rng.randrange(0, 4))
+                ])
+                for _ in range(rng.randrange(0, 3))
+            ])
+            for _ in range(rng.randrange(1, 3))
+        ])
+        payload = request.SerializeToString()
+        if rng.random() < 0.2:  # a field repeated on the wire: the last one counts
+            payload += ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[
+                ScopeSpans(spans=[Span(trace_id=b"\x03" * 16, span_id=b"\x04" * 8)])])]).SerializeToString()
+        on_wire = ExportTraceServiceRequest.FromString(payload)
+        in_python = ExportTraceServiceRequest.FromString(payload)
+        assert validate.check_traces(on_wire, payload) == validate.check_traces(in_python)
+        assert on_wire == in_python
+    spans, bad = validate._check_span_ids(
+        ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+            spans=[Span(trace_id=b"\x01" * 16, span_id=b"\x01" * 8), Span(span_id=b"\x01" * 8)])])])
+        .SerializeToString())
+    assert (spans, bad) == (2, 1)

@@ -1002,7 +1002,73 @@ static PyObject *double_json(PyObject *self, PyObject *arg) {
     return s;
 }
 
+/* ------------------------------------------------------------------ id check
+ * What the receivers' check (flare.collector.validate.check_traces) tests on every
+ * span, on the wire: a trace id of 16 bytes, not all zero; a span id of 8, not all
+ * zero; a parent id of 0 or 8 bytes (the last occurrence of a field counts, as when
+ * parsing). */
+static int all_zero(const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i]) return 0;
+    return 1;
+}
+
+static int span_ids_bad(const uint8_t *p, size_t n) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    size_t trace_len = 0, span_len = 0, parent_len = 0;
+    const uint8_t *trace = NULL, *span = NULL;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 1 && f.num != 2 && f.num != 4) continue;
+        if (f.wt != 2) return -1;
+        if (f.num == 1) { trace = f.data; trace_len = f.len; }
+        else if (f.num == 2) { span = f.data; span_len = f.len; }
+        else parent_len = f.len;
+    }
+    if (rc < 0) return -1;
+    return trace_len != 16 || span_len != 8 || all_zero(trace, 16) || all_zero(span, 8) ||
+           (parent_len != 0 && parent_len != 8);
+}
+
+static PyObject *check_span_ids(PyObject *self, PyObject *arg) {
+    Py_buffer payload;
+    if (PyObject_GetBuffer(arg, &payload, PyBUF_SIMPLE)) return NULL;
+    Reader r = {payload.buf, (const uint8_t *)payload.buf + payload.len};
+    Field rs, ss, sp;
+    int rc, rc2 = 0, rc3 = 0;
+    long long spans = 0, bad = 0;
+    while ((rc = next_field(&r, &rs)) == 0) {
+        if (rs.num != 1) continue;
+        if (rs.wt != 2) { rc = -1; break; }
+        Reader rr = {rs.data, rs.data + rs.len};
+        while ((rc2 = next_field(&rr, &ss)) == 0) {
+            if (ss.num != 2) continue;
+            if (ss.wt != 2) { rc2 = -1; break; }
+            Reader sr = {ss.data, ss.data + ss.len};
+            while ((rc3 = next_field(&sr, &sp)) == 0) {
+                if (sp.num != 2) continue;
+                int b = sp.wt == 2 ? span_ids_bad(sp.data, sp.len) : -1;
+                if (b < 0) { rc3 = -1; break; }
+                spans++;
+                bad += b;
+            }
+            if (rc3 < 0) { rc2 = -1; break; }
+        }
+        if (rc2 < 0) { rc = -1; break; }
+    }
+    PyBuffer_Release(&payload);
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "malformed OTLP ExportTraceServiceRequest");
+        return NULL;
+    }
+    return Py_BuildValue("(LL)", spans, bad);
+}
+
 static PyMethodDef module_methods[] = {
+    {"check_span_ids", check_span_ids, METH_O,
+     "check_span_ids(payload) -> (spans, spans with unusable ids) of a serialized "
+     "ExportTraceServiceRequest; ValueError if it is not one."},
     {"double_json", double_json, METH_O, "double_json(x) -> the JSON text the decoder writes for float x."},
     {NULL, NULL, 0, NULL},
 };

@@ -59,7 +59,10 @@ class Acceptor:
         except (DecodeError, ValueError, RuntimeError) as exc:
             self.counters.add("malformed_requests", transport=transport)
             raise MalformedPayload(f"not an OTLP {kind.request.__name__}: {exc}") from None
-        checked = (validate.check_traces if kind is TRACES else validate.check_metrics)(request)
+        if kind is TRACES:
+            checked = validate.check_traces(request, None if is_json else body)
+        else:
+            checked = validate.check_metrics(request)
         response = kind.response()
         if checked.rejected:
             self.counters.add("rejected_" + kind.item_unit, checked.rejected, transport=transport)
