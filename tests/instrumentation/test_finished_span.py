@@ -113,3 +113,65 @@ def test_a_non_sdk_tracer_keeps_the_sdk_path():
         span_processor = None
 
     assert FinishedSpans.for_tracer(NotTheSdk()) is None
+
+
+def run_batched(steps=5, schedule_delay_millis=60_000):
+    """Like run(), with a batch processor: ordinary steps are deferred to the finisher."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource({"service.name": "t"}))
+    provider.add_span_processor(
+        BatchSpanProcessor(exporter, schedule_delay_millis=schedule_delay_millis))
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = flare_instrumentation.active_runtime()
+    runtime.add_step_listener(Listener())
+    return provider, exporter, instrumentor, runtime
+
+
+def test_deferred_step_spans_match_and_leave_on_the_providers_flush(rank_env):  # noqa: F811
+    _, reference, _ = run(TracerProvider(resource=Resource({"service.name": "t"})), steps=5)
+    provider, exporter, instrumentor, runtime = run_batched()
+    try:
+        assert runtime._finished.asynchronous()
+        train(5)
+        assert len(runtime._deferred) + len(finished(exporter, semconv.SPAN_STEP)) <= 5
+        provider.force_flush()  # the user's own flush: deferred spans first
+        spans = finished(exporter, semconv.SPAN_STEP)
+    finally:
+        instrumentor.uninstrument()
+    assert [s.attributes[semconv.STEP] for s in spans] == [0, 1, 2, 3, 4]
+    assert [comparable(s) for s in spans] == [comparable(s) for s in reference]
+    for span in spans:
+        assert span.attributes["test.step"] == span.attributes[semconv.STEP]
+    # detail steps (0, 2, 4 with FLARE_DETAIL_EVERY=2) are built at once, the others by
+    # the finisher: their children still name them as parent
+    ids = {s.context.span_id for s in spans}
+    assert all(s.parent.span_id in ids for s in finished(exporter, semconv.SPAN_DATALOADER))
+
+
+def test_deferred_step_spans_leave_without_any_flush(rank_env):  # noqa: F811
+    import time
+
+    provider, exporter, instrumentor, _ = run_batched(schedule_delay_millis=50)
+    try:
+        train(4)
+        deadline = time.monotonic() + 5
+        while len(finished(exporter, semconv.SPAN_STEP)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)
+                ] == [0, 1, 2, 3]
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+
+
+def test_uninstrument_hands_over_what_is_deferred(rank_env):  # noqa: F811
+    provider, exporter, instrumentor, runtime = run_batched()
+    train(3)
+    instrumentor.uninstrument()
+    assert not runtime._deferred
+    provider.force_flush()
+    assert [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)
+            ] == [0, 1, 2]

@@ -139,6 +139,31 @@ class _StepCollectives:
     backward_windows: list = field(default_factory=list)  # (start, graph done, end)
 
 
+def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict) -> None:
+    names = sorted(set(totals_pg) | {n for n, s in now_seqs.items()
+                                     if s > started.get(n, s)})
+    counts, waits, sizes, last_seqs, device = [], [], [], [], []
+    for name in names:
+        totals = totals_pg.get(name)
+        python_count = totals.python_count if totals else 0
+        delta = now_seqs.get(name, 0) - started.get(name, now_seqs.get(name, 0))
+        counts.append(max(delta, python_count))
+        waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
+        sizes.append(totals.bytes if totals else 0)
+        last_seqs.append(now_seqs.get(name, -1))
+        device.append(round(totals.device_ns / 1e6, 3) if totals else 0.0)
+    if any(device):
+        summary[semconv.STEP_PG_DEVICE_MS] = device
+    if names:
+        summary[semconv.STEP_PG_NAMES] = names
+        summary[semconv.STEP_PG_COUNTS] = counts
+        summary[semconv.STEP_PG_WAIT_MS] = waits
+        summary[semconv.STEP_PG_BYTES] = sizes
+        summary[semconv.STEP_PG_LAST_SEQ] = last_seqs
+    summary[semconv.STEP_COLLECTIVE_COUNT] = sum(counts)
+    summary[semconv.STEP_COLLECTIVE_BYTES] = sum(sizes)
+
+
 class CollectiveTracker:
     """Wraps torch.distributed and summarises each step; a Runtime step listener."""
 
@@ -182,15 +207,15 @@ class CollectiveTracker:
         except Exception as error:  # DDP buckets stay counted, just not sized every step
             _log.info("flare: DDP gradient bytes are not summarised per step (%r)", error)
         self.runtime.add_step_listener(self)
-        self.runtime.summary_contributors.append(self.add_step_summary)
+        self.runtime.summary_captures.append(self.capture_step_summary)
 
     def uninstall(self) -> None:
         if self._device_timer is not None:
             self._device_timer.stop()
             self._device_timer = None
         self.runtime.remove_step_listener(self)
-        if self.add_step_summary in self.runtime.summary_contributors:
-            self.runtime.summary_contributors.remove(self.add_step_summary)
+        if self.capture_step_summary in self.runtime.summary_captures:
+            self.runtime.summary_captures.remove(self.capture_step_summary)
         self.ddp_gradients.uninstall()
         self._patches.restore_all()
         self._pending.clear()
@@ -415,33 +440,19 @@ class CollectiveTracker:
         self._step = _StepCollectives(seq_at_start=started)
 
     def add_step_summary(self, summary: dict) -> None:
-        """Always-on per-group arrays for the step span (a Runtime summary contributor)."""
-        runtime = self.runtime
+        """Always-on per-group arrays for the step span (captured and added at once)."""
+        self.capture_step_summary()(summary)
+
+    def capture_step_summary(self):
+        """At the step's end, on the training thread: the group sequence numbers now.
+        Returns the function that turns them, with the step's totals, into the
+        always-on per-group arrays (a Runtime summary capture; it may run later, on the
+        finisher thread: everything it reads is no longer written)."""
+        totals_pg = self.runtime.totals.pg
         now_seqs = self.groups.sequence_snapshot()
         self._step.seq_at_end = now_seqs
         started = self._step.seq_at_start
-        names = sorted(set(runtime.totals.pg) | {n for n, s in now_seqs.items()
-                                                  if s > started.get(n, s)})
-        counts, waits, sizes, last_seqs, device = [], [], [], [], []
-        for name in names:
-            totals = runtime.totals.pg.get(name)
-            python_count = totals.python_count if totals else 0
-            delta = now_seqs.get(name, 0) - started.get(name, now_seqs.get(name, 0))
-            counts.append(max(delta, python_count))
-            waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
-            sizes.append(totals.bytes if totals else 0)
-            last_seqs.append(now_seqs.get(name, -1))
-            device.append(round(totals.device_ns / 1e6, 3) if totals else 0.0)
-        if any(device):
-            summary[semconv.STEP_PG_DEVICE_MS] = device
-        if names:
-            summary[semconv.STEP_PG_NAMES] = names
-            summary[semconv.STEP_PG_COUNTS] = counts
-            summary[semconv.STEP_PG_WAIT_MS] = waits
-            summary[semconv.STEP_PG_BYTES] = sizes
-            summary[semconv.STEP_PG_LAST_SEQ] = last_seqs
-        summary[semconv.STEP_COLLECTIVE_COUNT] = sum(counts)
-        summary[semconv.STEP_COLLECTIVE_BYTES] = sum(sizes)
+        return lambda summary: _add_pg_arrays(summary, totals_pg, started, now_seqs)
 
     def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:

@@ -48,11 +48,18 @@ def _noop_processor_hooks():
 
 class PendingStepSpan(NonRecordingSpan):
     """The step span while its listeners run: a context to parent children with, and
-    `set_attribute(s)` that land in the attributes the span will be emitted with."""
+    `set_attribute(s)` that land in the attributes the span will be emitted with. The
+    context is computed on first use (most steps never need it)."""
 
-    def __init__(self, context: SpanContext, attributes: dict):
-        super().__init__(context)
-        self._pending_attributes = attributes
+    def __init__(self, context_factory, attributes: dict):
+        super().__init__(None)
+        self._context_factory = context_factory
+        self.pending_attributes = attributes
+
+    def get_span_context(self) -> SpanContext:
+        if self._context is None:
+            self._context = self._context_factory()
+        return self._context
 
     def is_recording(self) -> bool:
         return True
@@ -62,8 +69,39 @@ class PendingStepSpan(NonRecordingSpan):
 
     def set_attributes(self, attributes) -> None:
         # The SDK's own cleaning (types, sequences to tuples), as on a real span.
-        self._pending_attributes.update(
+        self.pending_attributes.update(
             BoundedAttributes(attributes=attributes, immutable=False).items())
+
+
+class DrainOnFlush:
+    """Added to the provider when step spans are deferred: a `force_flush` of the
+    provider first hands the deferred step spans over, then flushes the other
+    processors again so that they leave too. Does nothing per span."""
+
+    def __init__(self, drain):
+        self._drain = drain
+        self._provider_processors = None
+
+    def on_start(self, span, parent_context=None) -> None:
+        pass
+
+    def _on_ending(self, span) -> None:
+        pass
+
+    def on_end(self, span) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self._drain()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if not self._drain():
+            return True
+        done = True
+        for processor in self._provider_processors() if self._provider_processors else ():
+            if processor is not self:
+                done = processor.force_flush(timeout_millis) and done
+        return done
 
 
 class FinishedSpans:
@@ -76,6 +114,7 @@ class FinishedSpans:
         self._tracer = tracer
         self._processor = tracer.span_processor
         self._checked: tuple | None = None
+        self._asynchronous = False
         self._starts, self._endings = _noop_processor_hooks()
 
     @classmethod
@@ -98,6 +137,8 @@ class FinishedSpans:
         if processors is self._checked:
             return True
         for processor in processors:
+            if isinstance(processor, DrainOnFlush):
+                continue
             kind = type(processor)
             if (kind.on_start not in self._starts
                     or getattr(kind, "_on_ending", None) not in self._endings | {None}):
@@ -107,8 +148,34 @@ class FinishedSpans:
         enabled = getattr(self._tracer, "_is_enabled", None)
         if enabled is not None and not enabled():
             return False
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self._asynchronous = bool(processors) and all(
+            isinstance(p, (BatchSpanProcessor, DrainOnFlush)) for p in processors)
         self._checked = processors
         return True
+
+    def asynchronous(self) -> bool:
+        """Usable, and every processor exports in batches from its own thread: handing
+        a span over a fraction of a second later changes nothing an exporter sees."""
+        return self.usable() and self._asynchronous
+
+    def add_drain_on_flush(self, provider, drain) -> None:
+        """Make the provider's own force_flush drain deferred spans first (one hook
+        per provider, re-pointed when the instrumentation is installed again)."""
+        hook = getattr(provider, "_flare_drain_on_flush", None)
+        if hook is not None:
+            hook._drain = drain
+            return
+        add = getattr(provider, "add_span_processor", None)
+        if add is None:
+            return
+        hook = DrainOnFlush(drain)
+        processor = self._processor
+        hook._provider_processors = lambda: getattr(processor, "_span_processors", ())
+        add(hook)
+        provider._flare_drain_on_flush = hook
+        self._checked = None  # the processor tuple changed
 
     def new_span_id(self) -> int:
         return self._tracer.id_generator.generate_span_id()

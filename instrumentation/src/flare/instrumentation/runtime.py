@@ -28,6 +28,7 @@ from flare.instrumentation.identity import ProcessIdentity
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
+_FINISH_EVERY_S = 0.2  # how often the finisher thread builds deferred step spans
 
 
 @dataclass
@@ -90,6 +91,10 @@ class Runtime:
         # Callables adding always-on attributes to the step summary dict at step end
         # (cheaper than listeners setting attributes on the span one call at a time).
         self.summary_contributors: list = []
+        # Callables run at the step end on the training thread, each returning a
+        # function that adds its attributes to the summary later, when the span is built
+        # (possibly on the finisher thread): the capture/format split of a contributor.
+        self.summary_captures: list = []
         self.step_start_ns = 0
         self.step_start_cpu_ns = (0, 0)
         self.totals = StepTotals()
@@ -108,6 +113,14 @@ class Runtime:
         # Step spans created when the step is over skip the SDK's span machinery
         # (finished_span.py); None when the tracer is not one this is safe for.
         self._finished = FinishedSpans.for_tracer(tracer)
+        # Ordinary steps whose span goes to an asynchronous (batch) processor anyway are
+        # built and emitted by a finisher thread a few times a second, in a batch: the
+        # training thread only captures the step's numbers (see end_step).
+        self._deferred: deque = deque()
+        self._drain_lock = threading.Lock()
+        self._finisher: threading.Thread | None = None
+        self._finisher_stop = threading.Event()
+        self._finisher_failed = False
 
     # ------------------------------------------------------------ identity (public API)
     @property
@@ -168,8 +181,9 @@ class Runtime:
         self.step_open = True
         self._notify("on_step_start", self.step_number, self.step_detail)
 
-    def _step_parent(self) -> SpanContext:
-        job, step = self.identity.job_id, self.step_number
+    def _step_parent(self, step: int | None = None) -> SpanContext:
+        job = self.identity.job_id
+        step = self.step_number if step is None else step
         return SpanContext(trace_id=semconv.step_trace_id(job, step),
                            span_id=semconv.step_root_span_id(job, step),
                            is_remote=True, trace_flags=_SAMPLED)
@@ -205,9 +219,54 @@ class Runtime:
         if not self.step_open:
             return
         end_ns = end_ns or time.time_ns()
-        summary = self._summary(end_ns)
+        record = self._capture(end_ns)
+        finished = self._finished
+        deferred = None
+        with self._lock:
+            span = self._step_span
+            if (span is None and finished is not None and not self.step_detail
+                    and not self._children and finished.asynchronous()):
+                step = self.step_number
+                span_id = finished.new_span_id()
+                deferred = self._step_span = PendingStepSpan(
+                    lambda: SpanContext(self._step_parent(step).trace_id, span_id,
+                                        is_remote=False, trace_flags=_SAMPLED), {})
+        if deferred is not None:
+            # The common case: nothing needed the span during the step and its processors
+            # export in batches anyway. Listeners see a stand-in; the finisher thread
+            # builds the attributes and hands the span over (drain() on every flush).
+            self._notify("on_step_end", self.step_number, self.step_detail, deferred)
+            self._deferred.append((record, deferred))
+            if self._finisher is None:
+                self._start_finisher()
+        else:
+            self.drain()  # earlier steps' spans first: the processors see steps in order
+            self._finish_now(record, end_ns)
+        self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
+        self.last_step_end_ns = end_ns
+        self.step_number += 1
+        self.step_open = False
+        self._step_span = None
+        self._step_context = None
+
+    def _capture(self, end_ns: int) -> tuple:
+        """What the step span needs from the training thread at the step's end."""
+        extra: dict = {}
         for contributor in self.summary_contributors:
-            contributor(summary)
+            contributor(extra)
+        return (self.step_number, self.step_start_ns, end_ns, self.totals,
+                self.step_start_cpu_ns, (time.process_time_ns(), time.thread_time_ns()),
+                self.step_detail, [capture() for capture in self.summary_captures], extra)
+
+    def _build_summary(self, record: tuple) -> dict:
+        summary = self._summary(record)
+        for add in record[7]:
+            add(summary)
+        summary.update(record[8])
+        return summary
+
+    def _finish_now(self, record: tuple, end_ns: int) -> None:
+        summary = self._build_summary(record)
         finished = self._finished
         with self._lock:
             span = self._step_span
@@ -219,9 +278,9 @@ class Runtime:
                 summary[semconv.STEP] = self.step_number
                 summary.update(self.span_attributes)
                 parent = self._step_parent()
-                span = self._step_span = PendingStepSpan(
-                    SpanContext(parent.trace_id, finished.new_span_id(), is_remote=False,
-                                trace_flags=_SAMPLED), summary)
+                context = SpanContext(parent.trace_id, finished.new_span_id(),
+                                      is_remote=False, trace_flags=_SAMPLED)
+                span = self._step_span = PendingStepSpan(lambda: context, summary)
             else:
                 span = self._step_span = self._start_step_span(summary)
         self._emit_step_end(span, end_ns)
@@ -230,12 +289,50 @@ class Runtime:
                           summary, self.step_start_ns, end_ns)
         else:
             span.end(end_time=end_ns)
-        self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
-        self.last_step_end_ns = end_ns
-        self.step_number += 1
-        self.step_open = False
-        self._step_span = None
-        self._step_context = None
+
+    # ------------------------------------------------------------ deferred step spans
+    def _start_finisher(self) -> None:
+        self._finisher_stop.clear()
+        self._finisher = threading.Thread(target=self._finisher_loop,
+                                          name="flare-step-finisher", daemon=True)
+        self._finisher.start()
+
+    def _finisher_loop(self) -> None:
+        while not self._finisher_stop.wait(_FINISH_EVERY_S):
+            self.drain()
+
+    def drain(self) -> bool:
+        """Build and hand over every deferred step span now (before any flush); True
+        if there was any."""
+        if not self._deferred:
+            return False
+        with self._drain_lock:
+            while self._deferred:
+                record, pending = self._deferred.popleft()
+                try:
+                    self._emit_deferred(record, pending)
+                except Exception as error:  # never lose the others over one
+                    if not self._finisher_failed:
+                        self._finisher_failed = True
+                        _log.warning("flare: a step span could not be built: %r", error)
+        return True
+
+    def stop_finisher(self) -> None:
+        """Drain, then stop the finisher thread (uninstrument, exit)."""
+        thread, self._finisher = self._finisher, None
+        self._finisher_stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
+        self.drain()
+
+    def _emit_deferred(self, record: tuple, pending: PendingStepSpan) -> None:
+        step, start_ns, end_ns = record[0], record[1], record[2]
+        summary = self._build_summary(record)
+        summary[semconv.STEP] = step
+        summary.update(self.span_attributes)
+        summary.update(pending.pending_attributes)
+        self._finished.emit(semconv.SPAN_STEP, self._step_parent(step),
+                            pending.get_span_context().span_id, summary, start_ns, end_ns)
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
@@ -279,14 +376,15 @@ class Runtime:
         else:
             span.end()
 
-    def _summary(self, end_ns: int) -> dict:
-        totals = self.totals
-        wall_ms = (end_ns - self.step_start_ns) / 1e6
+    @staticmethod
+    def _summary(record: tuple) -> dict:
+        _, start_ns, end_ns, totals, cpu_start, cpu_end, detail = record[:7]
+        wall_ms = (end_ns - start_ns) / 1e6
         dataloader_ms = totals.dataloader_ns / 1e6
         gc_ms = totals.gc_ns / 1e6
         wait_ns = sum(pg.wait_ns for pg in totals.pg.values())
-        process_cpu_ns = time.process_time_ns() - self.step_start_cpu_ns[0]
-        step_thread_cpu_ns = time.thread_time_ns() - self.step_start_cpu_ns[1]
+        process_cpu_ns = cpu_end[0] - cpu_start[0]
+        step_thread_cpu_ns = cpu_end[1] - cpu_start[1]
         attributes = {
             semconv.STEP_DATALOADER_MS: round(dataloader_ms, 3),
             semconv.STEP_DATALOADER_COUNT: totals.dataloader_count,
@@ -300,7 +398,7 @@ class Runtime:
                                                - wait_ns / 1e6), 3),
             semconv.STEP_OTHER_THREADS_CPU_MS: round(
                 max(0, process_cpu_ns - step_thread_cpu_ns) / 1e6, 3),
-            semconv.STEP_DETAIL: self.step_detail,
+            semconv.STEP_DETAIL: detail,
         }
         return attributes
 

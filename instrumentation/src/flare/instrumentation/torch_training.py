@@ -90,6 +90,8 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
                           {} if has_rank else identity.span_fallback_attributes())
         self._runtime = runtime
         self._provider = provider
+        if runtime._finished is not None and runtime._finished.asynchronous():
+            runtime._finished.add_drain_on_flush(provider, runtime.drain)
         self._flush_deadline = FlushDeadline(provider)
         flight_recorder.enable_if_unset()
 
@@ -171,6 +173,8 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
     def _flush(self, timeout_millis: int) -> None:
         """Flare's own flushes (hang, error, signal): never longer than asked, even
         against an unreachable collector (the SDK's flush ignores its timeout)."""
+        if self._runtime is not None:
+            self._runtime.drain()  # deferred step spans first
         self._flush_deadline.flush(timeout_millis / 1000)
 
     def _at_exit(self) -> None:
@@ -186,6 +190,8 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         if watchdog is not None:
             watchdog.stop()
         runtime = getattr(self, "_runtime", None)
+        if runtime is not None:
+            runtime.stop_finisher()  # deferred step spans reach the SDK before its flush
         for module in reversed(getattr(self, "_gpu_modules", [])):
             try:
                 module.uninstall(runtime)
@@ -200,6 +206,10 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             return
         atexit.unregister(self._at_exit)
         self._watchdog.stop()
+        runtime.stop_finisher()
+        hook = getattr(self._provider, "_flare_drain_on_flush", None)
+        if hook is not None:
+            hook._drain = lambda: False
         for module in reversed(self._gpu_modules):
             try:
                 module.uninstall(runtime)
