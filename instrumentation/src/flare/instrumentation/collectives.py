@@ -413,7 +413,13 @@ class CollectiveTracker:
             self._step.backward_windows.append((start, graph_done, end))
         if not seqs_before:
             return
-        after = self.groups.sequence_snapshot()
+        # Only the sequence numbers are read now; the rest waits for the step's span.
+        self.runtime.totals.pending.append(
+            (self._add_backward, (graph_done, end, seqs_before,
+                                  self.groups.sequence_snapshot())))
+
+    def _add_backward(self, totals, graph_done: int, end: int, seqs_before: dict,
+                      after: dict) -> None:
         advanced = {name: after[name] - seq for name, seq in seqs_before.items()
                     if after.get(name, seq) > seq}
         if not advanced:
@@ -421,10 +427,10 @@ class CollectiveTracker:
         for name in advanced:
             nbytes = self.ddp_gradients.bytes_for(name)
             if nbytes:
-                self.runtime.totals.pg_totals(name).bytes += nbytes
+                totals.pg_totals(name).bytes += nbytes
         if graph_done:
             busiest = max(advanced, key=advanced.get)
-            self.runtime.totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
+            totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:

@@ -91,14 +91,15 @@ class ProcessGroups:
             named = []
             for pg in groups:
                 info = self.info(pg)
-                if info is not None:
-                    named.append((pg, info.name))
+                if info is not None and self.sequence(pg) is not None:
+                    named.append((pg._get_sequence_number_for_group, info.name))
             self._snapshot_groups, self._snapshot_named = groups, named
         snapshot = {}
-        for pg, name in self._snapshot_named:
-            seq = self.sequence(pg)
-            if seq is not None:
-                snapshot[name] = seq
+        for sequence_of, name in self._snapshot_named:
+            try:
+                snapshot[name] = int(sequence_of())
+            except Exception:  # a group being torn down; resolved again next change
+                self._snapshot_groups = ()
         return snapshot
 
     def infos_by_name(self) -> dict[str, PgInfo]:

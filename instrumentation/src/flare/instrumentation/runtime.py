@@ -51,6 +51,9 @@ class StepTotals:
     pycall_count: int = 0
     backward_ns: int = 0
     pg: dict[str, PgTotals] = field(default_factory=dict)
+    # (function, args): bookkeeping a hook left for when the step's span is built, off
+    # the training thread where possible; each runs as function(totals, *args) first.
+    pending: list = field(default_factory=list)
 
     def pg_totals(self, pg_name: str) -> PgTotals:
         totals = self.pg.get(pg_name)
@@ -80,7 +83,7 @@ class Runtime:
         self.span_attributes = dict(span_attributes)
         self.enabled = True
         self.explicit_steps = False  # flare.instrumentation.step() took over the boundaries
-        self._listeners: list = []
+        self._listeners: tuple = ()  # replaced, never mutated: iterated without a copy
         self._failed_listeners: set[int] = set()
 
         self.step_number = 0  # the step in progress, or the next one to begin
@@ -137,18 +140,20 @@ class Runtime:
 
     # ------------------------------------------------------------ listeners (public API)
     def add_step_listener(self, listener) -> None:
-        self._listeners.append(listener)
+        self._listeners = (*self._listeners, listener)
 
     def remove_step_listener(self, listener) -> None:
         if listener in self._listeners:
-            self._listeners.remove(listener)
+            listeners = list(self._listeners)
+            listeners.remove(listener)
+            self._listeners = tuple(listeners)
 
     def request_detail(self) -> None:
         """Make the next step a detail step (children, flight recorder, kernel window)."""
         self._detail_once = True
 
     def _notify(self, method: str, *args) -> None:
-        for listener in list(self._listeners):
+        for listener in self._listeners:
             try:
                 getattr(listener, method)(*args)
             except Exception as error:  # a listener must never break training
@@ -227,10 +232,11 @@ class Runtime:
             if (span is None and finished is not None and not self.step_detail
                     and not self._children and finished.asynchronous()):
                 step = self.step_number
-                span_id = finished.new_span_id()
+                # the context (hashes, span id) only when something asks for it
                 deferred = self._step_span = PendingStepSpan(
-                    lambda: SpanContext(self._step_parent(step).trace_id, span_id,
-                                        is_remote=False, trace_flags=_SAMPLED), {})
+                    lambda: SpanContext(self._step_parent(step).trace_id,
+                                        finished.new_span_id(), is_remote=False,
+                                        trace_flags=_SAMPLED), {})
         if deferred is not None:
             # The common case: nothing needed the span during the step and its processors
             # export in batches anyway. Listeners see a stand-in; the finisher thread
@@ -259,6 +265,10 @@ class Runtime:
                 self.step_detail, [capture() for capture in self.summary_captures], extra)
 
     def _build_summary(self, record: tuple) -> dict:
+        totals = record[3]
+        for function, args in totals.pending:
+            function(totals, *args)
+        totals.pending = []
         summary = self._summary(record)
         for add in record[7]:
             add(summary)
