@@ -140,3 +140,27 @@ def test_a_refusing_c_scanner_never_loses_the_request(monkeypatch):
     proc.process_traces(request())
     assert proc.metrics()["step_spans"] == 4  # 2 + the no-attribute one + the duplicate-key one
     assert proc.metrics()["picker_fallbacks"] == before + 1
+
+
+def test_rank_links_give_the_message_the_protobuf_calls_give(fast, monkeypatch):
+    from flare.processors.correlation_windows import RankArrival, RankStep
+
+    rng = random.Random(9)
+    ranks = {r: RankStep(rng.randbytes(8), rng.randbytes(16), 1, 2, 0.5) for r in rng.sample(range(5000), 300)}
+    ranks[0] = RankStep(b"", b"", 0, 0, None)  # empty ids are left out, rank 0 is still set
+    ranks[-3] = RankArrival(b"\x01" * 8, b"\x02" * 16, 0, 0)
+    ranks[2**62] = RankArrival(b"\x03" * 8, b"\x04" * 16, 0, 0)
+    monkeypatch.setattr(rank_correlation, "_span_select", fast)
+    merged = Span(name="x")
+    rank_correlation._add_rank_links(merged, ranks)
+    monkeypatch.setattr(rank_correlation, "_span_select", None)
+    called = Span(name="x")
+    rank_correlation._add_rank_links(called, ranks)
+    assert merged.SerializeToString() == called.SerializeToString()
+    assert [link.attributes[0].value.int_value for link in merged.links] == sorted(ranks)
+    # An id that is not bytes is refused by both, as protobuf refuses it.
+    odd = {1: RankArrival(bytearray(b"\x05" * 8), b"\x06" * 16, 0, 0)}
+    with pytest.raises(TypeError):
+        fast.rank_links(odd, sc.RANK)
+    with pytest.raises(TypeError):
+        rank_correlation._add_rank_links(Span(name="y"), odd)
