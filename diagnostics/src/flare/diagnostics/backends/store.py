@@ -12,9 +12,11 @@ DuckDB's working memory of that query before the next one builds its own.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +39,17 @@ _SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
 # A result this large ends the connection's reuse (the kernel table of one Kineto rank
 # is ~5 MB; the step summaries and counts around it are a few KB).
 _RELEASE_AFTER_BYTES = 1 << 20
+# Backends holding a connection. At exit they close it from the main thread, or wait
+# for their timer thread to finish closing it: a thread still inside DuckDB when the
+# interpreter stops its daemon threads aborts the process ("terminate called ...
+# exception not rethrown").
+_HOLDING: weakref.WeakSet[StoreBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_all() -> None:
+    for backend in list(_HOLDING):
+        backend.close()
 
 
 class StoreBackend:
@@ -83,6 +96,7 @@ class StoreBackend:
             con.close()
             raise
         self._con, self._opened_at = con, time.monotonic()
+        _HOLDING.add(self)
         if self.hold_s > 0:
             self._timer = threading.Timer(self.hold_s, self._expire)
             self._timer.daemon = True
@@ -102,6 +116,8 @@ class StoreBackend:
         if self._con is not None:
             con, self._con = self._con, None
             con.close()
+        # Only now: an exit while a timer closes waits for it in `close()`, under `_lock`.
+        _HOLDING.discard(self)
 
     def jobs(self) -> list[str]:
         rows = self.query("SELECT DISTINCT job FROM spans WHERE job IS NOT NULL ORDER BY job")
