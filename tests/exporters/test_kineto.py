@@ -254,3 +254,56 @@ def test_streaming_parser_handles_chunk_boundaries(tmp_path, monkeypatch):
         events = list(trace.events())
     assert events == expected["traceEvents"]
     assert trace.meta.get("schemaVersion") == expected.get("schemaVersion")
+
+
+def _events_of(text: str, name: str = "t.json") -> list:
+    import io
+
+    return list(kineto._StreamingTrace(io.StringIO(text), name).events())
+
+
+@pytest.mark.parametrize("chunk", [64, 300, 4096, 1 << 20])
+def test_chunk_batches_decode_like_json_load(tmp_path, monkeypatch, chunk):
+    """Whole elements of a chunk decode in one call; the result is still json.load's,
+    including where `}, {` appears inside a string or a nested object (a wrong guess at
+    the last element's end) and in both compact and indented layouts."""
+    monkeypatch.setattr(kineto, "_CHUNK", chunk)
+    path = tmp_path / "t_rank0.json"
+    _profile_cpu(path, steps=2)
+    expected = json.loads(path.read_text())
+    tricky = [{"ph": "X", "name": 'a}, {"b', "args": {"s": "}, {", "n": [{"x": 1}, {"y": 2}]}},
+              {"ph": "X", "name": "}", "args": {"k": "}  ,\n  {"}}]
+    expected["traceEvents"] = tricky + expected["traceEvents"] + tricky
+    for layout in ({"indent": 2}, {"separators": (",", ":")}):
+        text = json.dumps(expected, **layout)
+        assert _events_of(text) == expected["traceEvents"]
+
+
+def test_corrupt_element_inside_a_batch_names_its_offset(monkeypatch):
+    monkeypatch.setattr(kineto, "_CHUNK", 1 << 20)
+    events = [{"ph": "X", "name": f"op{i}", "ts": i, "dur": 1} for i in range(2000)]
+    text = json.dumps({"traceEvents": events})
+    broken = text.replace('"name": "op1000"', '"name": "op1000" "oops"', 1)
+    with pytest.raises(kineto.TraceError, match=r"t\.json: corrupt JSON .*offset \d+"):
+        _events_of(broken)
+    # A cut in the middle still reads as truncated, whatever the batch held.
+    with pytest.raises(kineto.TraceError, match="truncated"):
+        _events_of(text[: len(text) // 2])
+
+
+def test_parse_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    import gc
+
+    bad = tmp_path / "bad_rank0.json"
+    bad.write_text('{"traceEvents": [{"ph": "X",,}]}')
+    assert gc.isenabled()
+    with pytest.raises(kineto.TraceError):
+        kineto.read_trace(bad, "j")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(kineto.TraceError):
+            kineto.read_trace(bad, "j")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
