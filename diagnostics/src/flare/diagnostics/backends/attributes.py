@@ -143,6 +143,39 @@ def sql_extract_from_list(key: str, index: int, column: str = "v") -> str:
     return f"TRY_CAST({element} AS {sql_type(key)})"
 
 
+# The text of a JSON number (or boolean) whose value a plain VARCHAR cast reads exactly
+# as DuckDB's JSON cast reads the JSON value: no leading zeros, no sign '+', no blanks.
+_INT_TEXT = "-?(0|[1-9][0-9]*)"
+_NUMBER_TEXT = "-?(0|[1-9][0-9]*)([.][0-9]+)?([eE][-+]?[0-9]+)?"
+_FAST_TEXT = {"BIGINT": _INT_TEXT, "DOUBLE": _NUMBER_TEXT, "BOOLEAN": "true|false"}
+
+
+def is_list(key: str) -> bool:
+    return pa.types.is_list(arrow_type(key))
+
+
+def sql_typed_from_strings(key: str, index: int, strings: str = "s",
+                           column: str = "attributes") -> str:
+    """`key` typed out of element `index` (0-based) of `json_extract_string(column,
+    [paths])`, a scalar key (lists: `sql_extract_from_list`).
+
+    Same values as `sql_extract_from_list`, with less memory: a JSON-typed extraction
+    costs DuckDB ~2 KB per value and row while it runs (a 7.7k-kernel table: +41 MB peak
+    against +26 MB this way). Text is the extracted string itself; a number or boolean
+    is cast from its text when that text has the JSON literal form, on which the two
+    casts agree; any other value (a boolean for a number, 2.5 for an integer, "0012")
+    takes the JSON cast itself, for that row only.
+    """
+    element = f"{strings}[{index + 1}]"
+    sql = sql_type(key)
+    if sql == "VARCHAR":
+        return element
+    exact = f"TRY_CAST(json_extract({column}, {sql_path(key)}) AS {sql})"
+    return (f"CASE WHEN {element} IS NULL THEN NULL "
+            f"WHEN regexp_full_match({element}, '{_FAST_TEXT[sql]}') "
+            f"THEN TRY_CAST({element} AS {sql}) ELSE {exact} END")
+
+
 def python_values(json_texts: Sequence[str | None], key: str) -> pa.Array:
     """The same extraction done in Python, for backends that hand over JSON text."""
     typ = arrow_type(key)

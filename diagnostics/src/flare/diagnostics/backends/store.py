@@ -26,9 +26,11 @@ from flare.diagnostics.backends import BackendError
 from flare.diagnostics.backends.attributes import (
     BITMASK_ATTRIBUTES,
     arrow_type,
+    is_list,
     sql_extract,
     sql_extract_from_list,
     sql_path,
+    sql_typed_from_strings,
 )
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
@@ -187,12 +189,23 @@ class StoreJobData:
         if status_code is not None:
             range_sql += f" AND status_code = {int(status_code)}"
         cols = list(columns) if columns is not None else list(_SPAN_COLUMN_NAMES)
-        select = ", ".join(cols + [f'{sql_extract_from_list(a, i)} AS "{a}"'
-                                   for i, a in enumerate(attributes)])
+        # Each span's JSON is parsed once for all scalar keys (as strings, typed from
+        # there) and once more for all list keys, if any are asked.
+        scalars = [a for a in attributes if not is_list(a)]
+        lists = [a for a in attributes if is_list(a)]
+        extracted = {a: sql_typed_from_strings(a, i) for i, a in enumerate(scalars)}
+        extracted |= {a: sql_extract_from_list(a, i) for i, a in enumerate(lists)}
+        select = ", ".join(cols + [f'{extracted[a]} AS "{a}"' for a in attributes])
         source = "spans"
-        if attributes:  # parse each span's JSON once for all keys
-            paths = "[" + ", ".join(sql_path(a) for a in attributes) + "]"
-            source = f"(SELECT *, json_extract(attributes, {paths}) AS v FROM spans)"
+        if attributes:
+            parsed = []
+            if scalars:
+                paths = "[" + ", ".join(sql_path(a) for a in scalars) + "]"
+                parsed.append(f"json_extract_string(attributes, {paths}) AS s")
+            if lists:
+                paths = "[" + ", ".join(sql_path(a) for a in lists) + "]"
+                parsed.append(f"json_extract(attributes, {paths}) AS v")
+            source = f"(SELECT *, {', '.join(parsed)} FROM spans)"
         sql = (
             f"SELECT {select} FROM {source} WHERE job = ? AND {name_sql} AND {range_sql} "
             "ORDER BY start_ns"
