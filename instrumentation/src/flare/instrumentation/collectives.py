@@ -416,16 +416,17 @@ class CollectiveTracker:
         # Only the sequence numbers are read now; the rest waits for the step's span.
         self.runtime.totals.pending.append(
             (self._add_backward, (graph_done, end, seqs_before,
-                                  self.groups.sequence_snapshot())))
+                                  self.groups.sequence_snapshot(),
+                                  self.ddp_gradients.current())))
 
     def _add_backward(self, totals, graph_done: int, end: int, seqs_before: dict,
-                      after: dict) -> None:
+                      after: dict, gradient_bytes: dict) -> None:
         advanced = {name: after[name] - seq for name, seq in seqs_before.items()
                     if after.get(name, seq) > seq}
         if not advanced:
             return
         for name in advanced:
-            nbytes = self.ddp_gradients.bytes_for(name)
+            nbytes = gradient_bytes.get(name, 0)
             if nbytes:
                 totals.pg_totals(name).bytes += nbytes
         if graph_done:

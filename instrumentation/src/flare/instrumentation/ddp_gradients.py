@@ -69,7 +69,7 @@ class DdpGradients:
     def uninstall(self) -> None:
         self._patches.restore_all()
         self._wrappers.clear()
-        self._bytes_by_group.clear()
+        self._bytes_by_group = {}  # replaced, never mutated: see current()
 
     def register(self, ddp) -> None:
         """Note a DDP wrapper's group and gradient bytes (once, at construction)."""
@@ -96,6 +96,11 @@ class DdpGradients:
         for _ref, group, nbytes in self._wrappers.values():
             by_group[group] = by_group.get(group, 0) + nbytes
         self._bytes_by_group = by_group
+
+    def current(self) -> dict[str, int]:
+        """Group name -> gradient bytes as of now. The mapping is replaced, never
+        mutated, so a caller may keep it and read it later (after the model is gone)."""
+        return self._bytes_by_group
 
     def bytes_for(self, group_name: str) -> int:
         """Gradient bytes DDP all-reduces in this group per synchronised backward."""
