@@ -90,7 +90,8 @@ def macro(pairs: int, steps: int, train_args: list[str]) -> dict:
         # that a drift of the machine's speed over the session cancels out.
         if pair % 2 == 0:
             plain_times, plain_cpu = run_job(steps, False, None, train_args)
-        with OtlpSink() as sink:
+        # raw: the sink stands for a remote collector; parsing happens after the run
+        with OtlpSink(raw=True) as sink:
             times, cpu = run_job(steps, True, sink, train_args)
             time.sleep(1.0)  # the last batch export
             by_rank = sink.bytes_by_rank()

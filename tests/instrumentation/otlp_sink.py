@@ -53,14 +53,28 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
 
 
 class OtlpSink:
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, raw: bool = False):
+        """`raw`: keep trace requests as the bytes received and parse them only when
+        asked (spans(), bytes_by_rank()): a benchmark's sink then costs the machine it
+        shares with the job little more than gRPC's own receive."""
         self._lock = threading.Lock()
-        self.trace_requests: list = []  # (arrival time_ns, request, wire bytes)
+        self.raw = raw
+        self.trace_requests: list = []  # (arrival time_ns, request or bytes, wire bytes)
         self.metric_requests: list = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                    options=[("grpc.max_receive_message_length", 64 << 20)])
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self),
-                                                                  self._server)
+        if raw:
+            def export(request: bytes, context) -> bytes:
+                with self._lock:
+                    self.trace_requests.append((time.time_ns(), request, len(request)))
+                return b""  # an empty ExportTraceServiceResponse
+
+            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+                "opentelemetry.proto.collector.trace.v1.TraceService",
+                {"Export": grpc.unary_unary_rpc_method_handler(export)}),))
+        else:
+            trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self),
+                                                                      self._server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self),
                                                                       self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
@@ -86,11 +100,18 @@ class OtlpSink:
         with self._lock:
             self.trace_requests.append((time.time_ns(), request, request.ByteSize()))
 
+    def _requests(self) -> list:
+        with self._lock:
+            requests = list(self.trace_requests)
+        if self.raw:
+            parse = trace_service_pb2.ExportTraceServiceRequest.FromString
+            requests = [(arrived, parse(body), size) for arrived, body, size in requests]
+        return requests
+
     def spans(self) -> list[dict]:
         """Every received span, flattened, with its resource attributes and arrival time
         (`arrived`, wall-clock ns)."""
-        with self._lock:
-            requests = list(self.trace_requests)
+        requests = self._requests()
         flat = []
         for arrived, request, _ in requests:
             for resource_spans in request.resource_spans:
@@ -116,8 +137,7 @@ class OtlpSink:
 
     def bytes_by_rank(self) -> dict[int, int]:
         """Wire bytes attributed to ranks (a request's bytes split by its spans' ranks)."""
-        with self._lock:
-            requests = list(self.trace_requests)
+        requests = self._requests()
         totals: dict[int, int] = {}
         for _, request, size in requests:
             counts: dict[int, int] = {}
