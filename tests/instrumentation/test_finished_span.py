@@ -175,3 +175,24 @@ def test_uninstrument_hands_over_what_is_deferred(rank_env):  # noqa: F811
     provider.force_flush()
     assert [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)
             ] == [0, 1, 2]
+
+
+def test_a_step_span_that_cannot_be_built_costs_only_itself(rank_env, caplog):  # noqa: F811
+    provider, exporter, instrumentor, runtime = run_batched()
+    original = runtime._emit_deferred
+
+    def emit(record, pending):
+        if record[0] == 1:
+            raise ValueError("boom")
+        original(record, pending)
+
+    runtime._emit_deferred = emit
+    try:
+        train(5)
+        instrumentor.uninstrument()  # drains
+    finally:
+        runtime._emit_deferred = original
+    provider.force_flush()
+    steps = [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)]
+    assert steps == [0, 2, 3, 4]
+    assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
