@@ -199,6 +199,7 @@ def _wait(child: subprocess.Popen) -> int:
 def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) -> None:
     from flare.diagnostics.backends.store import StoreBackend
 
+    backend = None
     try:
         backend = StoreBackend(args.store) if os.path.exists(args.store) else None
         if backend is None or job not in backend.jobs():
@@ -211,6 +212,9 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) 
     except BackendError as exc:
         print(f"flare: cannot diagnose: {exc}", file=sys.stderr)
         return
+    finally:
+        if backend is not None:
+            backend.close()  # the collector flushes the written-back anomalies next
     if diagnosis.anomalies:
         try:
             writeback.send_otlp(endpoint, writeback.anomaly_spans(job, diagnosis.anomalies,
@@ -253,6 +257,7 @@ class LiveMonitor:
 
         if not os.path.exists(self.store_path):
             return []
+        backend = None
         try:
             backend = StoreBackend(self.store_path, open_timeout_s=5.0)
             if self.job not in backend.jobs():
@@ -261,6 +266,9 @@ class LiveMonitor:
                                           warn=lambda _line: None)
         except BackendError:
             return []  # the collector is mid-flush; the next pass will see it
+        finally:
+            if backend is not None:
+                backend.close()  # the embedded collector's next flush needs the file
         fresh = []
         for anomaly in diagnosis.anomalies:
             identity = (anomaly.kind, tuple(anomaly.ranks), anomaly.cause)
