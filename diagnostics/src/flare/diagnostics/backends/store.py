@@ -4,10 +4,10 @@ pushed down to SQL so a thousand-rank hour never has to fit in Python memory.
 The collector writes the file in short flushes, and a reader holding the file locks
 it out, so a backend never holds the file for long: a query opens it read-only, and
 the connection is kept for the next queries only within `hold_s` of that open (a
-timer closes it then, busy or idle) and never past a large result. A diagnosis asks
-about a dozen queries, most of them a few rows; opening the file is ~20 ms of each,
-and re-used, DuckDB also keeps what it read. Closing after a large result returns
-DuckDB's working memory of that query before the next one builds its own.
+timer closes it then, busy or idle) and never past a large result or a long query.
+A diagnosis asks about a dozen queries, most of them a few rows; opening the file is
+~20 ms of each. Closing after a large result or a long scan returns DuckDB's memory
+of that query before the next one builds its own.
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ from flare.instrumentation import semconv as sc
 _SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
 
 
-# A result this large ends the connection's reuse (the kernel table of one Kineto rank
-# is ~5 MB; the step summaries and counts around it are a few KB).
+# A result this large, or a query this long, ends the connection's reuse: either one
+# leaves DuckDB holding memory (working memory, cached blocks of a long scan) that a new
+# connection would not, and the ~20 ms of an open is small beside it. (The kernel table
+# of one Kineto rank is ~5 MB; the counts and summaries of a small store take ~10 ms.)
 _RELEASE_AFTER_BYTES = 1 << 20
+_RELEASE_AFTER_S = 0.1
 # Backends holding a connection. At exit they close it from the main thread, or wait
 # for their timer thread to finish closing it: a thread still inside DuckDB when the
 # interpreter stops its daemon threads aborts the process ("terminate called ...
@@ -75,13 +78,15 @@ class StoreBackend:
                 self._release()
             if self._con is None:
                 self._open()
+            started = time.monotonic()
             try:
                 # A cursor of its own: open_reader leaves its version check result on `con`.
                 table = self._con.cursor().sql(sql, params=list(params)).to_arrow_table()
             except BaseException:
                 self._release()
                 raise
-            if table.nbytes >= _RELEASE_AFTER_BYTES or self.hold_s <= 0:
+            if (table.nbytes >= _RELEASE_AFTER_BYTES or self.hold_s <= 0
+                    or time.monotonic() - started >= _RELEASE_AFTER_S):
                 self._release()
             return table
 
