@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -305,22 +306,25 @@ def test_a_store_file_replaced_between_flushes_gets_its_schema_again(tmp_path):
 def test_large_flushes_checkpoint_without_vacuum_and_small_ones_with_it(tmp_path, monkeypatch):
     from flare.exporters import flare_store
 
-    calls = []
-    real = flare_store._checkpoint_without_vacuum
+    seen = []
+    real = flare_store._vacuum_off_if_large
 
-    def spy(con):
-        calls.append(con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0])
-        real(con)
-        calls.append(con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0])
+    @contextlib.contextmanager
+    def spy(con, rows):
+        with real(con, rows):
+            seen.append((rows, con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0]))
+            yield
+        seen.append(con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0])
 
-    monkeypatch.setattr(flare_store, "_checkpoint_without_vacuum", spy)
-    monkeypatch.setattr(store, "ROW_GROUP_ROWS", 6)
+    monkeypatch.setattr(flare_store, "_vacuum_off_if_large", spy)
+    monkeypatch.setattr(flare_store, "LARGE_FLUSH_ROWS", 6)
     path = tmp_path / "store.duckdb"
     exporter = FlareStoreExporter(path)
     for flush in range(4):
-        for _ in range(3 if flush % 2 else 1):  # 6 spans (large here), then 2 (small)
+        for _ in range(3 if flush % 2 else 1):  # 2 spans (small), then 6 (large)
             exporter.export_traces(step_request())
         exporter.flush(commit_marker=("wal_lsn", str(flush)))
-    assert calls == [100, 100, 100, 100]  # two large flushes; the default restored after each
+    # Off while a large flush writes; DuckDB's default before the file closes.
+    assert seen == [(2, 100), 100, (6, 0), 100, (2, 100), 100, (6, 0), 100]
     assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 16}]
     assert rows(path, "SELECT value FROM flare_meta WHERE key = 'wal_lsn'") == [{"value": "3"}]

@@ -18,11 +18,14 @@ docs/store-schema.md for the measured difference.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 
 from flare.exporters import store
@@ -119,25 +122,25 @@ class FlareStoreExporter:
         try:
             checked = self._checked_file is not None and self._checked_file == _file_id(self.path)
             self._checked_file = None  # a failed flush checks again next time
+            rows = sum(t.num_rows for t in span_tables) + sum(t.num_rows for t in metric_tables)
             with store.writer(self.path, timeout_s=self.timeout_s, ensure_schema=not checked) as con:
                 con.execute(f"SET threads = {self.threads}")
-                con.begin()
-                try:
-                    for table in span_tables:
-                        written_spans += store.insert_spans(con, table)
-                    for table in metric_tables:
-                        written_points += store.insert_metrics(con, table)
-                    if commit_marker is not None:
-                        key, value = commit_marker
-                        con.execute(
-                            "INSERT OR REPLACE INTO flare_meta VALUES (?, ?)", [str(key), str(value)]
-                        )
-                    con.commit()
-                except BaseException:
-                    con.rollback()
-                    raise
-                if written_spans + written_points >= store.ROW_GROUP_ROWS:
-                    _checkpoint_without_vacuum(con)
+                with _vacuum_off_if_large(con, rows):
+                    con.begin()
+                    try:
+                        for table in span_tables:
+                            written_spans += store.insert_spans(con, table)
+                        for table in metric_tables:
+                            written_points += store.insert_metrics(con, table)
+                        if commit_marker is not None:
+                            key, value = commit_marker
+                            con.execute(
+                                "INSERT OR REPLACE INTO flare_meta VALUES (?, ?)", [str(key), str(value)]
+                            )
+                        con.commit()
+                    except BaseException:
+                        con.rollback()
+                        raise
             self._checked_file = _file_id(self.path)
         except store.StoreError:
             raise
@@ -166,21 +169,34 @@ class FlareStoreExporter:
         self.flush()
 
 
-def _checkpoint_without_vacuum(con: Any) -> None:
-    """Checkpoint a large flush without DuckDB's vacuum (the data is committed already).
+# A flush at least this big checkpoints without DuckDB's vacuum (see below).
+LARGE_FLUSH_ROWS = store.ROW_GROUP_ROWS // 4
 
-    A flush of whole row groups goes straight into the file, but its last, partial row
-    group sits next to the previous flush's partial one, and the vacuum of the closing
-    checkpoint merges the two by rewriting and recompressing them: as much CPU again as
-    the insert (~0.3 s per 130,000-span flush). Skipping it leaves one partial row group
-    per large flush in the file (readers see the same rows); small flushes, where the
-    merging keeps the store from fragmenting into tiny row groups, keep it.
+
+@contextlib.contextmanager
+def _vacuum_off_if_large(con: Any, rows: int) -> Iterator[None]:
+    """Write and checkpoint a large flush without DuckDB's vacuum.
+
+    Each flush ends in a partial row group, and the vacuum of the next checkpoint (the
+    one at close, or the one DuckDB runs at commit when a large append skips its WAL)
+    merged it with its neighbours by rewriting and recompressing them: as much CPU again
+    as the insert (~0.3 s per 130,000-span flush). Off for a large flush, the store
+    keeps one partial row group per flush (readers see the same rows); small flushes (a
+    quiet collector) keep the vacuum, which stops the store fragmenting into a row group
+    per flush. The setting is back to DuckDB's default before the file is closed.
     """
+    if rows < LARGE_FLUSH_ROWS:
+        yield
+        return
     con.execute("SET max_vacuum_tasks = 0")
     try:
+        yield
         con.execute("CHECKPOINT")
     finally:
-        con.execute("RESET max_vacuum_tasks")
+        try:
+            con.execute("RESET max_vacuum_tasks")
+        except duckdb.Error:
+            pass  # a broken connection is closed next, and the setting with it
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
