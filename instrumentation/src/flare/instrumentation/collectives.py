@@ -127,7 +127,7 @@ class CollectiveRecord:
         return self.pg.name if self.pg else "?"
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepCollectives:
     seq_at_start: dict[str, int] = field(default_factory=dict)
     seq_at_end: dict[str, int] | None = None  # set by add_step_summary

@@ -31,7 +31,7 @@ _SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
 _FINISH_EVERY_S = 0.2  # how often the finisher thread builds deferred step spans
 
 
-@dataclass
+@dataclass(slots=True)
 class PgTotals:
     wait_ns: int = 0
     python_count: int = 0
@@ -39,7 +39,7 @@ class PgTotals:
     device_ns: int = 0  # CUDA only: device time of collectives that completed this step
 
 
-@dataclass
+@dataclass(slots=True)
 class StepTotals:
     """Always-on counters of one step; cheap to update from any hook."""
 
