@@ -196,3 +196,15 @@ def test_a_step_span_that_cannot_be_built_costs_only_itself(rank_env, caplog):  
     steps = [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)]
     assert steps == [0, 2, 3, 4]
     assert sum("could not be built" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_explicit_provider_shutdown_still_exports_deferred_steps(rank_env):  # noqa: F811
+    provider, exporter, instrumentor, runtime = run_batched()
+    try:
+        train(4)
+        assert runtime._deferred  # steps 1 and 3 wait for the finisher
+        provider.shutdown()  # the user's own shutdown, mid-process
+        steps = [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)]
+    finally:
+        instrumentor.uninstrument()
+    assert steps == [0, 1, 2, 3]

@@ -74,9 +74,10 @@ class PendingStepSpan(NonRecordingSpan):
 
 
 class DrainOnFlush:
-    """Added to the provider when step spans are deferred: a `force_flush` of the
-    provider first hands the deferred step spans over, then flushes the other
-    processors again so that they leave too. Does nothing per span."""
+    """Put first among the provider's processors when step spans are deferred: its
+    `force_flush` and `shutdown` hand the deferred step spans over, so the processors
+    after it (the batch processor) flush or shut down with them. Does nothing per span.
+    Where it could only be appended, it flushes the processors before it again."""
 
     def __init__(self, drain):
         self._drain = drain
@@ -99,8 +100,9 @@ class DrainOnFlush:
             return True
         done = True
         for processor in self._provider_processors() if self._provider_processors else ():
-            if processor is not self:
-                done = processor.force_flush(timeout_millis) and done
+            if processor is self:
+                break  # the ones after it flush next, with the drained spans
+            done = processor.force_flush(timeout_millis) and done
         return done
 
 
@@ -167,13 +169,17 @@ class FinishedSpans:
         if hook is not None:
             hook._drain = drain
             return
-        add = getattr(provider, "add_span_processor", None)
-        if add is None:
-            return
         hook = DrainOnFlush(drain)
         processor = self._processor
         hook._provider_processors = lambda: getattr(processor, "_span_processors", ())
-        add(hook)
+        lock = getattr(processor, "_lock", None)
+        if lock is not None and isinstance(getattr(processor, "_span_processors", None), tuple):
+            with lock:  # how the SDK's add_span_processor updates the tuple
+                processor._span_processors = (hook, *processor._span_processors)
+        elif getattr(provider, "add_span_processor", None) is not None:
+            provider.add_span_processor(hook)
+        else:
+            return
         provider._flare_drain_on_flush = hook
         self._checked = None  # the processor tuple changed
 
