@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from child_measure import run_measured
 
 from flare.exporters import store as flare_store
 
@@ -122,28 +123,11 @@ def measure(path: str) -> tuple[float, float, int, dict]:
     # starts a child's peak-RSS count at its parent's resident set, and this process has
     # just built the store with DuckDB (over 1 GiB), which RUSAGE_CHILDREN then reported
     # as the diagnosis's peak.
-    result = subprocess.run(
-        [sys.executable, "-S", "-c", _LAUNCHER, sys.executable, "-m", "flare.diagnostics.cli",
-         "diagnose", "--store", path, "--format", "json"],
-        capture_output=True, text=True)
-    lines = result.stderr.rstrip().splitlines()
-    if result.returncode != 0 or not lines or not lines[-1].startswith("@@measured"):
-        raise SystemExit(f"flare diagnose failed: {result.stderr.strip()[-400:]}")
-    _, elapsed, cpu, peak_kb = lines[-1].split()
-    return float(elapsed), float(cpu), int(peak_kb), json.loads(result.stdout)
+    elapsed, cpu, peak_kb, stdout = run_measured(
+        [sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store", path,
+         "--format", "json"])
+    return elapsed, cpu, peak_kb, json.loads(stdout)
 
-
-_LAUNCHER = r"""
-import os, sys, time
-start = time.perf_counter()
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[1], sys.argv[1:])
-_, status, usage = os.wait4(pid, 0)
-sys.stderr.write(f"\n@@measured {time.perf_counter() - start} {usage.ru_utime + usage.ru_stime} "
-                 f"{usage.ru_maxrss}\n")
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
 
 
 def per_detector(path: str) -> list[tuple[str, float]]:

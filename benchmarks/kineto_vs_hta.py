@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from child_measure import run_measured
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared/data/kineto/ws16_rank0.json.gz"
 HTA_SCRIPT = r"""
@@ -50,22 +52,6 @@ print(float(breakdown["idle_time_pctg"].iloc[0]), float(launch[rank]["launch_del
 """
 
 
-# Runs the command as its own child and reports that child's wait4 figures. Needed
-# because Linux starts a child's peak-RSS count from the parent's resident set at fork:
-# measured straight from this (large) process, every child would inherit its size.
-_LAUNCHER = r"""
-import os, sys, time
-start = time.perf_counter()
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[1], sys.argv[1:])
-_, status, usage = os.wait4(pid, 0)
-cpu = usage.ru_utime + usage.ru_stime
-sys.stderr.write(f"\n@@measured {time.perf_counter() - start} {usage.ru_maxrss} {cpu}\n")
-sys.exit(os.waitstatus_to_exitcode(status))
-"""
-
-
 # The children run as installed programs do: with the bytecode cache.
 _ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 _CPU: dict[tuple[str, ...], float] = {}  # CPU seconds of the last run of each command
@@ -74,15 +60,9 @@ _CPU: dict[tuple[str, ...], float] = {}  # CPU seconds of the last run of each c
 def measured(cmd: list[str]) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MB, stdout) of one command, in a clean process; its CPU
     seconds are left in `_CPU[tuple(cmd)]`."""
-    proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True,
-                          text=True, env=_ENV)
-    lines = proc.stderr.rstrip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("@@measured"):
-        raise SystemExit(f"{' '.join(cmd[:4])}… failed ({proc.returncode}): "
-                         f"{proc.stderr.strip()[-400:]}")
-    _, wall, rss_kb, cpu = lines[-1].split()
-    _CPU[tuple(cmd)] = float(cpu)
-    return float(wall), int(rss_kb) / 1024, proc.stdout
+    wall, cpu, rss_kb, stdout = run_measured(cmd, env=_ENV)
+    _CPU[tuple(cmd)] = cpu
+    return wall, rss_kb / 1024, stdout
 
 
 def last_cpu(cmd: list[str]) -> float:
