@@ -130,7 +130,7 @@ class CollectiveRecord:
 @dataclass(slots=True)
 class _StepCollectives:
     seq_at_start: dict[str, int] = field(default_factory=dict)
-    seq_at_end: dict[str, int] | None = None  # set by add_step_summary
+    seq_at_end: dict[str, int] | None = None  # set by capture_step_summary
     # (pg name, call start, call end) of Python-issued collectives: a flight-recorder
     # entry created inside one of these windows is that call (sequence numbers cannot
     # join them: with point-to-point traffic the group counter and the recorder's
@@ -445,10 +445,6 @@ class CollectiveTracker:
         else:
             started = self.groups.sequence_snapshot()
         self._step = _StepCollectives(seq_at_start=started)
-
-    def add_step_summary(self, summary: dict) -> None:
-        """Always-on per-group arrays for the step span (captured and added at once)."""
-        self.capture_step_summary()(summary)
 
     def capture_step_summary(self):
         """At the step's end, on the training thread: the group sequence numbers now.

@@ -91,12 +91,10 @@ class Runtime:
         self._step_span = None
         self._step_context = None
         self.step_detail = False
-        # Callables adding always-on attributes to the step summary dict at step end
-        # (cheaper than listeners setting attributes on the span one call at a time).
-        self.summary_contributors: list = []
-        # Callables run at the step end on the training thread, each returning a
-        # function that adds its attributes to the summary later, when the span is built
-        # (possibly on the finisher thread): the capture/format split of a contributor.
+        # Always-on attributes of the step summary beyond the runtime's own: callables
+        # run at the step end on the training thread, each returning a function that
+        # adds its attributes to the summary dict when the span is built (possibly on
+        # the finisher thread). Cheaper than listeners setting attributes one by one.
         self.summary_captures: list = []
         self.step_start_ns = 0
         self.step_start_cpu_ns = (0, 0)
@@ -257,12 +255,9 @@ class Runtime:
 
     def _capture(self, end_ns: int) -> tuple:
         """What the step span needs from the training thread at the step's end."""
-        extra: dict = {}
-        for contributor in self.summary_contributors:
-            contributor(extra)
         return (self.step_number, self.step_start_ns, end_ns, self.totals,
                 self.step_start_cpu_ns, (time.process_time_ns(), time.thread_time_ns()),
-                self.step_detail, [capture() for capture in self.summary_captures], extra)
+                self.step_detail, [capture() for capture in self.summary_captures])
 
     def _build_summary(self, record: tuple) -> dict:
         totals = record[3]
@@ -272,7 +267,6 @@ class Runtime:
         summary = self._summary(record)
         for add in record[7]:
             add(summary)
-        summary.update(record[8])
         return summary
 
     def _finish_now(self, record: tuple, end_ns: int) -> None:
