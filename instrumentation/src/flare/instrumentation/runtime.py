@@ -191,9 +191,13 @@ class Runtime:
                            span_id=semconv.step_root_span_id(job, step),
                            is_remote=True, trace_flags=_SAMPLED)
 
-    def _start_step_span(self, attributes: dict):
-        attributes[semconv.STEP] = self.step_number
+    def _label_step(self, attributes: dict, step: int) -> None:
+        """The step number and the rank attributes every step span carries."""
+        attributes[semconv.STEP] = step
         attributes.update(self.span_attributes)
+
+    def _start_step_span(self, attributes: dict):
+        self._label_step(attributes, self.step_number)
         root = NonRecordingSpan(self._step_parent())
         return self.tracer.start_span(semconv.SPAN_STEP, context=trace.set_span_in_context(root),
                                       start_time=self.step_start_ns, attributes=attributes)
@@ -279,8 +283,7 @@ class Runtime:
             elif finished is not None and finished.usable():
                 # Nothing needed the span during the step: it is emitted finished, with
                 # a pending stand-in (same context) for the listeners and children.
-                summary[semconv.STEP] = self.step_number
-                summary.update(self.span_attributes)
+                self._label_step(summary, self.step_number)
                 parent = self._step_parent()
                 context = SpanContext(parent.trace_id, finished.new_span_id(),
                                       is_remote=False, trace_flags=_SAMPLED)
@@ -332,8 +335,7 @@ class Runtime:
     def _emit_deferred(self, record: tuple, pending: PendingStepSpan) -> None:
         step, start_ns, end_ns = record[0], record[1], record[2]
         summary = self._build_summary(record)
-        summary[semconv.STEP] = step
-        summary.update(self.span_attributes)
+        self._label_step(summary, step)
         summary.update(pending.pending_attributes)
         self._finished.emit(semconv.SPAN_STEP, self._step_parent(step),
                             pending.get_span_context().span_id, summary, start_ns, end_ns)
