@@ -6,6 +6,8 @@ exporter sees, honour the sampler, and step aside for processors that do work in
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -208,3 +210,41 @@ def test_an_explicit_provider_shutdown_still_exports_deferred_steps(rank_env):  
     finally:
         instrumentor.uninstrument()
     assert steps == [0, 1, 2, 3]
+
+
+class OrderListener:
+    """Records the hook order; makes step 3's span early, as a hang report would."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.calls = []
+
+    def on_step_start(self, step, detail):
+        self.calls.append(("start", step, detail))
+        if step == 3:
+            assert self.runtime.step_span is not None  # a real SDK span from now on
+
+    def on_step_end(self, step, detail, span):
+        self.calls.append(("end", step, detail))
+        span.set_attribute("test.order", step)
+
+
+def test_the_optimizer_boundary_keeps_listener_order_and_one_span_per_step(rank_env):  # noqa: F811
+    provider, exporter, instrumentor, runtime = run_batched()
+    listener = OrderListener(runtime)
+    runtime.add_step_listener(listener)
+    try:
+        train(6)
+        provider.force_flush()
+        spans = finished(exporter, semconv.SPAN_STEP)
+    finally:
+        instrumentor.uninstrument()
+    # FLARE_DETAIL_EVERY=2: even steps are detail steps; the last step stays open
+    expected = []
+    for step in range(6):
+        expected += [("start", step, step % 2 == 0), ("end", step, step % 2 == 0)]
+    assert listener.calls[:12] == expected
+    assert [s.attributes[semconv.STEP] for s in spans] == [0, 1, 2, 3, 4, 5]
+    assert [s.attributes["test.order"] for s in spans] == [0, 1, 2, 3, 4, 5]
+    # every step starts where the previous one ended (one clock reading at the boundary)
+    assert all(a.end_time == b.start_time for a, b in itertools.pairwise(spans))

@@ -334,8 +334,8 @@ class CollectiveTracker:
 
     def _emit(self, record: CollectiveRecord) -> None:
         runtime = self.runtime
-        if not runtime.step_open:
-            return
+        if not runtime.wants_child(record.start_ns, record.end_ns):
+            return  # ordinary step, fast call: counted in the step's totals only
         attributes = {
             semconv.COLL_OP: record.op,
             semconv.COLL_BYTES: record.nbytes,

@@ -42,11 +42,12 @@ class DataLoaderHook:
                 totals = runtime.totals
                 totals.dataloader_ns += end - start
                 totals.dataloader_count += 1
-                runtime.emit_child(semconv.SPAN_DATALOADER, start, end, {
-                    semconv.DATALOADER_WAIT_MS: round((end - start) / 1e6, 3),
-                    semconv.DATALOADER_WORKERS: getattr(iterator, "_num_workers", 0),
-                    semconv.DATALOADER_INDEX: totals.dataloader_count - 1,
-                })
+                if runtime.wants_child(start, end):
+                    runtime.emit_child(semconv.SPAN_DATALOADER, start, end, {
+                        semconv.DATALOADER_WAIT_MS: round((end - start) / 1e6, 3),
+                        semconv.DATALOADER_WORKERS: getattr(iterator, "_num_workers", 0),
+                        semconv.DATALOADER_INDEX: totals.dataloader_count - 1,
+                    })
 
         __next__.__wrapped__ = original
         return __next__

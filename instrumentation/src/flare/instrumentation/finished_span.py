@@ -52,7 +52,9 @@ class PendingStepSpan(NonRecordingSpan):
     context is computed on first use (most steps never need it)."""
 
     def __init__(self, context_factory, attributes: dict):
-        super().__init__(None)
+        # NonRecordingSpan.__init__ only stores the context: done here, without the call
+        # (this runs on the training thread at every step boundary)
+        self._context = None
         self._context_factory = context_factory
         self.pending_attributes = attributes
 

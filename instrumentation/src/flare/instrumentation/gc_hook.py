@@ -33,7 +33,7 @@ class GcHook:
         totals = runtime.totals
         totals.gc_ns += end - start
         totals.gc_count += 1
-        if runtime.step_open:
+        if runtime.wants_child(start, end):
             runtime.emit_child(semconv.SPAN_GC, start, end, {
                 semconv.GC_GENERATION: info.get("generation", -1),
                 semconv.GC_COLLECTED: info.get("collected", 0),

@@ -83,10 +83,13 @@ class ProcessGroups:
             return []
 
     def sequence_snapshot(self) -> dict[str, int]:
-        try:
-            groups = tuple(self._c10d._world.pg_map)
+        try:  # the module's registry itself (`_world.pg_map` returns it): one lookup
+            groups = tuple(self._c10d._pg_map)
         except Exception:
-            groups = ()
+            try:
+                groups = tuple(self._c10d._world.pg_map)
+            except Exception:
+                groups = ()
         if groups != self._snapshot_groups:
             named = []
             for pg in groups:

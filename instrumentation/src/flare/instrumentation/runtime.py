@@ -83,7 +83,10 @@ class Runtime:
         self.span_attributes = dict(span_attributes)
         self.enabled = True
         self.explicit_steps = False  # flare.instrumentation.step() took over the boundaries
-        self._listeners: tuple = ()  # replaced, never mutated: iterated without a copy
+        # replaced, never mutated: iterated without a copy
+        self._listeners: tuple = ()
+        self._on_start: tuple = ()  # (listener, its bound on_step_start)
+        self._on_end: tuple = ()
         self._failed_listeners: set[int] = set()
 
         self.step_number = 0  # the step in progress, or the next one to begin
@@ -138,27 +141,34 @@ class Runtime:
 
     # ------------------------------------------------------------ listeners (public API)
     def add_step_listener(self, listener) -> None:
-        self._listeners = (*self._listeners, listener)
+        self._set_listeners((*self._listeners, listener))
 
     def remove_step_listener(self, listener) -> None:
         if listener in self._listeners:
             listeners = list(self._listeners)
             listeners.remove(listener)
-            self._listeners = tuple(listeners)
+            self._set_listeners(tuple(listeners))
+
+    def _set_listeners(self, listeners: tuple) -> None:
+        # The bound methods are looked up once here, not at every step boundary.
+        self._listeners = listeners
+        self._on_start = tuple((listener, listener.on_step_start) for listener in listeners)
+        self._on_end = tuple((listener, listener.on_step_end) for listener in listeners)
 
     def request_detail(self) -> None:
         """Make the next step a detail step (children, flight recorder, kernel window)."""
         self._detail_once = True
 
-    def _notify(self, method: str, *args) -> None:
-        for listener in self._listeners:
+    def _notify(self, methods: tuple, *args) -> None:
+        """Call one hook (`self._on_start` or `self._on_end`) of every listener."""
+        for listener, method in methods:
             try:
-                getattr(listener, method)(*args)
+                method(*args)
             except Exception as error:  # a listener must never break training
                 if id(listener) not in self._failed_listeners:
                     self._failed_listeners.add(id(listener))
                     _log.warning("flare: step listener %r failed in %s: %r",
-                                 listener, method, error)
+                                 listener, method.__name__, error)
 
     # ------------------------------------------------------------ steps
     def _decide_detail(self, step: int) -> bool:
@@ -182,7 +192,7 @@ class Runtime:
         self._step_span = None
         self._step_context = None
         self.step_open = True
-        self._notify("on_step_start", self.step_number, self.step_detail)
+        self._notify(self._on_start, self.step_number, self.step_detail)
 
     def _step_parent(self, step: int | None = None) -> SpanContext:
         job = self.identity.job_id
@@ -227,23 +237,9 @@ class Runtime:
             return
         end_ns = end_ns or time.time_ns()
         record = self._capture(end_ns)
-        finished = self._finished
-        deferred = None
-        with self._lock:
-            span = self._step_span
-            if (span is None and finished is not None and not self.step_detail
-                    and not self._children and finished.asynchronous()):
-                step = self.step_number
-                # the context (hashes, span id) only when something asks for it
-                deferred = self._step_span = PendingStepSpan(
-                    lambda: SpanContext(self._step_parent(step).trace_id,
-                                        finished.new_span_id(), is_remote=False,
-                                        trace_flags=_SAMPLED), {})
+        deferred = self._defer_span()
         if deferred is not None:
-            # The common case: nothing needed the span during the step and its processors
-            # export in batches anyway. Listeners see a stand-in; the finisher thread
-            # builds the attributes and hands the span over (drain() on every flush).
-            self._notify("on_step_end", self.step_number, self.step_detail, deferred)
+            self._notify(self._on_end, self.step_number, self.step_detail, deferred)
             self._deferred.append((record, deferred))
             if self._finisher is None:
                 self._start_finisher()
@@ -256,6 +252,59 @@ class Runtime:
         self.step_open = False
         self._step_span = None
         self._step_context = None
+
+    def _defer_span(self) -> PendingStepSpan | None:
+        """The common case: nothing needed the span during this ordinary step and its
+        processors export in batches anyway. Returns the stand-in the listeners see
+        (its context is computed only if something asks for it); the finisher thread
+        builds the attributes and hands the span over (drain() on every flush). None
+        when the span must be finished now."""
+        finished = self._finished
+        if (finished is None or self.step_detail or self._children
+                or not finished.asynchronous()):
+            return None
+        step = self.step_number
+        with self._lock:
+            if self._step_span is not None:  # a hang report or an error made it
+                return None
+            self._step_span = PendingStepSpan(
+                lambda: SpanContext(self._step_parent(step).trace_id, finished.new_span_id(),
+                                    is_remote=False, trace_flags=_SAMPLED), {})
+            return self._step_span
+
+    def step_boundary(self, now_ns: int) -> None:
+        """End the step in progress at `now_ns` and begin the next one there: what the
+        optimizer hook does after every step. The usual case (an ordinary step whose
+        span nothing asked for, batch processors only) runs as one straight pass over
+        the training thread's bookkeeping, since this code runs right after the
+        optimizer step, with cold caches, where every call and lookup is paid several
+        times over; anything else takes `end_step` then `begin_step`."""
+        deferred = self._defer_span() if self.step_open else None
+        if deferred is None:
+            self.end_step(now_ns)
+            self.begin_step(now_ns)
+            return
+        cpu = (time.process_time_ns(), time.thread_time_ns())
+        step, start_ns = self.step_number, self.step_start_ns
+        record = (step, start_ns, now_ns, self.totals, self.step_start_cpu_ns, cpu, False,
+                  [capture() for capture in self.summary_captures])
+        self._notify(self._on_end, step, False, deferred)
+        self._deferred.append((record, deferred))
+        if self._finisher is None:
+            self._start_finisher()
+        self.recent_step_s.append((now_ns - start_ns) / 1e9)
+        self.last_step_end_ns = now_ns
+        # The next step begins where this one ended, with the same clocks.
+        step += 1
+        self.step_number = step
+        self.step_detail = detail = self._decide_detail(step)
+        self.step_start_ns = now_ns
+        self.step_start_cpu_ns = cpu
+        self.totals = StepTotals()
+        self._children = []
+        self._step_span = None
+        self._step_context = None
+        self._notify(self._on_start, step, detail)
 
     def _capture(self, end_ns: int) -> tuple:
         """What the step span needs from the training thread at the step's end."""
@@ -342,7 +391,7 @@ class Runtime:
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
-        self._notify("on_step_end", self.step_number, self.step_detail, span)
+        self._notify(self._on_end, self.step_number, self.step_detail, span)
         children, self._children = self._children, []
         if children:
             context = trace.set_span_in_context(span)
@@ -413,12 +462,15 @@ class Runtime:
         return statistics.median(recent) if recent else None
 
     # ------------------------------------------------------------ children
+    def wants_child(self, start_ns: int, end_ns: int) -> bool:
+        """Whether `emit_child` would keep a child spanning these times (hooks ask
+        first, so that ordinary steps do not build attributes only to drop them)."""
+        return self.step_open and (self.step_detail or end_ns - start_ns >= _SLOW_CHILD_NS)
+
     def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
         """A child of the current step: always on detail steps, otherwise only when slow.
         Emitted when the step ends (children of a step that never ends are dropped)."""
-        if not self.step_detail and end_ns - start_ns < _SLOW_CHILD_NS:
-            return
-        if not self.step_open:
+        if not self.wants_child(start_ns, end_ns):
             return
         if self.span_attributes:
             attributes.update(self.span_attributes)

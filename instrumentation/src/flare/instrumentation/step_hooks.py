@@ -62,9 +62,7 @@ class StepHooks:
             self._clock = weakref.ref(optimizer)
         elif clock is not optimizer:
             return
-        now = time.time_ns()
-        runtime.end_step(now)
-        runtime.begin_step(now)
+        runtime.step_boundary(time.time_ns())
 
     # -------------------------------------------------------------- backward
     def _make_backward(self, original):
