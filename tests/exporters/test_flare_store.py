@@ -328,3 +328,34 @@ def test_large_flushes_checkpoint_without_vacuum_and_small_ones_with_it(tmp_path
     assert seen == [(2, 100), 100, (6, 0), 100, (2, 100), 100, (6, 0), 100]
     assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 16}]
     assert rows(path, "SELECT value FROM flare_meta WHERE key = 'wal_lsn'") == [{"value": "3"}]
+
+
+def test_large_flushes_checkpoint_at_commit(tmp_path, monkeypatch):
+    """A large flush writes its rows to the file at commit (no DuckDB WAL round trip);
+    the threshold is back to DuckDB's default before the file closes."""
+    from flare.exporters import flare_store
+
+    seen = []
+    real = flare_store._vacuum_off_if_large
+
+    def threshold(con):
+        return con.execute("SELECT current_setting('checkpoint_threshold')").fetchone()[0]
+
+    @contextlib.contextmanager
+    def spy(con, rows):
+        default = threshold(con)
+        with real(con, rows):
+            seen.append((rows, threshold(con) != default))
+            yield
+        seen.append(threshold(con) == default)
+
+    monkeypatch.setattr(flare_store, "_vacuum_off_if_large", spy)
+    monkeypatch.setattr(flare_store, "LARGE_FLUSH_ROWS", 6)
+    path = tmp_path / "store.duckdb"
+    exporter = FlareStoreExporter(path)
+    for flush in range(2):
+        for _ in range(3 if flush else 1):  # 2 spans (small), then 6 (large)
+            exporter.export_traces(step_request())
+        exporter.flush(commit_marker=("wal_lsn", str(flush)))
+    assert seen == [(2, False), True, (6, True), True]
+    assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 8}]
