@@ -53,8 +53,8 @@ def test_spans_filters_and_typed_attributes(store_path):
     table = job.spans([sc.SPAN_STEP], [sc.STEP_COMPUTE_MS, sc.STEP_PG_WAIT_MS],
                       first_step=10, last_step=11, ranks=[2])
     assert table.num_rows == 2
-    assert table.schema.field(sc.STEP_COMPUTE_MS).type == pa.float64()
-    assert pa.types.is_list(table.schema.field(sc.STEP_PG_WAIT_MS).type)
+    assert table.to_arrow().schema.field(sc.STEP_COMPUTE_MS).type == pa.float64()
+    assert pa.types.is_list(table.to_arrow().schema.field(sc.STEP_PG_WAIT_MS).type)
     assert min(table[sc.STEP_COMPUTE_MS].to_pylist()) > 60  # 40 ms base + 30 ms fault
     arrow = _arrow_job(store_path).spans([sc.SPAN_STEP], [sc.STEP_COMPUTE_MS, sc.STEP_PG_WAIT_MS],
                                          first_step=10, last_step=11, ranks=[2])

@@ -57,7 +57,7 @@ def test_string_extraction_equals_the_json_cast(odd_store, keys):
     assert table.num_rows == len(docs)
     expected = _reference(path, keys)
     for key in keys:
-        assert table.schema.field(key).type == arrow_type(key)
+        assert table.to_arrow().schema.field(key).type == arrow_type(key)
         got = table.column(key).to_pylist()
         mismatches = [(docs[i], got[i], want) for i, want in enumerate(expected[key])
                       if repr(got[i]) != repr(want)]

@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 from flare.diagnostics import pipeline, writeback
 from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.arrow import ArrowJobData
+from flare.diagnostics.columns import Table
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.exporters.store import spans_table
 from flare.instrumentation import semconv as sc
@@ -81,7 +82,8 @@ class IncrementalJobData:
 
     def refresh(self) -> int:
         """Fetch the open steps; returns the number of step spans fetched."""
-        fresh = self.inner.spans([sc.SPAN_STEP], first_step=self.complete_step + 1)
+        # The window is Arrow (concatenated, filtered, read by ArrowJobData).
+        fresh = _as_arrow(self.inner.spans([sc.SPAN_STEP], first_step=self.complete_step + 1))
         self.fetched_rows += fresh.num_rows
         if self._window is None:
             self._window = fresh
@@ -132,13 +134,13 @@ class IncrementalJobData:
         columns: Sequence[str] | None = None,
         limit: int | None = None,
         status_code: int | None = None,
-    ) -> pa.Table:
+    ) -> Table:
         source = self._local if list(names) == [sc.SPAN_STEP] else self.inner
         return source.spans(names, attributes, first_step, last_step, ranks, columns, limit,
                             status_code)
 
     def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
-                     first_step: int | None = None, last_step: int | None = None) -> pa.Table:
+                     first_step: int | None = None, last_step: int | None = None) -> Table:
         return self._local.step_summary(attributes, step_bucket, first_step, last_step)
 
     def steps_range(self) -> tuple[int, int] | None:
@@ -150,7 +152,7 @@ class IncrementalJobData:
     def world_size(self) -> int | None:
         return self._local.world_size()
 
-    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+    def rank_activity(self, names: Sequence[str]) -> Table:
         source = self._local if list(names) == [sc.SPAN_STEP] else self.inner
         return source.rank_activity(names)
 
@@ -245,7 +247,7 @@ class Labeller:
         self.sent[anomaly.key] = anomaly
         self.sent_signatures.append(self.signature(anomaly))
 
-    def remember_written(self, table: pa.Table) -> None:
+    def remember_written(self, table: Table) -> None:
         """Seed from `flare.anomaly` spans already in the backend (a restarted service)."""
         for text in table.column("attributes").to_pylist() if table.num_rows else []:
             try:
@@ -578,3 +580,7 @@ def main(
             health.stop()
         service.close()
     return 0
+
+
+def _as_arrow(table: Table | pa.Table) -> pa.Table:
+    return table.to_arrow() if isinstance(table, Table) else table

@@ -11,8 +11,8 @@ import dataclasses
 import math
 
 import numpy as np
-import pyarrow as pa
 
+from flare.diagnostics.columns import Table
 from flare.diagnostics.model import DiagnosisConfig, JobData
 from flare.instrumentation import semconv as sc
 
@@ -98,7 +98,7 @@ def load(job: JobData, config: DiagnosisConfig) -> StepFrame | None:
     return from_summary(table, bucket)
 
 
-def from_summary(table: pa.Table, bucket: int) -> StepFrame:
+def from_summary(table: Table, bucket: int) -> StepFrame:
     rank_values = table["rank"].to_numpy()
     step_values = table["step"].to_numpy()
     ranks = np.unique(rank_values)

@@ -17,16 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from flare.diagnostics.backends import attributes as typed_attributes
+from flare.diagnostics.columns import Table
 from flare.instrumentation import semconv as sc
 
-typed_attributes.register(sc.KERNEL_LAUNCH_NS, pa.int64())
-typed_attributes.register(sc.KERNEL_LAUNCH_DUR_US, pa.float64())
-typed_attributes.register(sc.STEP_GPU_TEMPERATURE_C, pa.float64())
-typed_attributes.register(sc.STEP_GPU_POWER_W, pa.float64())
+typed_attributes.register(sc.KERNEL_LAUNCH_NS, "int64")
+typed_attributes.register(sc.KERNEL_LAUNCH_DUR_US, "double")
+typed_attributes.register(sc.STEP_GPU_TEMPERATURE_C, "double")
+typed_attributes.register(sc.STEP_GPU_POWER_W, "double")
 
 KERNEL_ATTRIBUTES = (
     sc.KERNEL_NAME, sc.KERNEL_CATEGORY, sc.KERNEL_STREAM, sc.KERNEL_DEVICE,
@@ -37,7 +36,7 @@ _SPAN_COLUMNS = ("rank", "step", "start_ns", "end_ns", "duration_ns", "trace_id"
 
 
 def gpu_activities(job, attributes: Sequence[str] = KERNEL_ATTRIBUTES,
-                   ranks: Sequence[int] | None = None) -> pa.Table:
+                   ranks: Sequence[int] | None = None) -> Table:
     """Kernel spans that ran on a GPU (CPU operators of CPU-only windows excluded).
 
     The GPU detectors all ask with the default attributes, so the diagnosis pipeline's
@@ -48,7 +47,8 @@ def gpu_activities(job, attributes: Sequence[str] = KERNEL_ATTRIBUTES,
     if table.num_rows == 0 or sc.KERNEL_DEVICE not in table.column_names:
         return table
     device = table.column(sc.KERNEL_DEVICE)
-    keep = pc.fill_null(pc.not_equal(device, sc.KERNEL_DEVICE_HOST), True)
+    # A null device counts as a GPU's (only the host's own marker excludes a span).
+    keep = ~device.is_valid() | (device.data != sc.KERNEL_DEVICE_HOST)
     return table.filter(keep)
 
 
@@ -109,21 +109,25 @@ def trace_idle_share(starts: np.ndarray, ends: np.ndarray, launches: np.ndarray,
     return (idle / window if window > 0 else 0.0), idle, window
 
 
-def step_windows(table: pa.Table) -> dict[int, list[tuple[int, int, int]]]:
+def step_windows(table: Table) -> dict[int, list[tuple[int, int, int]]]:
     """Per rank: [(step, window_start_ns, window_end_ns)] over the GPU timeline."""
     out: dict[int, list[tuple[int, int, int]]] = {}
     if table.num_rows == 0:
         return out
-    stepped = table.filter(pc.is_valid(table.column("step")))
+    stepped = table.filter(table.column("step").is_valid() & table.column("rank").is_valid())
     if stepped.num_rows == 0:
         return out
-    grouped = stepped.group_by(["rank", "step"]).aggregate(
-        [("start_ns", "min"), ("end_ns", "max")]).sort_by([("rank", "ascending"),
-                                                            ("step", "ascending")])
-    ranks = grouped.column("rank").to_numpy()
-    steps = grouped.column("step").to_numpy()
-    first = grouped.column("start_ns_min").to_numpy()
-    last = grouped.column("end_ns_max").to_numpy()
+    # Per (rank, step), sorted by rank then step: first start and last end.
+    all_ranks = stepped.column("rank").to_numpy().astype(np.int64)
+    all_steps = stepped.column("step").to_numpy().astype(np.int64)
+    order = np.lexsort((all_steps, all_ranks))
+    r, st = all_ranks[order], all_steps[order]
+    new_group = np.ones(len(r), dtype=bool)
+    new_group[1:] = (r[1:] != r[:-1]) | (st[1:] != st[:-1])
+    starts_at = np.flatnonzero(new_group)
+    ranks, steps = r[starts_at], st[starts_at]
+    first = np.minimum.reduceat(stepped.column("start_ns").to_numpy()[order], starts_at)
+    last = np.maximum.reduceat(stepped.column("end_ns").to_numpy()[order], starts_at)
     for i in range(len(ranks)):
         nxt = i + 1 < len(ranks) and ranks[i + 1] == ranks[i] and steps[i + 1] == steps[i] + 1
         end = first[i + 1] if nxt else last[i]
@@ -131,7 +135,7 @@ def step_windows(table: pa.Table) -> dict[int, list[tuple[int, int, int]]]:
     return out
 
 
-def timelines(table: pa.Table) -> dict[int, BusyTimeline]:
+def timelines(table: Table) -> dict[int, BusyTimeline]:
     out: dict[int, BusyTimeline] = {}
     ranks = table.column("rank").to_numpy(zero_copy_only=False)
     starts = table.column("start_ns").to_numpy(zero_copy_only=False)
@@ -142,7 +146,7 @@ def timelines(table: pa.Table) -> dict[int, BusyTimeline]:
     return out
 
 
-def void_shares(table: pa.Table) -> dict[int, list[tuple[int, float, int]]]:
+def void_shares(table: Table) -> dict[int, list[tuple[int, float, int]]]:
     """Per rank: [(step, void share, window ns)] for each step with GPU activity."""
     lines = timelines(table) if table.num_rows else {}
     out: dict[int, list[tuple[int, float, int]]] = {}
@@ -189,7 +193,7 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
     return float(np.percentile(arr, q)) if len(arr) else float("nan")
 
 
-def trace_ids_of(table: pa.Table, mask: np.ndarray | None = None, limit: int = 5) -> list[str]:
+def trace_ids_of(table: Table, mask: np.ndarray | None = None, limit: int = 5) -> list[str]:
     if "trace_id" not in table.column_names or table.num_rows == 0:
         return []
     ids = table.column("trace_id").to_numpy(zero_copy_only=False)

@@ -13,8 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import pyarrow as pa
-
+from flare.diagnostics.columns import Table
 from flare.instrumentation import semconv
 
 KINDS = semconv.ANOMALY_KINDS
@@ -95,7 +94,7 @@ class JobData(Protocol):
         columns: Sequence[str] | None = None,  # added: a subset of the span columns
         limit: int | None = None,  # added: first N spans by start time
         status_code: int | None = None,  # added: only spans with this OTLP status (2 = error)
-    ) -> pa.Table: ...
+    ) -> Table: ...
 
     def world_size(self) -> int | None: ...
 
@@ -109,7 +108,7 @@ class JobData(Protocol):
         step_bucket: int = 1,
         first_step: int | None = None,
         last_step: int | None = None,
-    ) -> pa.Table:
+    ) -> Table:
         """Per (rank, bucket of `step_bucket` steps): rank, step, steps, start_ns,
         end_ns, duration_ms and the mean of each attribute (float32; bit masks are ORed),
         over train.step spans."""
@@ -119,7 +118,7 @@ class JobData(Protocol):
 
     def ranks(self) -> list[int]: ...
 
-    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+    def rank_activity(self, names: Sequence[str]) -> Table:
         """Per rank: spans, first_start_ns, last_end_ns, last_step over spans named `names`."""
         ...
 

@@ -11,9 +11,8 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 
-import pyarrow as pa
-
 from flare.diagnostics import registry
+from flare.diagnostics.columns import Table
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, job_source
 from flare.instrumentation import semconv as sc
 
@@ -42,13 +41,13 @@ class CachedJobData:
     def spans(self, names: Sequence[str], attributes: Sequence[str] = (),
               first_step: int | None = None, last_step: int | None = None,
               ranks: Sequence[int] | None = None, columns: Sequence[str] | None = None,
-              limit: int | None = None, status_code: int | None = None) -> pa.Table:
+              limit: int | None = None, status_code: int | None = None) -> Table:
         return self._cached("spans", tuple(names), tuple(attributes), first_step, last_step,
                             None if ranks is None else tuple(ranks),
                             None if columns is None else tuple(columns), limit, status_code)
 
     def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
-                     first_step: int | None = None, last_step: int | None = None) -> pa.Table:
+                     first_step: int | None = None, last_step: int | None = None) -> Table:
         return self._cached("step_summary", tuple(attributes), step_bucket, first_step, last_step)
 
     def steps_range(self) -> tuple[int, int] | None:
@@ -63,7 +62,7 @@ class CachedJobData:
     def count(self, names: Sequence[str]) -> int:
         return self._cached("count", tuple(names))
 
-    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+    def rank_activity(self, names: Sequence[str]) -> Table:
         return self._cached("rank_activity", tuple(names))
 
     def source(self) -> str | None:

@@ -4,7 +4,8 @@ An adapter supplies one function, `fetch(names, first_step, last_step, ranks)`,
 returning spans in the store's `SPAN_SCHEMA` (filters pushed down as far as its API
 allows; names ending in '*' are prefixes). Everything else — exact filtering,
 attribute extraction, the per-step summary — is done here in Arrow, so every backend
-gives detectors the same tables as the store does.
+gives detectors the same tables as the store does (converted to the detectors'
+`columns.Table` on the way out).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flare.diagnostics.backends.attributes import BITMASK_ATTRIBUTES, python_values
+from flare.diagnostics.columns import Table
 from flare.exporters.store import SPAN_SCHEMA
 from flare.instrumentation import semconv as sc
 
@@ -38,8 +40,24 @@ class ArrowJobData:
         columns: Sequence[str] | None = None,
         limit: int | None = None,
         status_code: int | None = None,
+    ) -> Table:
+        return Table.from_arrow(self._spans(names, attributes, first_step, last_step, ranks,
+                                            columns, limit, status_code))
+
+    def _spans(
+        self,
+        names: Sequence[str],
+        attributes: Sequence[str] = (),
+        first_step: int | None = None,
+        last_step: int | None = None,
+        ranks: Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        limit: int | None = None,
+        status_code: int | None = None,
     ) -> pa.Table:
         table = self._fetch(list(names), first_step, last_step, ranks)
+        if isinstance(table, Table):  # e.g. spans read from the store
+            table = table.to_arrow()
         table = _conform(table)
         mask = _name_mask(table, names)
         if first_step is not None:
@@ -66,8 +84,8 @@ class ArrowJobData:
         step_bucket: int = 1,
         first_step: int | None = None,
         last_step: int | None = None,
-    ) -> pa.Table:
-        steps = self.spans([sc.SPAN_STEP], attributes, first_step, last_step)
+    ) -> Table:
+        steps = self._spans([sc.SPAN_STEP], attributes, first_step, last_step)
         steps = steps.filter(pc.and_(pc.is_valid(steps["rank"]), pc.is_valid(steps["step"])))
         bucket = max(1, int(step_bucket))
         duration_ms = pc.divide(pc.cast(steps["duration_ns"], pa.float64()), 1e6)
@@ -100,21 +118,21 @@ class ArrowJobData:
                           else _bit_or(out[f"{a}_bits_list"]), pa.float32())
                for a in attributes},
         })
-        return table.sort_by([("step", "ascending"), ("rank", "ascending")])
+        return Table.from_arrow(table.sort_by([("step", "ascending"), ("rank", "ascending")]))
 
     def steps_range(self) -> tuple[int, int] | None:
-        steps = self.spans([sc.SPAN_STEP], columns=["step"])
+        steps = self._spans([sc.SPAN_STEP], columns=["step"])
         if steps.num_rows == 0 or steps["step"].null_count == steps.num_rows:
             return None
         lo, hi = pc.min_max(steps["step"]).values()
         return int(lo.as_py()), int(hi.as_py())
 
     def ranks(self) -> list[int]:
-        steps = self.spans([sc.SPAN_STEP], columns=["rank"])
+        steps = self._spans([sc.SPAN_STEP], columns=["rank"])
         return sorted(int(r) for r in pc.unique(steps["rank"]).to_pylist() if r is not None)
 
     def world_size(self) -> int | None:
-        steps = self.spans([sc.SPAN_STEP], columns=["rank", "resource"], limit=10000)
+        steps = self._spans([sc.SPAN_STEP], columns=["rank", "resource"], limit=10000)
         sizes = [
             json.loads(text).get(sc.WORLD_SIZE) for text in steps["resource"].to_pylist() if text
         ]
@@ -125,23 +143,23 @@ class ArrowJobData:
         return max(ranks) + 1 if ranks else None
 
     def source(self) -> str | None:
-        steps = self.spans([sc.SPAN_STEP, sc.SPAN_KERNEL], columns=["resource"], limit=1)
+        steps = self._spans([sc.SPAN_STEP, sc.SPAN_KERNEL], columns=["resource"], limit=1)
         texts = [t for t in steps["resource"].to_pylist() if t]
         return json.loads(texts[0]).get(sc.JOB_SOURCE) if texts else None
 
-    def rank_activity(self, names: Sequence[str]) -> pa.Table:
-        spans = self.spans(names, columns=["rank", "start_ns", "end_ns", "step"])
+    def rank_activity(self, names: Sequence[str]) -> Table:
+        spans = self._spans(names, columns=["rank", "start_ns", "end_ns", "step"])
         spans = spans.filter(pc.is_valid(spans["rank"]))
         out = spans.group_by("rank").aggregate(
             [("rank", "count"), ("start_ns", "min"), ("end_ns", "max"), ("step", "max")])
-        return pa.table({
+        return Table.from_arrow(pa.table({
             "rank": pc.cast(out["rank"], pa.int32()), "spans": out["rank_count"],
             "first_start_ns": out["start_ns_min"], "last_end_ns": out["end_ns_max"],
             "last_step": pc.cast(out["step_max"], pa.int64()),
-        }).sort_by("rank")
+        }).sort_by("rank"))
 
     def count(self, names: Sequence[str]) -> int:
-        return self.spans(names, columns=["span_id"]).num_rows
+        return self._spans(names, columns=["span_id"]).num_rows
 
 
 def _conform(table: pa.Table) -> pa.Table:

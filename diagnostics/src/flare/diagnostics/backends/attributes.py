@@ -1,5 +1,9 @@
 """Typed extraction of span attributes: which Arrow type each attribute key has.
 
+Types are kept by their Arrow names ("double", "int64", "bool", "string",
+"list<item: int64>"), so the store path needs no pyarrow; `arrow_type` gives the
+pyarrow type itself to the backends that build Arrow tables.
+
 Stores keep attributes as JSON text; detectors want typed columns. The type comes
 from the semantic conventions (a duration in ms is a double, a step an integer, the
 per-process-group arrays are lists); keys nobody registered come back as text.
@@ -10,20 +14,24 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-import pyarrow as pa
-
+from flare.diagnostics.columns import is_list_type, list_value_type
 from flare.instrumentation import semconv as sc
 
-_DOUBLE = pa.float64()
-_INT = pa.int64()
-_BOOL = pa.bool_()
-_TEXT = pa.string()
+_DOUBLE = "double"
+_INT = "int64"
+_BOOL = "bool"
+_TEXT = "string"
+
+
+def _list_of(value_type: str) -> str:
+    return f"list<item: {value_type}>"
+
 
 # Bit masks: a bucket of steps keeps the OR of its values (a mean of masks means nothing).
 # `step_summary` backends aggregate these with bit_or instead of avg.
 BITMASK_ATTRIBUTES = frozenset({sc.STEP_GPU_THROTTLE})
 
-_TYPES: dict[str, pa.DataType] = {
+_TYPES: dict[str, str] = {
     sc.STEP: _INT,
     sc.STEP_DATALOADER_MS: _DOUBLE,
     sc.STEP_COLLECTIVE_WAIT_MS: _DOUBLE,
@@ -39,16 +47,16 @@ _TYPES: dict[str, pa.DataType] = {
     sc.STEP_DETAIL: _BOOL,
     sc.STEP_GPU_SM_CLOCK_MHZ: _DOUBLE,
     sc.STEP_GPU_THROTTLE: _INT,
-    sc.STEP_PG_NAMES: pa.list_(_TEXT),
-    sc.STEP_PG_WAIT_MS: pa.list_(_DOUBLE),
-    sc.STEP_PG_COUNTS: pa.list_(_INT),
-    sc.STEP_PG_BYTES: pa.list_(_INT),
-    sc.STEP_PG_LAST_SEQ: pa.list_(_INT),
+    sc.STEP_PG_NAMES: _list_of(_TEXT),
+    sc.STEP_PG_WAIT_MS: _list_of(_DOUBLE),
+    sc.STEP_PG_COUNTS: _list_of(_INT),
+    sc.STEP_PG_BYTES: _list_of(_INT),
+    sc.STEP_PG_LAST_SEQ: _list_of(_INT),
     sc.DATALOADER_WAIT_MS: _DOUBLE,
     sc.DATALOADER_WORKERS: _INT,
     sc.COLL_SEQ: _INT,
     sc.COLL_GROUP_SIZE: _INT,
-    sc.COLL_GROUP_RANKS: pa.list_(_INT),
+    sc.COLL_GROUP_RANKS: _list_of(_INT),
     sc.COLL_BYTES: _INT,
     sc.COLL_DEVICE_START_NS: _INT,
     sc.COLL_DEVICE_END_NS: _INT,
@@ -75,13 +83,13 @@ _TYPES: dict[str, pa.DataType] = {
     sc.ERROR_SIGNAL: _INT,
     sc.RANKS_COUNT: _INT,
     sc.RANKS_EXPECTED: _INT,
-    sc.RANKS_MISSING: pa.list_(_INT),
+    sc.RANKS_MISSING: _list_of(_INT),
     sc.RANKS_SPREAD_MS: _DOUBLE,
     sc.RANKS_SLOWEST: _INT,
     sc.RANKS_CULPRIT: _INT,
     sc.RANKS_ARRIVAL_SKEW_MS: _DOUBLE,
     sc.RANKS_LAST_ARRIVAL: _INT,
-    sc.ANOMALY_RANKS: pa.list_(_INT),
+    sc.ANOMALY_RANKS: _list_of(_INT),
     sc.ANOMALY_FIRST_STEP: _INT,
     sc.ANOMALY_LAST_STEP: _INT,
     sc.ANOMALY_IMPACT: _DOUBLE,
@@ -89,28 +97,40 @@ _TYPES: dict[str, pa.DataType] = {
 }
 
 
-def register(key: str, arrow_type: pa.DataType) -> None:
-    """Let a detector module declare the type of an attribute it adds."""
-    _TYPES.setdefault(key, arrow_type)
+def register(key: str, arrow_type: object) -> None:
+    """Let a detector module declare the type of an attribute it adds (an Arrow type
+    name such as "double", or a pyarrow type)."""
+    _TYPES.setdefault(key, str(arrow_type))
 
 
-def arrow_type(key: str) -> pa.DataType:
+def type_name(key: str) -> str:
+    """The Arrow type name of `key` ("string" for keys nobody registered)."""
     return _TYPES.get(key, _TEXT)
 
 
+def arrow_type(key: str):
+    """The pyarrow type of `key` (imports pyarrow: for the Arrow-building backends)."""
+    import pyarrow as pa
+
+    name = type_name(key)
+    if is_list_type(name):
+        return pa.list_(pa.type_for_alias(list_value_type(name)))
+    return pa.type_for_alias(name)
+
+
 def sql_type(key: str) -> str:
-    typ = arrow_type(key)
-    if pa.types.is_list(typ):
-        return _scalar_sql(typ.value_type) + "[]"
-    return _scalar_sql(typ)
+    name = type_name(key)
+    if is_list_type(name):
+        return _scalar_sql(list_value_type(name)) + "[]"
+    return _scalar_sql(name)
 
 
-def _scalar_sql(typ: pa.DataType) -> str:
-    if pa.types.is_floating(typ):
+def _scalar_sql(name: str) -> str:
+    if name in ("float", "double", "halffloat"):
         return "DOUBLE"
-    if pa.types.is_integer(typ):
+    if name.startswith(("int", "uint")):
         return "BIGINT"
-    if pa.types.is_boolean(typ):
+    if name == "bool":
         return "BOOLEAN"
     return "VARCHAR"
 
@@ -124,8 +144,7 @@ def sql_path(key: str) -> str:
 def sql_extract(key: str, column: str = "attributes") -> str:
     """A DuckDB expression extracting `key` from a JSON attribute column, typed."""
     path_sql = sql_path(key)
-    typ = arrow_type(key)
-    if typ == _TEXT:
+    if type_name(key) == _TEXT:
         return f"json_extract_string({column}, {path_sql})"
     return f"TRY_CAST(json_extract({column}, {path_sql}) AS {sql_type(key)})"
 
@@ -138,7 +157,7 @@ def sql_extract_from_list(key: str, index: int, column: str = "v") -> str:
     of them over a few thousand kernel spans cost ~130 MB of peak memory (measured).
     """
     element = f"{column}[{index + 1}]"
-    if arrow_type(key) == _TEXT:
+    if type_name(key) == _TEXT:
         return f"json_extract_string({element}, '$')"
     return f"TRY_CAST({element} AS {sql_type(key)})"
 
@@ -151,7 +170,7 @@ _FAST_TEXT = {"BIGINT": _INT_TEXT, "DOUBLE": _NUMBER_TEXT, "BOOLEAN": "true|fals
 
 
 def is_list(key: str) -> bool:
-    return pa.types.is_list(arrow_type(key))
+    return is_list_type(type_name(key))
 
 
 def sql_typed_from_strings(key: str, index: int, strings: str = "s",
@@ -176,9 +195,12 @@ def sql_typed_from_strings(key: str, index: int, strings: str = "s",
             f"THEN TRY_CAST({element} AS {sql}) ELSE {exact} END")
 
 
-def python_values(json_texts: Sequence[str | None], key: str) -> pa.Array:
-    """The same extraction done in Python, for backends that hand over JSON text."""
-    typ = arrow_type(key)
+def python_values(json_texts: Sequence[str | None], key: str):
+    """The same extraction done in Python, for backends that hand over JSON text
+    (a pyarrow array)."""
+    import pyarrow as pa
+
+    name = type_name(key)
     out = []
     for text in json_texts:
         value = None
@@ -187,23 +209,23 @@ def python_values(json_texts: Sequence[str | None], key: str) -> pa.Array:
                 value = json.loads(text).get(key)
             except (ValueError, AttributeError):
                 value = None
-        out.append(_coerce(value, typ))
-    return pa.array(out, type=typ)
+        out.append(_coerce(value, name))
+    return pa.array(out, type=arrow_type(key))
 
 
-def _coerce(value: object, typ: pa.DataType) -> object:
+def _coerce(value: object, name: str) -> object:
     if value is None:
         return None
     try:
-        if pa.types.is_list(typ):
+        if is_list_type(name):
             if not isinstance(value, list):
                 return None
-            return [_coerce(v, typ.value_type) for v in value]
-        if pa.types.is_floating(typ):
+            return [_coerce(v, list_value_type(name)) for v in value]
+        if name in ("float", "double"):
             return float(value)  # type: ignore[arg-type]
-        if pa.types.is_integer(typ):
+        if name.startswith(("int", "uint")):
             return int(value)  # type: ignore[arg-type]
-        if pa.types.is_boolean(typ):
+        if name == "bool":
             return value if isinstance(value, bool) else str(value).lower() == "true"
         return value if isinstance(value, str) else json.dumps(value)
     except (TypeError, ValueError):

@@ -20,22 +20,23 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-import pyarrow as pa
-
 from flare.diagnostics.backends import BackendError
 from flare.diagnostics.backends.attributes import (
     BITMASK_ATTRIBUTES,
-    arrow_type,
     is_list,
     sql_extract,
     sql_extract_from_list,
     sql_path,
     sql_typed_from_strings,
+    type_name,
 )
+from flare.diagnostics.columns import Table
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
-_SPAN_COLUMN_NAMES = tuple(name for name, _, _ in flare_store.SPAN_COLUMNS)
+# (The store module offers its columns without pyarrow as SPAN_SQL_COLUMNS.)
+_SPAN_COLUMN_NAMES = tuple(column[0] for column in getattr(flare_store, "SPAN_SQL_COLUMNS", None)
+                           or flare_store.SPAN_COLUMNS)
 
 
 # A result this large, or a query this long, ends the connection's reuse: either one
@@ -72,7 +73,8 @@ class StoreBackend:
         # Fail now, with the store's own one-line reason, rather than at first query.
         self.query("SELECT 1")
 
-    def query(self, sql: str, params: Sequence[object] = ()) -> pa.Table:
+    def query(self, sql: str, params: Sequence[object] = ()) -> Table:
+        """The result as numpy columns (DuckDB's `fetchnumpy`; no Arrow)."""
         with self._lock:
             if self._con is not None and time.monotonic() - self._opened_at > self.hold_s:
                 self._release()
@@ -81,11 +83,13 @@ class StoreBackend:
             started = time.monotonic()
             try:
                 # A cursor of its own: open_reader leaves its version check result on `con`.
-                table = self._con.cursor().sql(sql, params=list(params)).to_arrow_table()
+                relation = self._con.cursor().sql(sql, params=list(params))
+                table = Table.from_numpy(relation.fetchnumpy()) if relation is not None \
+                    else Table({})
             except BaseException:
                 self._release()
                 raise
-            if (table.nbytes >= _RELEASE_AFTER_BYTES or self.hold_s <= 0
+            if (_result_bytes(table) >= _RELEASE_AFTER_BYTES or self.hold_s <= 0
                     or time.monotonic() - started >= _RELEASE_AFTER_S):
                 self._release()
             return table
@@ -188,7 +192,7 @@ class StoreJobData:
         columns: Sequence[str] | None = None,
         limit: int | None = None,
         status_code: int | None = None,
-    ) -> pa.Table:
+    ) -> Table:
         name_sql, params = _name_filter(names)
         range_sql, range_params = _range_filter(first_step, last_step, ranks)
         if status_code is not None:
@@ -226,7 +230,7 @@ class StoreJobData:
         step_bucket: int = 1,
         first_step: int | None = None,
         last_step: int | None = None,
-    ) -> pa.Table:
+    ) -> Table:
         """Per (rank, step bucket) means of train.step duration and `attributes`.
 
         Columns: rank, step (first step of the bucket), steps (how many steps),
@@ -258,8 +262,8 @@ class StoreJobData:
             f" AND {range_sql}) GROUP BY 1, 2"
         )
         table = self._backend.query(sql, [self.job, sc.SPAN_STEP, *range_params])
-        return _cast(table, {"rank": pa.int32(), "step": pa.int64(), "steps": pa.int64()}
-                     | {a: pa.float32() for a in attributes} | {"duration_ms": pa.float64()})
+        return _cast(table, {"rank": "int32", "step": "int64", "steps": "int64"}
+                     | {a: "float" for a in attributes} | {"duration_ms": "double"})
 
     def steps_range(self) -> tuple[int, int] | None:
         row = self._backend.query(
@@ -296,7 +300,7 @@ class StoreJobData:
             "WHERE job = ? AND resource IS NOT NULL LIMIT 1", [self.job]).to_pylist()
         return row[0]["source"] if row and row[0]["source"] else None
 
-    def rank_activity(self, names: Sequence[str]) -> pa.Table:
+    def rank_activity(self, names: Sequence[str]) -> Table:
         """Per rank: spans, first_start_ns, last_end_ns, last_step, over spans named `names`."""
         name_sql, params = _name_filter(names)
         table = self._backend.query(
@@ -304,7 +308,7 @@ class StoreJobData:
             "max(end_ns) AS last_end_ns, max(step) AS last_step FROM spans "
             f"WHERE job = ? AND {name_sql} AND rank IS NOT NULL GROUP BY rank ORDER BY rank",
             [self.job, *params])
-        return _cast(table, {"rank": pa.int32(), "spans": pa.int64(), "last_step": pa.int64()})
+        return _cast(table, {"rank": "int32", "spans": "int64", "last_step": "int64"})
 
     def count(self, names: Sequence[str]) -> int:
         name_sql, params = _name_filter(names)
@@ -313,15 +317,25 @@ class StoreJobData:
         ).column("n")[0].as_py())
 
 
-def _typed(table: pa.Table, attributes: Sequence[str]) -> pa.Table:
-    return _cast(table, {a: arrow_type(a) for a in attributes})
+def _typed(table: Table, attributes: Sequence[str]) -> Table:
+    return _cast(table, {a: type_name(a) for a in attributes})
 
 
-def _cast(table: pa.Table, types: dict[str, pa.DataType]) -> pa.Table:
+def _cast(table: Table, types: dict[str, str]) -> Table:
     for name, typ in types.items():
-        idx = table.schema.get_field_index(name)
-        if idx >= 0 and table.schema.field(idx).type != typ:
-            table = table.set_column(idx, name, table.column(idx).cast(typ))
+        if name in table and table[name].type != typ:
+            table = table.append_column(name, table[name].cast(typ))
     return table
 
 
+def _result_bytes(table: Table) -> int:
+    """A result's size: its arrays, and the text its object columns hold (counted only
+    until the release threshold is reached)."""
+    total = table.nbytes
+    for name in table.column_names:
+        if total >= _RELEASE_AFTER_BYTES:
+            break
+        data = table[name].data
+        if data.dtype == object:
+            total += sum(len(v) for v in data.tolist() if v is not None)
+    return total

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pyarrow.compute as pc
-
 from flare.diagnostics.callsite import user_callsite, user_frames
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.instrumentation import semconv as sc
@@ -24,7 +22,7 @@ _ATTRS = (sc.HANG_OPERATION, sc.HANG_STACKS, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_CO
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     dumps = job.spans([sc.SPAN_HANG], _ATTRS)
-    dumps = dumps.filter(pc.is_valid(dumps["rank"]))
+    dumps = dumps.filter(dumps["rank"].is_valid())
     if dumps.num_rows == 0:
         return []
     latest: dict[int, dict] = {}  # rank → its latest dump

@@ -8,17 +8,19 @@ Two references, as in the paper:
   datasheet peak for the GPU model and dtype (`kernel_taxonomy.peak_tflops`) while
   taking a real share of the GPU time — an unoptimised kernel, cause `software`.
 Kernels that take less than `MIN_TIME_SHARE` of a rank's kernel time are ignored.
+Medians are exact (numpy's: the mean of the two middle values for an even count).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from flare.diagnostics import gpu_metrics as gm
+from flare.diagnostics.columns import Table
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.instrumentation import kernel_taxonomy as taxonomy
 from flare.instrumentation import semconv as sc
@@ -33,23 +35,49 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     table = gm.gpu_activities(job)
     if table.num_rows == 0:
         return []
-    table = table.append_column("key", pc.binary_join_element_wise(
-        table.column(sc.KERNEL_NAME), pc.fill_null(table.column(sc.KERNEL_SHAPE), ""), "|"))
+    names = table.column(sc.KERNEL_NAME).to_pylist()
+    shapes = table.column(sc.KERNEL_SHAPE).to_pylist()
+    table = table.append_column("key", [
+        None if name is None else f"{name}|{shape or ''}" for name, shape in zip(names, shapes, strict=True)])
+    durations = table.column("duration_ns").to_numpy()
     per_rank_total = {
-        int(r["rank"]): float(r["duration_ns_sum"])
-        for r in table.group_by("rank").aggregate([("duration_ns", "sum")]).to_pylist()
+        int(keys[0]): float(durations[rows].sum()) for keys, rows in _groups(table, ["rank"])
     }
-    groups = table.group_by(["key", "rank"]).aggregate([
-        ("duration_ns", "approximate_median"), ("duration_ns", "count"), ("duration_ns", "sum"),
-        ("step", "min"), ("step", "max"),
-    ])
+    groups = _aggregate(table, ["key", "rank"], "duration_ns")
     anomalies = _peer_slow(table, groups, per_rank_total)
     anomalies += _below_peak(table, per_rank_total)
     return anomalies
 
 
-def _peer_slow(table: pa.Table, groups: pa.Table, totals: dict[int, float]) -> list[Anomaly]:
-    rows = [r for r in groups.to_pylist() if r["duration_ns_count"] >= MIN_SAMPLES]
+def _groups(table: Table, keys: Sequence[str]) -> list[tuple[tuple, np.ndarray]]:
+    """(key values, row indices) per distinct combination of `keys`, in order of first
+    appearance (a null is a key value of its own)."""
+    found: dict[tuple, list[int]] = {}
+    for index, values in enumerate(zip(*(table.column(k).to_pylist() for k in keys), strict=True)):
+        found.setdefault(values, []).append(index)
+    return [(values, np.array(rows, dtype=np.int64)) for values, rows in found.items()]
+
+
+def _aggregate(table: Table, keys: Sequence[str], median_of: str) -> list[dict[str, Any]]:
+    """Per group of `keys`: the keys, the median of `median_of`, the count, sum of
+    durations and first/last step (nulls skipped, None if all are null)."""
+    medians = table.column(median_of).to_numpy().astype(np.float64)
+    durations = table.column("duration_ns").to_numpy()
+    steps = table.column("step").to_pylist()
+    out = []
+    for values, rows in _groups(table, keys):
+        present = [steps[i] for i in rows.tolist() if steps[i] is not None]
+        out.append(dict(zip(keys, values, strict=True)) | {
+            "median": float(np.median(medians[rows])), "count": len(rows),
+            "duration_ns_sum": int(durations[rows].sum()),
+            "step_min": min(present) if present else None,
+            "step_max": max(present) if present else None,
+        })
+    return out
+
+
+def _peer_slow(table: Table, groups: list[dict[str, Any]], totals: dict[int, float]) -> list[Anomaly]:
+    rows = [r for r in groups if r["count"] >= MIN_SAMPLES]
     by_key: dict[str, list[dict]] = {}
     for row in rows:
         by_key.setdefault(row["key"], []).append(row)
@@ -61,12 +89,12 @@ def _peer_slow(table: pa.Table, groups: pa.Table, totals: dict[int, float]) -> l
         for entry in entries:
             rank = int(entry["rank"])
             compared[rank] = compared.get(rank, 0) + 1
-            peers = [e["duration_ns_approximate_median"] for e in entries if e is not entry]
+            peers = [e["median"] for e in entries if e is not entry]
             reference = float(np.median(peers))
-            mine = float(entry["duration_ns_approximate_median"])
+            mine = float(entry["median"])
             if reference > 0 and mine >= PEER_FACTOR * reference and \
                     entry["duration_ns_sum"] >= MIN_TIME_SHARE * totals[rank]:
-                extra = (mine - reference) * entry["duration_ns_count"]
+                extra = (mine - reference) * entry["count"]
                 slow.setdefault(rank, []).append({
                     "kernel": key.split("|", 1)[0][:160], "shape": key.split("|", 1)[1] or None,
                     "median_us": round(mine / 1e3, 3), "peer_median_us": round(reference / 1e3, 3),
@@ -96,24 +124,24 @@ def _peer_slow(table: pa.Table, groups: pa.Table, totals: dict[int, float]) -> l
     return anomalies
 
 
-def _below_peak(table: pa.Table, totals: dict[int, float]) -> list[Anomaly]:
-    compute = table.filter(pc.and_(
-        pc.is_in(table.column(sc.KERNEL_CATEGORY), pa.array([taxonomy.GEMM, taxonomy.ATTENTION])),
-        pc.is_valid(table.column(sc.KERNEL_ACHIEVED_TFLOPS))))
+def _below_peak(table: Table, totals: dict[int, float]) -> list[Anomaly]:
+    category = table.column(sc.KERNEL_CATEGORY)
+    compute = table.filter(np.isin(category.data, [taxonomy.GEMM, taxonomy.ATTENTION])
+                           & category.is_valid()
+                           & table.column(sc.KERNEL_ACHIEVED_TFLOPS).is_valid())
     if compute.num_rows == 0:
         return []
     models = _gpu_models(compute)
-    groups = compute.group_by(["key", "rank", sc.KERNEL_NAME, sc.KERNEL_DTYPE]).aggregate([
-        (sc.KERNEL_ACHIEVED_TFLOPS, "approximate_median"), ("duration_ns", "sum"),
-        ("duration_ns", "count"), ("step", "min"), ("step", "max")])
+    groups = _aggregate(compute, ["key", "rank", sc.KERNEL_NAME, sc.KERNEL_DTYPE],
+                        sc.KERNEL_ACHIEVED_TFLOPS)
     slow: dict[int, list[dict]] = {}
-    for row in groups.to_pylist():
+    for row in groups:
         rank = int(row["rank"])
         dtype = taxonomy.compute_dtype(row[sc.KERNEL_NAME], row[sc.KERNEL_DTYPE])
         peak = taxonomy.peak_tflops(models.get(rank), dtype)
-        if peak is None or row["duration_ns_count"] < MIN_SAMPLES:
+        if peak is None or row["count"] < MIN_SAMPLES:
             continue
-        achieved = float(row[f"{sc.KERNEL_ACHIEVED_TFLOPS}_approximate_median"])
+        achieved = row["median"]
         if achieved < PEAK_FRACTION * peak and row["duration_ns_sum"] >= 0.05 * totals[rank]:
             slow.setdefault(rank, []).append({
                 "kernel": row[sc.KERNEL_NAME][:160], "shape": row["key"].split("|", 1)[1] or None,
@@ -143,7 +171,7 @@ def _below_peak(table: pa.Table, totals: dict[int, float]) -> list[Anomaly]:
     return anomalies
 
 
-def _gpu_models(table: pa.Table) -> dict[int, str]:
+def _gpu_models(table: Table) -> dict[int, str]:
     models: dict[int, str] = {}
     for rank, resource in zip(table.column("rank").to_pylist(), table.column("resource").to_pylist(),
                               strict=True):
