@@ -142,7 +142,7 @@ def macro(pairs: int, steps: int, train_args: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------- interleaved
-def interleaved(steps: int, block: int) -> dict:
+def interleaved(steps: int, block: int, train_args: list[str]) -> dict:
     with OtlpSink() as sink, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         env = {k: v for k, v in os.environ.items()
@@ -155,16 +155,37 @@ def interleaved(steps: int, block: int) -> dict:
         result = subprocess.run(
             [str(BIN / "torchrun"), "--nproc_per_node", str(RANKS),
              str(REPO / "benchmarks" / "instrumentation_overhead_worker.py"), out,
-             str(steps), str(block)], env=env, cwd=REPO, capture_output=True, text=True,
-            timeout=900)
+             str(steps), str(block), *train_args], env=env, cwd=REPO, capture_output=True,
+            text=True, timeout=1800)
         if result.returncode != 0:
             raise SystemExit(f"interleaved run failed:\n{result.stderr[-3000:]}")
         with open(out) as handle:
-            times = json.load(handle)
-    plain, instrumented = (statistics.median(times[k]) for k in ("plain", "instrumented"))
-    return {"plain_ms": plain * 1e3, "instrumented_ms": instrumented * 1e3,
-            "ratio": instrumented / plain, "samples": (len(times["plain"]),
-                                                       len(times["instrumented"]))}
+            blocks = json.load(handle)
+    med = statistics.median
+    # Each instrumented block against the mean of the plain blocks on either side of it:
+    # a drift of the machine's speed over the run cancels to first order.
+    ratios, thread_added, process_added = [], [], []
+    for i, current in enumerate(blocks):
+        neighbours = [b for b in blocks[max(0, i - 1):i + 2:2] if not b["instrumented"]]
+        if not current["instrumented"] or not neighbours or not current["wall"]:
+            continue
+        plain_wall = statistics.fmean(med(b["wall"]) for b in neighbours)
+        ratios.append(med(current["wall"]) / plain_wall)
+        for key, out_list in (("thread_cpu", thread_added), ("process_cpu", process_added)):
+            plain_cpu = statistics.fmean(med(b[key]) for b in neighbours)
+            out_list.append((med(current[key]) - plain_cpu) * 1e6)
+    everything = {arm: [t for b in blocks if b["instrumented"] == (arm == "on")
+                        for t in b["wall"]] for arm in ("on", "off")}
+    mean = statistics.fmean(ratios)
+    half = (1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+            if len(ratios) > 1 else float("nan"))
+    return {"plain_ms": med(everything["off"]) * 1e3,
+            "instrumented_ms": med(everything["on"]) * 1e3,
+            "ratio": med(everything["on"]) / med(everything["off"]),
+            "block_ratio_median": med(ratios), "block_ratio_mean": mean,
+            "block_ratio_ci95": (mean - half, mean + half), "blocks": len(ratios),
+            "thread_added_us": med(thread_added), "process_added_us": med(process_added),
+            "samples": (len(everything["off"]), len(everything["on"]))}
 
 
 # ---------------------------------------------------------------------------- micro
@@ -293,11 +314,17 @@ def main() -> None:
                         "'--hidden 1024 --batch-size 128' for a ~100 ms step")
     args = parser.parse_args()
     if args.interleaved_steps:
-        figures = interleaved(args.interleaved_steps, args.block)
+        figures = interleaved(args.interleaved_steps, args.block, args.train_args.split())
+        low, high = figures["block_ratio_ci95"]
         print(f"interleaved in-process A/B ({args.block}-step blocks, "
               f"{figures['samples'][0]}/{figures['samples'][1]} steps): plain "
               f"{figures['plain_ms']:.2f} ms, instrumented {figures['instrumented_ms']:.2f} ms, "
-              f"ratio {figures['ratio']:.4f}", flush=True)
+              f"ratio of medians {figures['ratio']:.4f}; each instrumented block against "
+              f"its plain neighbours ({figures['blocks']} blocks): median "
+              f"{figures['block_ratio_median']:.4f}, mean {figures['block_ratio_mean']:.4f} "
+              f"[{low:.4f}, {high:.4f}] (95 %); CPU added per step on rank 0: training "
+              f"thread {figures['thread_added_us']:+.0f} us, process "
+              f"{figures['process_added_us']:+.0f} us", flush=True)
     if not args.skip_macro:
         figures = macro(args.pairs, args.steps, args.train_args.split())
         print(f"plain median step: {figures['plain_ms']:.2f} ms; instrumented: "

@@ -3,7 +3,11 @@ job, with Flare instrumented and uninstrumented in alternating blocks of steps i
 the same processes, so the machine's load hits both arms alike (not a user script:
 a user's job is instrumented by opentelemetry-instrument, with no code change).
 
-    torchrun --nproc_per_node 4 benchmarks/instrumentation_overhead_worker.py OUT.json
+    torchrun --nproc_per_node 4 benchmarks/instrumentation_overhead_worker.py \
+        OUT.json STEPS BLOCK [train_ddp.py arguments...]
+
+Rank 0 writes, per block, whether Flare was on and each step's wall time, training-
+thread CPU time and process CPU time (seconds), the settling steps left out.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def load_train_module():
 
 def main() -> None:
     out_path, steps, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    train_args = sys.argv[4:]
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "512")  # as the instrumentor would
     import torch
     import torch.distributed as dist
@@ -41,7 +46,7 @@ def main() -> None:
     from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 
     train = load_train_module()
-    args = train.parse_args(["--steps", str(steps)])
+    args = train.parse_args(["--steps", str(steps), *train_args])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -57,9 +62,9 @@ def main() -> None:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     instrumentor = TorchTrainingInstrumentor()
 
-    times = {"plain": [], "instrumented": []}
+    blocks: list[dict] = []
     on = False
-    last = time.perf_counter()
+    last = (time.perf_counter(), time.thread_time(), time.process_time())
     for step, (features, labels) in enumerate(loader):
         if step % block == 0 and step:
             if on:
@@ -67,19 +72,23 @@ def main() -> None:
             else:
                 instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
             on = not on
+            blocks.append({"instrumented": on, "wall": [], "thread_cpu": [],
+                           "process_cpu": []})
         loss = loss_fn(model(features), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        now = time.perf_counter()
-        if step % block >= SETTLE_STEPS and step >= block:
-            times["instrumented" if on else "plain"].append(now - last)
+        now = (time.perf_counter(), time.thread_time(), time.process_time())
+        if blocks and step % block >= SETTLE_STEPS:
+            for key, before, after in zip(("wall", "thread_cpu", "process_cpu"), last, now,
+                                          strict=True):
+                blocks[-1][key].append(after - before)
         last = now
     if on:
         instrumentor.uninstrument()
     if rank == 0:
         with open(out_path, "w") as handle:
-            json.dump(times, handle)
+            json.dump(blocks, handle)
     dist.barrier()
     dist.destroy_process_group()
     provider.shutdown()
