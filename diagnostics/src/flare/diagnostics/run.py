@@ -147,7 +147,7 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_TRACES_EXPORTER": "flare_otlp",  # the SDK OTLP/gRPC exporter, cheaper encoding
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_LOGS_EXPORTER": "none",
         "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
