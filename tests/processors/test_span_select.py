@@ -164,3 +164,42 @@ def test_rank_links_give_the_message_the_protobuf_calls_give(fast, monkeypatch):
         fast.rank_links(odd, sc.RANK)
     with pytest.raises(TypeError):
         rank_correlation._add_rank_links(Span(name="y"), odd)
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(9 if depth < 3 else 7)
+    if kind == 0:
+        return rng.random() < 0.5
+    if kind == 1:
+        return rng.choice([0, -1, 1, 2**63 - 1, -(2**63), rng.randrange(-(2**40), 2**40)])
+    if kind == 2:
+        return rng.choice([0.0, -0.0, 1.5, rng.random() * 1e6, math.inf, math.nan, 1e-300])
+    if kind == 3:
+        return rng.choice(["", "a", "ü€", f"s{rng.randrange(1000):x}"])
+    if kind == 4:
+        return 3 + 4j  # anything else is sent as its str()
+    if kind == 5:
+        return None  # dropped at the top level, "None" inside an array
+    if kind == 6:
+        return b"xy"
+    if kind == 7:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return tuple(_random_value(rng, depth + 1) for _ in range(rng.randrange(3)))
+
+
+def test_attributes_wire_gives_the_message_key_values_gives(fast, monkeypatch):
+    from flare.processors.otlp_values import key_values
+
+    rng = random.Random(5)
+    for _ in range(3000):
+        attrs = {rng.choice(["", "k", "flare.x"]) + str(i): _random_value(rng) for i in range(rng.randrange(7))}
+        merged = Span()
+        merged.MergeFromString(fast.attributes_wire(attrs, 9))
+        assert merged.SerializeToString() == Span(attributes=key_values(attrs)).SerializeToString(), attrs
+    # What protobuf refuses, the C encoder refuses (the correlator then takes protobuf's path).
+    monkeypatch.setattr(rank_correlation, "_span_select", fast)
+    for bad in ({"x": 2**64}, {"x": "\ud800"}, {"\ud800": 1}, {1: 2}):
+        with pytest.raises((OverflowError, ValueError, TypeError)):
+            fast.attributes_wire(bad, 9)
+        assert rank_correlation._wire(bad) is None
+    assert rank_correlation._wire({"x": 1}) == fast.attributes_wire({"x": 1}, 9)

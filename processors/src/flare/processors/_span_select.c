@@ -565,11 +565,129 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ attributes
+ * otlp_values.key_values() as wire bytes: one repeated-KeyValue field (`field_num`,
+ * 9 = Span.attributes) per non-None entry of a dict, in dict order. AnyValue as
+ * otlp_values.any_value() builds it: bool, int (int64), float, list/tuple (array,
+ * recursively), anything else str(). Merged into the span, the same message the
+ * KeyValue objects made. Values that protobuf would refuse (an int beyond int64, a
+ * str that is not UTF-8) raise, and the caller takes the protobuf path. */
+static int put_bytes(Out *o, const void *p, size_t n) {
+    if (out_reserve(o, n)) return -1;
+    memcpy(o->buf + o->len, p, n);
+    o->len += n;
+    return 0;
+}
+
+static int put_tag_varint(Out *o, uint8_t tag, uint64_t v) {
+    if (out_reserve(o, 11)) return -1;
+    o->buf[o->len++] = (char)tag;
+    o->len += put_varint(o->buf + o->len, v);
+    return 0;
+}
+
+static int put_tag_bytes(Out *o, uint8_t tag, const void *p, size_t n) {
+    if (put_tag_varint(o, tag, n)) return -1;
+    return put_bytes(o, p, n);
+}
+
+static int put_str_field(Out *o, uint8_t tag, PyObject *str) {
+    Py_ssize_t n;
+    const char *text = PyUnicode_AsUTF8AndSize(str, &n);
+    if (!text) return -1;
+    return put_tag_bytes(o, tag, text, (size_t)n);
+}
+
+/* The body of AnyValue for `v` (no tag or length of its own). */
+static int anyvalue_wire(Out *o, PyObject *v, int depth) {
+    if (depth > MAX_DEPTH) {
+        PyErr_SetString(PyExc_ValueError, "attribute nested too deeply");
+        return -1;
+    }
+    if (PyBool_Check(v)) return put_tag_varint(o, 0x10, v == Py_True);
+    if (PyLong_Check(v)) {
+        long long i = PyLong_AsLongLong(v);
+        if (i == -1 && PyErr_Occurred()) return -1;
+        return put_tag_varint(o, 0x18, (uint64_t)i);
+    }
+    if (PyFloat_Check(v)) {
+        double d = PyFloat_AS_DOUBLE(v);
+        uint64_t bits;
+        memcpy(&bits, &d, 8);
+        if (out_reserve(o, 9)) return -1;
+        o->buf[o->len++] = 0x21;
+        for (int i = 0; i < 8; i++) o->buf[o->len++] = (char)(bits >> (8 * i)); /* fixed64, LE */
+        return 0;
+    }
+    if (PyList_Check(v) || PyTuple_Check(v)) {
+        Out arr = {0}, item = {0};
+        PyObject *seq = PySequence_Fast(v, "not a sequence");
+        if (!seq) return -1;
+        int rc = 0;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && !rc; i++) {
+            item.len = 0;
+            rc = anyvalue_wire(&item, PySequence_Fast_GET_ITEM(seq, i), depth + 1);
+            if (!rc) rc = put_tag_bytes(&arr, 0x0a, item.buf ? item.buf : "", item.len);
+        }
+        Py_DECREF(seq);
+        if (!rc) rc = put_tag_bytes(o, 0x2a, arr.buf ? arr.buf : "", arr.len);
+        PyMem_Free(arr.buf);
+        PyMem_Free(item.buf);
+        return rc;
+    }
+    PyObject *text = PyObject_Str(v);
+    if (!text) return -1;
+    int rc = put_str_field(o, 0x0a, text);
+    Py_DECREF(text);
+    return rc;
+}
+
+static PyObject *attributes_wire(PyObject *self, PyObject *args) {
+    PyObject *attrs;
+    unsigned int field_num;
+    if (!PyArg_ParseTuple(args, "O!I", &PyDict_Type, &attrs, &field_num)) return NULL;
+    if (field_num < 1 || field_num > 15) {
+        PyErr_SetString(PyExc_ValueError, "field_num must be 1..15");
+        return NULL;
+    }
+    Out o = {0}, kv = {0}, value = {0};
+    PyObject *key, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(attrs, &pos, &key, &v)) {
+        if (v == Py_None) continue;
+        if (!PyUnicode_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "attribute keys must be str");
+            goto fail;
+        }
+        kv.len = value.len = 0;
+        Py_ssize_t key_len;
+        const char *key_text = PyUnicode_AsUTF8AndSize(key, &key_len);
+        if (!key_text) goto fail;
+        if (key_len && put_tag_bytes(&kv, 0x0a, key_text, (size_t)key_len)) goto fail;
+        if (anyvalue_wire(&value, v, 0)) goto fail;
+        if (put_tag_bytes(&kv, 0x12, value.buf ? value.buf : "", value.len)) goto fail;
+        if (put_tag_bytes(&o, (uint8_t)((field_num << 3) | 2), kv.buf ? kv.buf : "", kv.len)) goto fail;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", (Py_ssize_t)o.len);
+    PyMem_Free(o.buf);
+    PyMem_Free(kv.buf);
+    PyMem_Free(value.buf);
+    return result;
+fail:
+    PyMem_Free(o.buf);
+    PyMem_Free(kv.buf);
+    PyMem_Free(value.buf);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"rank_links", rank_links, METH_VARARGS,
      "rank_links(ranks, rank_key) -> bytes: a Span's `links` field with one Link per rank "
      "of `ranks` ({rank: entry with trace_id and span_id bytes}), in rank order, each "
      "carrying the attribute rank_key = rank."},
+    {"attributes_wire", attributes_wire, METH_VARARGS,
+     "attributes_wire(attrs, field_num) -> bytes: otlp_values.key_values(attrs) as the wire "
+     "bytes of a repeated KeyValue field `field_num` (9: Span.attributes)."},
     {"select_spans", select_spans, METH_VARARGS,
      "select_spans(payload, names, prefix, excluded, skip_scope, span_keys, resource_keys)\n"
      "-> [(resource_attrs, [(name, trace_id, span_id, start_ns, end_ns, attrs), ...]), ...]"},

@@ -155,6 +155,23 @@ def _step_root(job: str, step: int) -> bytes:
     return sc.step_root_span_id(job, step).to_bytes(8, "big")
 
 
+def _wire(attrs: dict[str, Any], ranks: dict[int, Any] | None = None) -> bytes | None:
+    """A span's attributes (and, given `ranks`, its per-rank links) as wire bytes to
+    merge into it: one C call instead of a KeyValue and an AnyValue object per
+    attribute. None where the C picker is missing or refuses a value (an int beyond
+    int64, text that is not UTF-8): the caller builds them with protobuf then, which
+    gives the same message or the same error."""
+    if _span_select is None:
+        return None
+    try:
+        wire = _span_select.attributes_wire(attrs, 9)  # Span.attributes
+        if ranks is not None:
+            wire += _span_select.rank_links(ranks, sc.RANK)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return wire
+
+
 def _add_rank_links(span: Span, ranks: dict[int, Any]) -> None:
     """One link per rank of a window, in rank order, to the rank's span, carrying
     `flare.rank`. The C picker writes them as wire bytes merged in one call (three
@@ -634,14 +651,19 @@ class RankCorrelation(Processor):
         # The id every rank's train.step names as its parent: this span becomes the
         # root of the step's trace in Jaeger/Tempo.
         step_span_id = _step_root(job.job, step)
-        span: Span = into.add(
-            trace_id=trace_id, span_id=step_span_id, name=sc.SPAN_STEP_RANKS,
-            kind=Span.SPAN_KIND_INTERNAL,
-            start_time_unix_nano=min(s.start_ns for s in win.ranks.values()),
-            end_time_unix_nano=max(s.end_ns for s in win.ranks.values()),
-            attributes=key_values(attrs),
-        )
-        _add_rank_links(span, win.ranks)
+        fields = {
+            "trace_id": trace_id, "span_id": step_span_id, "name": sc.SPAN_STEP_RANKS,
+            "kind": Span.SPAN_KIND_INTERNAL,
+            "start_time_unix_nano": min(s.start_ns for s in win.ranks.values()),
+            "end_time_unix_nano": max(s.end_ns for s in win.ranks.values()),
+        }
+        wire = _wire(attrs, win.ranks)
+        if wire is not None:
+            span: Span = into.add(**fields)
+            span.MergeFromString(wire)
+        else:
+            span = into.add(**fields, attributes=key_values(attrs))
+            _add_rank_links(span, win.ranks)
         for pg in pgs:
             if pg.missing:
                 self._summary_collective_span(job, step, trace_id, step_span_id, pg, closed_by, span, into)
@@ -659,16 +681,21 @@ class RankCorrelation(Processor):
         closed_by: str, step_span: Span, into: Any,
     ) -> None:
         self._counters["collectives_emitted"] += 1
-        into.add(
-            trace_id=trace_id, parent_span_id=parent,
-            span_id=derived_span_id(
+        fields = {
+            "trace_id": trace_id, "parent_span_id": parent,
+            "span_id": derived_span_id(
                 job.job, pg.name, pg.last_seq, sc.SPAN_COLLECTIVE_RANKS, "step_summary"
             ),
-            name=sc.SPAN_COLLECTIVE_RANKS, kind=Span.SPAN_KIND_INTERNAL,
-            start_time_unix_nano=step_span.start_time_unix_nano,
-            end_time_unix_nano=step_span.end_time_unix_nano,
-            attributes=key_values(summary_collective_attributes(pg, step, closed_by)),
-        )
+            "name": sc.SPAN_COLLECTIVE_RANKS, "kind": Span.SPAN_KIND_INTERNAL,
+            "start_time_unix_nano": step_span.start_time_unix_nano,
+            "end_time_unix_nano": step_span.end_time_unix_nano,
+        }
+        attrs = summary_collective_attributes(pg, step, closed_by)
+        wire = _wire(attrs)
+        if wire is not None:
+            into.add(**fields).MergeFromString(wire)
+        else:
+            into.add(**fields, attributes=key_values(attrs))
 
     def _collective_span(self, job: JobState, win: CollectiveWindow, closed_by: str, into: Any) -> None:
         pg, seq = win.key  # type: ignore[misc]
@@ -683,14 +710,18 @@ class RankCorrelation(Processor):
         else:
             trace_id = next(iter(trace_ids))
             parent = b""
-        span: Span = into.add(
-            trace_id=trace_id, parent_span_id=parent,
-            span_id=derived_span_id(job.job, pg, seq, sc.SPAN_COLLECTIVE_RANKS),
-            name=sc.SPAN_COLLECTIVE_RANKS, kind=Span.SPAN_KIND_INTERNAL,
-            start_time_unix_nano=min(a.start_ns for a in arrivals),
-            end_time_unix_nano=max(a.end_ns for a in arrivals),
-            attributes=key_values(
-                collective_attributes(win, pg, seq, closed_by, job.pg_members.get(pg, set()))
-            ),
-        )
-        _add_rank_links(span, win.ranks)
+        fields = {
+            "trace_id": trace_id, "parent_span_id": parent,
+            "span_id": derived_span_id(job.job, pg, seq, sc.SPAN_COLLECTIVE_RANKS),
+            "name": sc.SPAN_COLLECTIVE_RANKS, "kind": Span.SPAN_KIND_INTERNAL,
+            "start_time_unix_nano": min(a.start_ns for a in arrivals),
+            "end_time_unix_nano": max(a.end_ns for a in arrivals),
+        }
+        attrs = collective_attributes(win, pg, seq, closed_by, job.pg_members.get(pg, set()))
+        wire = _wire(attrs, win.ranks)
+        if wire is not None:
+            span: Span = into.add(**fields)
+            span.MergeFromString(wire)
+        else:
+            span = into.add(**fields, attributes=key_values(attrs))
+            _add_rank_links(span, win.ranks)
