@@ -101,17 +101,22 @@ class Collector:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
-    def gauge(self, name: str) -> float:
+    def gauges(self, *names: str) -> list[float]:
+        """Values of `names` from one scrape (each scrape costs the collector ~0.5 ms of
+        CPU, which the figures below count)."""
+        values = dict.fromkeys(names, 0.0)
         with urllib.request.urlopen(self.metrics, timeout=30) as reply:
             for line in reply.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
-        return 0.0
+                name, _, value = line.partition(" ")
+                if name in values:
+                    values[name] = float(value.split()[0])
+        return [values[name] for name in names]
 
     def wait_committed(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.gauge("flare_collector_wal_committed_lsn") >= self.gauge("flare_collector_wal_last_lsn"):
+            committed, last = self.gauges("flare_collector_wal_committed_lsn", "flare_collector_wal_last_lsn")
+            if committed >= last:
                 return
             time.sleep(0.02)
         raise SystemExit("store did not catch up")
