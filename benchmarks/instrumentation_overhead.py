@@ -2,7 +2,8 @@
 
 Macro: the same 4-rank gloo DDP job (examples/train_ddp.py), plain `torchrun` versus
 `opentelemetry-instrument torchrun` exporting real OTLP/gRPC to a loopback receiver,
-runs alternated (plain, instrumented, plain, ...). Prints the median step time of each
+runs alternated (plain, instrumented, plain, ...), the instrumented arm exporting with
+`flare_otlp` as `flare run` does (`--exporter otlp` for the SDK's stock encoder). Prints the median step time of each
 run, the median of the per-pair ratios, the bytes on the wire per rank per step, and
 the detail-step cost on its own line. Both arms run through benchmarks/step_cpu_probe.py,
 which also gives the CPU the instrumentation adds per rank and step (training thread and
@@ -45,7 +46,7 @@ RANKS = 4
 
 # ---------------------------------------------------------------------------- macro
 def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
-            train_args: list[str]) -> tuple[list[float], dict]:
+            train_args: list[str], exporter: str = "flare_otlp") -> tuple[list[float], dict]:
     """One run; returns rank 0's step wall times and the ranks' mean per-step CPU
     medians (training thread, whole process) from benchmarks/step_cpu_probe.py."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,7 +60,7 @@ def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
         if instrumented:
             command = [str(BIN / "opentelemetry-instrument"), *command]
             env.update({
-                "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "none",
+                "OTEL_TRACES_EXPORTER": exporter, "OTEL_METRICS_EXPORTER": "none",
                 "OTEL_LOGS_EXPORTER": "none", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                 "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
                 "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
@@ -80,7 +81,7 @@ def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
         return times, cpu
 
 
-def macro(pairs: int, steps: int, train_args: list[str]) -> dict:
+def macro(pairs: int, steps: int, train_args: list[str], exporter: str) -> dict:
     warmup = 10  # first steps include DDP bucket rebuilding and allocator warm-up
     plain_medians, instrumented_medians, ratios = [], [], []
     wire_per_rank_step, detail_costs = [], []
@@ -92,7 +93,7 @@ def macro(pairs: int, steps: int, train_args: list[str]) -> dict:
             plain_times, plain_cpu = run_job(steps, False, None, train_args)
         # raw: the sink stands for a remote collector; parsing happens after the run
         with OtlpSink(raw=True) as sink:
-            times, cpu = run_job(steps, True, sink, train_args)
+            times, cpu = run_job(steps, True, sink, train_args, exporter)
             time.sleep(1.0)  # the last batch export
             by_rank = sink.bytes_by_rank()
             step_spans = [s for s in sink.spans() if s["name"] == "train.step"]
@@ -142,7 +143,7 @@ def macro(pairs: int, steps: int, train_args: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------- interleaved
-def interleaved(steps: int, block: int, train_args: list[str]) -> dict:
+def interleaved(steps: int, block: int, train_args: list[str], exporter: str) -> dict:
     with OtlpSink() as sink, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         env = {k: v for k, v in os.environ.items()
@@ -151,7 +152,8 @@ def interleaved(steps: int, block: int, train_args: list[str]) -> dict:
         # conversion runs on after the window) are measured apart, on their own line.
         env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
                     "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
-                    "FLARE_HEARTBEAT_S": "10", "FLARE_DETAIL_EVERY": "0"})
+                    "FLARE_HEARTBEAT_S": "10", "FLARE_DETAIL_EVERY": "0",
+                    "FLARE_BENCH_EXPORTER": exporter})
         result = subprocess.run(
             [str(BIN / "torchrun"), "--nproc_per_node", str(RANKS),
              str(REPO / "benchmarks" / "instrumentation_overhead_worker.py"), out,
@@ -205,6 +207,24 @@ def _per_call_us(function, calls: int) -> float:
     return best * 1e6
 
 
+def _encoding_us(spans: list) -> tuple[float, float, float]:
+    """µs per step span to encode an export request: the SDK's encoder (`otlp`), Flare's
+    writer (`flare_otlp`, incl. the parse into the request object the gRPC stub sends)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    from flare.instrumentation.otlp_encoding import encode_request
+
+    if not spans:
+        return (float("nan"),) * 3
+    sdk = _per_call_us(lambda: encode_spans(spans), 3) / len(spans)
+    flare = _per_call_us(
+        lambda: ExportTraceServiceRequest.FromString(encode_request(spans)), 3) / len(spans)
+    return sdk, flare, flare - sdk
+
+
 def micro() -> dict:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                        "FLARE_JOB_ID": "bench", "FLARE_HEARTBEAT_S": "0",
@@ -224,7 +244,12 @@ def micro() -> dict:
     from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 
     class DropExporter(SpanExporter):
+        def __init__(self):
+            self.step_spans = []  # a few, for the encoding figure
+
         def export(self, spans):
+            if len(self.step_spans) < 500:
+                self.step_spans.extend(s for s in spans if s.name == "train.step")
             return SpanExportResult.SUCCESS
 
     torch.set_num_threads(1)
@@ -259,7 +284,8 @@ def micro() -> dict:
     built_per_arm = {"DDP backward (per backward, incl. bucket bytes)": (ddp_backward, 1000)}
     torch_training.GPU_LAYER_MODULES = ()  # measure this layer alone
     provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(DropExporter()))
+    dropped = DropExporter()
+    provider.add_span_processor(BatchSpanProcessor(dropped))
     instrumentor = TorchTrainingInstrumentor()
     results = {}
     for name, (function, calls) in paths.items():
@@ -292,6 +318,8 @@ def micro() -> dict:
             best = min(best, (time.perf_counter() - start) / built)
     instrumentor.uninstrument()
     results["step span build (per step, finisher thread)"] = (0.0, best * 1e6, best * 1e6)
+    provider.force_flush()
+    results["OTLP encoding per step span, exporter thread"] = _encoding_us(dropped.step_spans)
     recorder = FlightRecorder()
     for _ in range(600):  # fill the 512-entry buffer Flare sets by default
         dist.all_reduce(tensor)
@@ -312,9 +340,14 @@ def main() -> None:
     parser.add_argument("--train-args", default="",
                         help="extra arguments for examples/train_ddp.py, e.g. "
                         "'--hidden 1024 --batch-size 128' for a ~100 ms step")
+    parser.add_argument("--exporter", default="flare_otlp", choices=("flare_otlp", "otlp"),
+                        help="OTEL_TRACES_EXPORTER of the instrumented arm: flare_otlp (what "
+                        "`flare run` uses) or the SDK's stock otlp (gRPC)")
     args = parser.parse_args()
+    print(f"instrumented arm exports with OTEL_TRACES_EXPORTER={args.exporter}", flush=True)
     if args.interleaved_steps:
-        figures = interleaved(args.interleaved_steps, args.block, args.train_args.split())
+        figures = interleaved(args.interleaved_steps, args.block, args.train_args.split(),
+                              args.exporter)
         low, high = figures["block_ratio_ci95"]
         print(f"interleaved in-process A/B ({args.block}-step blocks, "
               f"{figures['samples'][0]}/{figures['samples'][1]} steps): plain "
@@ -326,7 +359,7 @@ def main() -> None:
               f"thread {figures['thread_added_us']:+.0f} us, process "
               f"{figures['process_added_us']:+.0f} us", flush=True)
     if not args.skip_macro:
-        figures = macro(args.pairs, args.steps, args.train_args.split())
+        figures = macro(args.pairs, args.steps, args.train_args.split(), args.exporter)
         print(f"plain median step: {figures['plain_ms']:.2f} ms; instrumented: "
               f"{figures['instrumented_ms']:.2f} ms")
         print(f"step-time overhead ratio (median of {args.pairs} alternated pairs): "
@@ -347,8 +380,11 @@ def main() -> None:
               + (f"+{detail:.1f} ms over a median step" if detail is not None else "n/a"))
     print("micro-benchmarks (best of 5, µs per call: plain / instrumented / added):")
     hooks = micro()
+    encoding = hooks.pop("OTLP encoding per step span, exporter thread")
     for name, (plain, with_flare, added) in hooks.items():
         print(f"  {name:45s} {plain:8.2f} {with_flare:8.2f} {added:+8.2f}")
+    print(f"OTLP encoding per train.step span (exporter thread, µs): SDK encoder (otlp) "
+          f"{encoding[0]:.1f}, Flare's writer (flare_otlp) {encoding[1]:.1f}")
     if not args.skip_macro:
         # The same figure from the measured hook costs, which the machine's noise moves
         # far less than whole-run medians: one step boundary, one backward, one batch

@@ -59,6 +59,8 @@ def main() -> None:
                         batch_size=args.batch_size,
                         collate_fn=train.SlowableCollate(fault, args.batch_size))
     provider = TracerProvider(resource=Resource.create())
+    if os.environ.get("FLARE_BENCH_EXPORTER", "flare_otlp") == "flare_otlp":
+        from flare.instrumentation.otlp_exporter import FlareOTLPSpanExporter as OTLPSpanExporter
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     instrumentor = TorchTrainingInstrumentor()
 
