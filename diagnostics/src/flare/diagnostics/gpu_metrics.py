@@ -14,12 +14,14 @@ Definitions (docs/gpu.md has the prose):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
 
 from flare.diagnostics.backends import attributes as typed_attributes
 from flare.diagnostics.columns import Table
+from flare.diagnostics.model import rank_resources
 from flare.instrumentation import semconv as sc
 
 typed_attributes.register(sc.KERNEL_LAUNCH_NS, "int64")
@@ -32,24 +34,45 @@ KERNEL_ATTRIBUTES = (
     sc.KERNEL_ISSUE_LATENCY_US, sc.KERNEL_LAUNCH_NS, sc.KERNEL_LAUNCH_DUR_US,
     sc.KERNEL_FLOPS, sc.KERNEL_ACHIEVED_TFLOPS, sc.KERNEL_SHAPE, sc.KERNEL_DTYPE,
 )
-_SPAN_COLUMNS = ("rank", "step", "start_ns", "end_ns", "duration_ns", "trace_id", "resource")
+SPAN_COLUMNS = ("rank", "step", "start_ns", "end_ns", "duration_ns", "trace_id", "resource")
+# What the detectors read: the resource (the same JSON text on every span of a rank, a
+# third of the kernel table's bytes) comes once per rank from `gpu_models`.
+DETECTOR_COLUMNS = tuple(c for c in SPAN_COLUMNS if c != "resource")
 
 
 def gpu_activities(job, attributes: Sequence[str] = KERNEL_ATTRIBUTES,
-                   ranks: Sequence[int] | None = None) -> Table:
-    """Kernel spans that ran on a GPU (CPU operators of CPU-only windows excluded).
-
-    The GPU detectors all ask with the default attributes, so the diagnosis pipeline's
-    cache answers them with one query.
-    """
+                   ranks: Sequence[int] | None = None,
+                   columns: Sequence[str] = SPAN_COLUMNS) -> Table:
+    """Kernel spans that ran on a GPU (CPU operators of CPU-only windows excluded)."""
     table = job.spans([sc.SPAN_KERNEL], attributes=list(attributes), ranks=ranks,
-                      columns=list(_SPAN_COLUMNS))
+                      columns=list(columns))
     if table.num_rows == 0 or sc.KERNEL_DEVICE not in table.column_names:
         return table
     device = table.column(sc.KERNEL_DEVICE)
     # A null device counts as a GPU's (only the host's own marker excludes a span).
     keep = ~device.is_valid() | (device.data != sc.KERNEL_DEVICE_HOST)
     return table.filter(keep)
+
+
+def detector_activities(job) -> Table:
+    """The GPU detectors' kernel table: all ask with the same arguments, so the
+    diagnosis pipeline's cache answers them with one query."""
+    return gpu_activities(job, columns=DETECTOR_COLUMNS)
+
+
+def gpu_models(job) -> dict[int, str]:
+    """Per rank, the GPU model its kernel spans' resource names (the first that does)."""
+    models: dict[int, str] = {}
+    for rank, resource in rank_resources(job, [sc.SPAN_KERNEL]):
+        if rank in models or not resource:
+            continue
+        try:
+            model = json.loads(resource).get(sc.GPU_MODEL)
+        except (ValueError, AttributeError):
+            model = None
+        if model:
+            models[int(rank)] = model
+    return models
 
 
 def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -135,6 +135,20 @@ def job_source(job: JobData) -> str | None:
     return source() if callable(source) else None
 
 
+def rank_resources(job: JobData, names: Sequence[str]) -> list[tuple[int, str | None]]:
+    """The distinct (rank, resource JSON) pairs of spans named `names`, in order of
+    first appearance; a backend may answer it itself (`rank_resources`), else it is
+    read from the spans."""
+    method = getattr(job, "rank_resources", None)
+    table = method(names) if callable(method) else job.spans(names, columns=["rank", "resource"])
+    seen: dict[tuple[int, str | None], None] = {}
+    for rank, resource in zip(table.column("rank").to_pylist(), table.column("resource").to_pylist(),
+                              strict=True):
+        if rank is not None:
+            seen.setdefault((int(rank), resource), None)
+    return list(seen)
+
+
 def is_imported(job: JobData) -> bool:
     """A trace import: no heartbeats, no running processes, one file per rank at most."""
     return job_source(job) == semconv.JOB_SOURCE_KINETO

@@ -65,6 +65,13 @@ class CachedJobData:
     def rank_activity(self, names: Sequence[str]) -> Table:
         return self._cached("rank_activity", tuple(names))
 
+    def rank_resources(self, names: Sequence[str]) -> Table:
+        method = getattr(self._inner, "rank_resources", None)
+        if not callable(method):
+            return self._cached("spans", tuple(names), (), None, None, None, ("rank", "resource"),
+                                None, None)
+        return self._cached("rank_resources", tuple(names))
+
     def source(self) -> str | None:
         if ("source",) not in self._cache:
             self._cache[("source",)] = job_source(self._inner)

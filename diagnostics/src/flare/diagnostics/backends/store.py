@@ -45,6 +45,11 @@ _SPAN_COLUMN_NAMES = tuple(column[0] for column in getattr(flare_store, "SPAN_SQ
 # of one Kineto rank is ~5 MB; the counts and summaries of a small store take ~10 ms.)
 _RELEASE_AFTER_BYTES = 1 << 20
 _RELEASE_AFTER_S = 0.1
+# A store file smaller than this is read with one DuckDB thread: its queries take
+# milliseconds either way, and each extra thread's working memory is ~8 MB of the
+# diagnosis's peak (a Kineto rank's kernel table: 124 -> 116 MB). Larger stores keep
+# DuckDB's parallel scans (a 1,024-rank hour: 7.3 s wall with two threads, 8.1 s with one).
+_SINGLE_THREAD_BELOW_BYTES = 64 << 20
 # Backends holding a connection. At exit they close it from the main thread, or wait
 # for their timer thread to finish closing it: a thread still inside DuckDB when the
 # interpreter stops its daemon threads aborts the process ("terminate called ...
@@ -103,6 +108,8 @@ class StoreBackend:
             # Diagnosis must stay small beside a training job: cap DuckDB's working memory
             # (it spills to disk beyond it) instead of its default share of the machine's RAM.
             con.execute(f"SET memory_limit = '{self.memory_limit}'")
+            if self._single_thread():
+                con.execute("SET threads = 1")
         except BaseException:
             con.close()
             raise
@@ -112,6 +119,12 @@ class StoreBackend:
             self._timer = threading.Timer(self.hold_s, self._expire)
             self._timer.daemon = True
             self._timer.start()
+
+    def _single_thread(self) -> bool:
+        try:
+            return self.path.stat().st_size < _SINGLE_THREAD_BELOW_BYTES
+        except OSError:
+            return False
 
     def _expire(self) -> None:
         with self._lock:
@@ -309,6 +322,13 @@ class StoreJobData:
             f"WHERE job = ? AND {name_sql} AND rank IS NOT NULL GROUP BY rank ORDER BY rank",
             [self.job, *params])
         return _cast(table, {"rank": "int32", "spans": "int64", "last_step": "int64"})
+
+    def rank_resources(self, names: Sequence[str]) -> Table:
+        """rank, resource: each distinct pair once, by first start time."""
+        name_sql, params = _name_filter(names)
+        return self._backend.query(
+            f"SELECT rank, resource FROM spans WHERE job = ? AND {name_sql} AND rank IS NOT NULL "
+            "GROUP BY rank, resource ORDER BY min(start_ns), rank", [self.job, *params])
 
     def count(self, names: Sequence[str]) -> int:
         name_sql, params = _name_filter(names)

@@ -22,7 +22,7 @@ INPUT_EXPLAINS = 0.5  # data-loader time covering half of the idle time names `i
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
-    table = gm.gpu_activities(job)
+    table = gm.detector_activities(job)
     if table.num_rows == 0:
         return []
     shares = gm.void_shares(table)

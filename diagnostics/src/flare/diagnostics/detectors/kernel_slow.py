@@ -13,7 +13,6 @@ Medians are exact (numpy's: the mean of the two middle values for an even count)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ MIN_TIME_SHARE = 0.01
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
-    table = gm.gpu_activities(job)
+    table = gm.detector_activities(job)
     if table.num_rows == 0:
         return []
     names = table.column(sc.KERNEL_NAME).to_pylist()
@@ -45,7 +44,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     }
     groups = _aggregate(table, ["key", "rank"], "duration_ns")
     anomalies = _peer_slow(table, groups, per_rank_total)
-    anomalies += _below_peak(table, per_rank_total)
+    anomalies += _below_peak(job, table, per_rank_total)
     return anomalies
 
 
@@ -124,14 +123,14 @@ def _peer_slow(table: Table, groups: list[dict[str, Any]], totals: dict[int, flo
     return anomalies
 
 
-def _below_peak(table: Table, totals: dict[int, float]) -> list[Anomaly]:
+def _below_peak(job: JobData, table: Table, totals: dict[int, float]) -> list[Anomaly]:
     category = table.column(sc.KERNEL_CATEGORY)
     compute = table.filter(np.isin(category.data, [taxonomy.GEMM, taxonomy.ATTENTION])
                            & category.is_valid()
                            & table.column(sc.KERNEL_ACHIEVED_TFLOPS).is_valid())
     if compute.num_rows == 0:
         return []
-    models = _gpu_models(compute)
+    models = gm.gpu_models(job)
     groups = _aggregate(compute, ["key", "rank", sc.KERNEL_NAME, sc.KERNEL_DTYPE],
                         sc.KERNEL_ACHIEVED_TFLOPS)
     slow: dict[int, list[dict]] = {}
@@ -169,18 +168,3 @@ def _below_peak(table: Table, totals: dict[int, float]) -> list[Anomaly]:
                 zero_copy_only=False) == rank),
         ))
     return anomalies
-
-
-def _gpu_models(table: Table) -> dict[int, str]:
-    models: dict[int, str] = {}
-    for rank, resource in zip(table.column("rank").to_pylist(), table.column("resource").to_pylist(),
-                              strict=True):
-        if rank in models or not resource:
-            continue
-        try:
-            model = json.loads(resource).get(sc.GPU_MODEL)
-        except ValueError:
-            model = None
-        if model:
-            models[int(rank)] = model
-    return models

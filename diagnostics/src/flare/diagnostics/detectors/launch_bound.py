@@ -25,7 +25,7 @@ SHIFT_FACTOR = 4.0  # median issue latency 4x below peers' (or own earlier) medi
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
-    table = gm.gpu_activities(job)
+    table = gm.detector_activities(job)
     if table.num_rows == 0:
         return []
     ranks = table.column("rank").to_numpy(zero_copy_only=False)
