@@ -50,7 +50,9 @@ from flare.instrumentation import bandwidth, semconv
 from flare.instrumentation import kernel_taxonomy as taxonomy
 
 TRACE_SUFFIXES = (".json", ".json.gz")  # covers torch's *.pt.trace.json[.gz] names
-_CHUNK = 1 << 20
+# Text read and decoded per step of the parse: the events of one chunk exist as dicts
+# at once (256 KB: ~1k events, ~5 MB less peak than 1 MB chunks, same speed).
+_CHUNK = 1 << 18
 _WS = " \t\n\r"
 _WS_RE = re.compile(r"[ \t\n\r]*")
 _SEPARATOR = re.compile(r"[ \t\n\r]*([,\]])[ \t\n\r]*")
@@ -272,7 +274,7 @@ def _open_text(path: Path) -> io.TextIOBase:
 # ---------------------------------------------------------------- one trace → rows
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Gpu:
     name: str
     cat: str
@@ -285,7 +287,7 @@ class _Gpu:
     args: dict[str, Any]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Op:
     tid: Any
     ts: float
@@ -683,7 +685,9 @@ class _Rows:
         self.steps: list[int | None] = []
         self.starts: list[int] = []
         self.ends: list[int] = []
-        self.attributes: list[dict[str, Any]] = []
+        # JSON text, encoded as each row arrives (its dict is freed at once); a step's
+        # stays a dict until `columns()`, for the collective totals added at the end.
+        self.attributes: list[dict[str, Any] | str] = []
         self.step_row: dict[int, int] = {}
         self.cpu_kernels = 0
         self._unstepped_trace = f"{semconv.step_trace_id(job, -1 - rank):032x}"
@@ -698,7 +702,7 @@ class _Rows:
         self.steps.append(step)
         self.starts.append(start)
         self.ends.append(end)
-        self.attributes.append(attributes)
+        self.attributes.append(attributes if name == semconv.SPAN_STEP else json.dumps(attributes))
 
     def columns(self, resource: dict[str, Any], pid: int | None) -> dict[str, list[Any]]:
         n = len(self.names)
@@ -724,7 +728,7 @@ class _Rows:
             "step": self.steps,
             "host": [None] * n,
             "pid": [pid] * n,
-            "attributes": [json.dumps(a) for a in self.attributes],
+            "attributes": [a if isinstance(a, str) else json.dumps(a) for a in self.attributes],
             "resource": [resource_json] * n,
             "events": ["[]"] * n,
             "links": ["[]"] * n,
