@@ -502,3 +502,40 @@ def test_uninstrument_restores_ddp_construction(rank_env):
     assert DistributedDataParallel.__init__ is not original
     instrumentor.uninstrument()
     assert DistributedDataParallel.__init__ is original
+
+
+def test_a_retained_graph_walked_twice_marks_each_backward_once(rank_env):
+    """The graph-done marker is a hook on the root's grad_fn: it stays on a freed graph
+    (removing it would cost the training thread), and is removed from a retained one,
+    so a second walk of that graph queues one marker, not two."""
+    from flare.instrumentation.step_hooks import StepHooks, _retains_graph
+
+    # torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph), as
+    # Tensor.backward calls it (positionally), and by keyword
+    assert not _retains_graph((None, None, False), {})
+    assert _retains_graph((None, True, False), {})
+    assert _retains_graph((None, None, True), {})  # retain_graph defaults to create_graph
+    assert not _retains_graph((None, False, True), {})
+    assert _retains_graph((), {"retain_graph": True})
+    assert not _retains_graph((), {})
+    provider, _ = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        hooks = next(p for p in instrumentor._parts if isinstance(p, StepHooks))
+        queued = []
+        original_queue = hooks._queue_callback
+
+        def counting_queue(callback):
+            queued.append(callback)
+            return original_queue(callback)
+
+        hooks._queue_callback = counting_queue
+        x = torch.randn(3, requires_grad=True)
+        loss = (x * 2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        assert len(queued) == 2
+        assert torch.equal(x.grad, torch.full((3,), 4.0))
+    finally:
+        instrumentor.uninstrument()

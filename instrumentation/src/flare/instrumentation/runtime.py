@@ -260,8 +260,12 @@ class Runtime:
         builds the attributes and hands the span over (drain() on every flush). None
         when the span must be finished now."""
         finished = self._finished
-        if (finished is None or self.step_detail or self._children
-                or not finished.asynchronous()):
+        if finished is None or self.step_detail or self._children:
+            return None
+        # finished.asynchronous(), with its usual answer read inline (this runs cold)
+        if not ((finished._asynchronous
+                and finished._processor._span_processors is finished._checked)
+                or finished.asynchronous()):
             return None
         step = self.step_number
         with self._lock:

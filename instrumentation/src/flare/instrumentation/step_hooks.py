@@ -25,6 +25,8 @@ class StepHooks:
         self.runtime = runtime
         self.collectives = collectives  # CollectiveTracker or None (no torch.distributed)
         self._clock: weakref.ref | None = None
+        self._tensor_type = None  # torch.Tensor, and the autograd engine's queue_callback,
+        self._queue_callback = None  # looked up once at install (backward runs them cold)
         self._handles: list = []
         self._patches = Patches()
 
@@ -39,6 +41,8 @@ class StepHooks:
         self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
         original = torch.autograd.backward
+        self._tensor_type = torch.Tensor
+        self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
         self._patches.replace(torch.autograd, "backward", self._make_backward(original))
 
     def uninstall(self) -> None:
@@ -84,18 +88,17 @@ class StepHooks:
         """Time autograd backward, and split off the tail spent after the gradient
         computation finished: that tail is DDP/FSDP waiting for its bucket collectives
         (the reducer's wait runs as an autograd final callback, queued after ours)."""
-        import torch
-
         runtime = self.runtime
         graph_done = [0]
+        queue_callback = self._queue_callback
 
         def mark_graph_done() -> None:
             graph_done[0] = time.time_ns()
 
         def queue_marker(*_):
-            torch.autograd.Variable._execution_engine.queue_callback(mark_graph_done)
+            queue_callback(mark_graph_done)
 
-        roots = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ())
+        roots = (tensors,) if isinstance(tensors, self._tensor_type) else tuple(tensors or ())
         handle = None
         for root in roots:
             grad_fn = getattr(root, "grad_fn", None)
@@ -110,8 +113,19 @@ class StepHooks:
         finally:
             end = time.time_ns()
             runtime.pop_op(op)
-            if handle is not None:
+            # A graph that is not retained is freed with its hooks: removing ours would
+            # only cost the training thread (it runs cold here). A retained one may be
+            # walked again, so there it goes.
+            if handle is not None and _retains_graph(args, kwargs):
                 handle.remove()
             runtime.totals.backward_ns += end - start
             if self.collectives is not None:
                 self.collectives.record_backward(start, graph_done[0], end, seqs_before)
+
+
+def _retains_graph(args: tuple, kwargs: dict) -> bool:
+    """torch.autograd.backward(tensors, grad_tensors, retain_graph, create_graph, ...):
+    whether the graph outlives this call (retain_graph defaults to create_graph)."""
+    retain = kwargs.get("retain_graph", args[1] if len(args) > 1 else None)
+    create = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
+    return bool(create if retain is None else retain)
