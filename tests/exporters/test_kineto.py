@@ -6,6 +6,7 @@ import gzip
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -289,6 +290,19 @@ def test_corrupt_element_inside_a_batch_names_its_offset(monkeypatch):
     # A cut in the middle still reads as truncated, whatever the batch held.
     with pytest.raises(kineto.TraceError, match="truncated"):
         _events_of(text[: len(text) // 2])
+
+
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 18, 1 << 20])
+def test_corrupt_element_offset_is_the_files_whatever_the_chunk(monkeypatch, chunk):
+    monkeypatch.setattr(kineto, "_CHUNK", chunk)
+    events = [{"ph": "X", "name": f"op{i}", "ts": i, "dur": 1} for i in range(20000)]
+    text = json.dumps({"traceEvents": events})
+    broken = text.replace('"name": "op15000"', '"name": "op15000" "oops"', 1)
+    at = broken.index('"oops"')
+    with pytest.raises(kineto.TraceError, match=r"offset (\d+)") as caught:
+        _events_of(broken)
+    offset = int(re.search(r"offset (\d+)", str(caught.value)).group(1))
+    assert at - 2 <= offset <= at + 1  # where the scanner stopped, not where its buffer began
 
 
 def test_parse_leaves_the_garbage_collector_as_it_found_it(tmp_path):

@@ -109,6 +109,7 @@ class _StreamingTrace:
         self._name = name
         self._buf = ""
         self._pos = 0
+        self._base = 0  # characters of the file before `_buf` (offsets in errors are the file's)
         self._eof = False
         self.meta: dict[str, Any] = {}
 
@@ -119,6 +120,7 @@ class _StreamingTrace:
         if not chunk:
             self._eof = True
             return False
+        self._base += self._pos
         self._buf = self._buf[self._pos:] + chunk
         self._pos = 0
         return True
@@ -151,7 +153,8 @@ class _StreamingTrace:
                     continue
                 if near_end:
                     raise TraceError(f"{self._name}: truncated (ends inside the JSON)") from None
-                raise TraceError(f"{self._name}: corrupt JSON at offset {exc.pos}: {exc.msg}") from None
+                raise TraceError(f"{self._name}: corrupt JSON at offset {self._base + exc.pos}: "
+                                 f"{exc.msg}") from None
             if end >= len(self._buf) and not self._eof and self._fill():
                 continue  # a number may continue in the next chunk
             self._pos = end
@@ -193,11 +196,11 @@ class _StreamingTrace:
                     failed_at = stop.value if isinstance(stop.value, int) else pos
                     if size - failed_at > 64:
                         raise TraceError(f"{self._name}: corrupt JSON in traceEvents at "
-                                         f"offset {failed_at}") from None
+                                         f"offset {self._base + failed_at}") from None
                     break  # a literal cut by the chunk boundary
                 except json.JSONDecodeError as exc:
                     if size - exc.pos > 64 and not exc.msg.startswith("Unterminated"):
-                        raise TraceError(f"{self._name}: corrupt JSON at offset {exc.pos}: "
+                        raise TraceError(f"{self._name}: corrupt JSON at offset {self._base + exc.pos}: "
                                          f"{exc.msg}") from None
                     break  # an element cut by the chunk boundary
                 separator = _SEPARATOR.match(buf, end)
