@@ -1,7 +1,7 @@
 """Flare's `import-kineto` + `diagnose` against Holistic Trace Analysis on the same trace.
 
     .venv/bin/python benchmarks/kineto_vs_hta.py [--trace FILE] [--hta-python PY] [--sizes 1,2,4]
-                                                 [--rounds 3]
+                                                 [--rounds 3] [--baseline TREE]
 
 Side by side in one run, each side a fresh process measured with wait4 (wall time, CPU
 seconds = user + system, and peak RSS of exactly that process); after one untimed
@@ -17,6 +17,10 @@ where PYTHONDONTWRITEBYTECODE is set in the calling shell.
   reproduces (GPU idle share, launch delay).
 Then memory against trace size: the trace's events replicated 1x, 2x, 4x (shifted in
 time, ids offset) and imported by each side.
+
+`--baseline TREE` (a copy of another Flare tree, e.g. `git archive <commit> | tar -x -C
+TREE`) runs that tree's Flare in the same rounds too (through PYTHONPATH, this venv),
+for a before/after side by side with the same HTA runs.
 
 HTA needs pandas, which Flare does not; pyarrow imports pandas whenever it is installed,
 so HTA should live in its own environment (`--hta-python`, or FLARE_HTA_PYTHON). Without
@@ -57,10 +61,10 @@ _ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 _CPU: dict[tuple[str, ...], float] = {}  # CPU seconds of the last run of each command
 
 
-def measured(cmd: list[str]) -> tuple[float, float, str]:
+def measured(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MB, stdout) of one command, in a clean process; its CPU
     seconds are left in `_CPU[tuple(cmd)]`."""
-    wall, cpu, rss_kb, stdout = run_measured(cmd, env=_ENV)
+    wall, cpu, rss_kb, stdout = run_measured(cmd, env=env or _ENV)
     _CPU[tuple(cmd)] = cpu
     return wall, rss_kb / 1024, stdout
 
@@ -84,21 +88,31 @@ def hta_python(requested: str | None) -> tuple[str | None, str]:
                  "in a separate venv and pass --hta-python)"
 
 
-def flare_run(trace: Path, work: Path, diagnose: bool = True) -> dict:
-    store = work / f"{trace.stem}.duckdb"
+def tree_env(tree: Path) -> dict:
+    """The environment that runs Flare from the source folders of `tree`."""
+    sources = [str(p) for p in sorted(tree.glob("*/src")) if (p / "flare").is_dir()]
+    if not sources:
+        raise SystemExit(f"{tree}: no Flare source folders (*/src/flare)")
+    return _ENV | {"PYTHONPATH": os.pathsep.join(sources)}
+
+
+def flare_run(trace: Path, work: Path, diagnose: bool = True, env: dict | None = None,
+              tag: str = "") -> dict:
+    store = work / f"{trace.stem}{tag}.duckdb"
     store.unlink(missing_ok=True)
     cli = [sys.executable, "-m", "flare.diagnostics.cli"]
     command = [*cli, "import-kineto", str(trace), "--store", str(store), "--job", "bench"]
-    wall_i, rss_i, _ = measured(command)
+    wall_i, rss_i, _ = measured(command, env)
     result = {"import_s": wall_i, "import_rss_mb": rss_i, "import_cpu_s": last_cpu(command),
               "store": store}
     if diagnose:
-        report = work / "report.json"
+        report = work / f"report{tag}.json"
         command = [*cli, "diagnose", "--store", str(store), "--job", "bench", "--format", "json",
                    "-o", str(report)]
-        wall_d, rss_d, _ = measured(command)
+        wall_d, rss_d, _ = measured(command, env)
+        anomalies = json.loads(report.read_text())["anomalies"]
         result.update(diagnose_s=wall_d, diagnose_rss_mb=rss_d, diagnose_cpu_s=last_cpu(command),
-                      kinds=sorted({a["kind"] for a in json.loads(report.read_text())["anomalies"]}))
+                      kinds=sorted({a["kind"] for a in anomalies}), anomalies=anomalies)
         result.update(wall_s=wall_i + wall_d, cpu_s=result["import_cpu_s"] + last_cpu(command),
                       rss_mb=max(rss_i, rss_d))
     return result
@@ -199,7 +213,10 @@ def main() -> int:
     parser.add_argument("--hta-python", help="a Python with holistictraceanalysis installed")
     parser.add_argument("--sizes", default="1,2,4", help="replication factors for the memory curve")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the comparison")
+    parser.add_argument("--baseline", type=Path, metavar="TREE",
+                        help="another Flare tree to run in the same rounds (before/after)")
     args = parser.parse_args()
+    base_env = tree_env(args.baseline) if args.baseline else None
     if not args.trace.exists():
         print(f"skipped: {args.trace} not found (the shared Kineto traces are absent)")
         return 0
@@ -208,17 +225,24 @@ def main() -> int:
         work = Path(tmp)
         # Warm-up, untimed: bytecode caches written, both sides' files in the page cache.
         flare_run(args.trace, work)
+        if base_env:
+            flare_run(args.trace, work, env=base_env, tag="-baseline")
         if python:
             hta_run(python, args.trace, work)
         flares: list[dict] = []
+        bases: list[dict] = []
         htas: list[dict] = []
         for round_no in range(max(1, args.rounds)):
-            hta_first = python is not None and round_no % 2 == 1
-            if hta_first:
-                htas.append(hta_run(python, args.trace, work))
-            flares.append(flare_run(args.trace, work))
-            if python and not hta_first:
-                htas.append(hta_run(python, args.trace, work))
+            # Which side goes first rotates: this tree, the baseline, HTA.
+            sides = ["flare", "baseline", "hta"]
+            sides = sides[round_no % 3:] + sides[:round_no % 3]
+            for side in sides:
+                if side == "flare":
+                    flares.append(flare_run(args.trace, work))
+                elif side == "baseline" and base_env:
+                    bases.append(flare_run(args.trace, work, env=base_env, tag="-baseline"))
+                elif side == "hta" and python:
+                    htas.append(hta_run(python, args.trace, work))
         flare = flares[-1]
         idle, delay = flare_figures(flare["store"])
 
@@ -236,6 +260,20 @@ def main() -> int:
         flare_wall, flare_cpu, flare_rss = (med(flares, k) for k in ("wall_s", "cpu_s", "rss_mb"))
         print(f"{'flare import + diagnose':34}{flare_wall:9.2f}{flare_cpu:8.2f}{flare_rss:13.0f}")
         print(f"flare anomalies: {', '.join(flare['kinds'])}")
+        if bases:
+            print(f"{'baseline import-kineto':34}{med(bases, 'import_s'):9.2f}"
+                  f"{med(bases, 'import_cpu_s'):8.2f}{med(bases, 'import_rss_mb'):13.0f}")
+            print(f"{'baseline diagnose':34}{med(bases, 'diagnose_s'):9.2f}"
+                  f"{med(bases, 'diagnose_cpu_s'):8.2f}{med(bases, 'diagnose_rss_mb'):13.0f}")
+            print(f"{'baseline import + diagnose':34}{med(bases, 'wall_s'):9.2f}"
+                  f"{med(bases, 'cpu_s'):8.2f}{med(bases, 'rss_mb'):13.0f}")
+            same = all(b["anomalies"] == flare["anomalies"] for b in bases)
+            print(f"baseline anomalies: {', '.join(bases[-1]['kinds'])} "
+                  f"(JSON anomalies {'identical' if same else 'DIFFERENT'} to this tree's)")
+            print("rounds (this tree | baseline, wall/CPU/RSS): " + "; ".join(
+                f"{f['wall_s']:.2f}/{f['cpu_s']:.2f}/{f['rss_mb']:.0f} | "
+                f"{b['wall_s']:.2f}/{b['cpu_s']:.2f}/{b['rss_mb']:.0f}"
+                for f, b in zip(flares, bases, strict=True)))
         print(f"flare figures: GPU idle {idle:.2f}% (HTA definition), "
               f"median launch delay {delay:.1f} µs")
         if python is None:
@@ -249,13 +287,17 @@ def main() -> int:
                   f"{hta['launch_delay_median_us']:.1f} µs")
             print(f"ratio flare/HTA: wall {flare_wall / hta_wall:.2f}, CPU {flare_cpu / hta_cpu:.2f}, "
                   f"peak RSS {flare_rss / hta_rss:.2f}  (target <= 0.50 wall and RSS)")
+            if bases:
+                print(f"ratio baseline/HTA: wall {med(bases, 'wall_s') / hta_wall:.2f}, "
+                      f"peak RSS {med(bases, 'rss_mb') / hta_rss:.2f}")
             print("rounds (flare wall/CPU/RSS | HTA wall/CPU/RSS): " + "; ".join(
                 f"{f['wall_s']:.2f}/{f['cpu_s']:.2f}/{f['rss_mb']:.0f} | "
                 f"{h['wall_s']:.2f}/{h['cpu_s']:.2f}/{h['rss_mb']:.0f}"
                 for f, h in zip(flares, htas, strict=True)))
         print("\nmemory against trace size (events replicated; factor 0 = a one-kernel trace,")
-        print("the fixed cost of interpreter, pyarrow, DuckDB / pandas):")
-        print(f"{'factor':>6}{'events MB (json)':>18}{'flare import MB':>17}{'HTA MB':>9}")
+        print("the fixed cost of interpreter, DuckDB, numpy / pandas):")
+        print(f"{'factor':>6}{'events MB (json)':>18}{'flare import MB':>17}"
+              + (f"{'baseline MB':>13}" if base_env else "") + f"{'HTA MB':>9}")
         for factor in [0, *(int(x) for x in args.sizes.split(","))]:
             trace = args.trace if factor == 1 else replicate(args.trace, factor, work)
             if factor == 0:
@@ -263,10 +305,12 @@ def main() -> int:
             with gzip.open(trace, "rb") as f:
                 raw_mb = sum(len(chunk) for chunk in iter(lambda: f.read(1 << 20), b"")) / 1e6
             imported = flare_run(trace, work, diagnose=False)
+            base_mb = f"{flare_run(trace, work, diagnose=False, env=base_env, tag='-baseline')['import_rss_mb']:13.0f}" \
+                if base_env else ""
             # A one-kernel trace is too small for HTA's analyses: its fixed cost is the load.
             hta_mb = hta_run(python, trace, work, analyse=factor > 0)["rss_mb"] if python \
                 else float("nan")
-            print(f"{factor:>6}{raw_mb:18.1f}{imported['import_rss_mb']:17.0f}{hta_mb:9.0f}")
+            print(f"{factor:>6}{raw_mb:18.1f}{imported['import_rss_mb']:17.0f}{base_mb}{hta_mb:9.0f}")
         # Flare imports one rank file at a time: a job's peak is its largest file's,
         # where HTA holds every rank's frame at once.
         print("\na job of 4 rank files, each this trace:")
