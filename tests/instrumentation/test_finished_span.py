@@ -248,3 +248,40 @@ def test_the_optimizer_boundary_keeps_listener_order_and_one_span_per_step(rank_
     assert [s.attributes["test.order"] for s in spans] == [0, 1, 2, 3, 4, 5]
     # every step starts where the previous one ended (one clock reading at the boundary)
     assert all(a.end_time == b.start_time for a, b in itertools.pairwise(spans))
+
+
+class DetailOnly(OrderListener):
+    ordinary_steps = ()
+
+
+class EndsOnly(OrderListener):
+    ordinary_steps = ("on_step_end",)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_listeners_skip_the_hooks_they_do_not_need_on_ordinary_steps(rank_env, batched):  # noqa: F811
+    if batched:
+        provider, exporter, instrumentor, runtime = run_batched()
+    else:
+        provider = TracerProvider(resource=Resource({"service.name": "t"}))
+        exporter = InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        instrumentor = TorchTrainingInstrumentor()
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+        runtime = flare_instrumentation.active_runtime()
+    detail_only, ends_only = DetailOnly(runtime), EndsOnly(runtime)
+    detail_only.calls, ends_only.calls = [], []
+    runtime.add_step_listener(detail_only)
+    runtime.add_step_listener(ends_only)
+    try:
+        train(4)  # FLARE_DETAIL_EVERY=2: steps 0 and 2 are detail steps
+        provider.force_flush()
+    finally:
+        instrumentor.uninstrument()
+    assert detail_only.calls == [("start", 0, True), ("end", 0, True), ("start", 2, True),
+                                 ("end", 2, True), ("start", 4, True)]
+    assert ends_only.calls == [("start", 0, True), ("end", 0, True), ("end", 1, False),
+                               ("start", 2, True), ("end", 2, True), ("end", 3, False),
+                               ("start", 4, True)]
+    spans = finished(exporter, semconv.SPAN_STEP)
+    assert [s.attributes.get("test.order") for s in spans] == [0, 1, 2, 3]

@@ -167,6 +167,8 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
 class CollectiveTracker:
     """Wraps torch.distributed and summarises each step; a Runtime step listener."""
 
+    ordinary_steps = ("on_step_start",)  # at a step's end it acts on detail steps only
+
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.groups = ProcessGroups()

@@ -49,6 +49,8 @@ _installed: dict[int, KernelWindows] = {}
 class KernelWindows:
     """Step listener recording one profiler window per detail step."""
 
+    ordinary_steps = ()  # windows open and close on detail steps only
+
     def __init__(self, runtime: Any, cuda: bool | None = None) -> None:
         import torch  # noqa: F401  (only constructed when torch is importable)
 

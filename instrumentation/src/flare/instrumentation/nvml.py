@@ -63,6 +63,8 @@ class GpuSample:
 class NvmlSampler:
     """Polls one GPU; serves the latest sample to metric callbacks and to step spans."""
 
+    ordinary_steps = ("on_step_end",)  # the GPU state goes on every step span that changes it
+
     def __init__(self, nvml: Any, index: int, rank: int, interval_s: float = DEFAULT_INTERVAL_S,
                  meter_provider: Any = None) -> None:
         self._nvml = nvml

@@ -87,6 +87,8 @@ class Runtime:
         self._listeners: tuple = ()
         self._on_start: tuple = ()  # (listener, its bound on_step_start)
         self._on_end: tuple = ()
+        self._on_start_ordinary: tuple = ()  # the same, for steps that are not detail steps
+        self._on_end_ordinary: tuple = ()
         self._failed_listeners: set[int] = set()
 
         self.step_number = 0  # the step in progress, or the next one to begin
@@ -150,10 +152,20 @@ class Runtime:
             self._set_listeners(tuple(listeners))
 
     def _set_listeners(self, listeners: tuple) -> None:
-        # The bound methods are looked up once here, not at every step boundary.
+        # The bound methods are looked up once here, not at every step boundary; a
+        # listener's `ordinary_steps` (default: both hooks) names the hooks it needs on
+        # steps that are not detail steps, so the others are not even called there.
         self._listeners = listeners
         self._on_start = tuple((listener, listener.on_step_start) for listener in listeners)
         self._on_end = tuple((listener, listener.on_step_end) for listener in listeners)
+        wanted = [getattr(listener, "ordinary_steps", ("on_step_start", "on_step_end"))
+                  for listener in listeners]
+        self._on_start_ordinary = tuple(
+            hook for hook, names in zip(self._on_start, wanted, strict=True)
+            if "on_step_start" in names)
+        self._on_end_ordinary = tuple(
+            hook for hook, names in zip(self._on_end, wanted, strict=True)
+            if "on_step_end" in names)
 
     def request_detail(self) -> None:
         """Make the next step a detail step (children, flight recorder, kernel window)."""
@@ -192,7 +204,8 @@ class Runtime:
         self._step_span = None
         self._step_context = None
         self.step_open = True
-        self._notify(self._on_start, self.step_number, self.step_detail)
+        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
+                     self.step_number, self.step_detail)
 
     def _step_parent(self, step: int | None = None) -> SpanContext:
         job = self.identity.job_id
@@ -239,7 +252,7 @@ class Runtime:
         record = self._capture(end_ns)
         deferred = self._defer_span()
         if deferred is not None:
-            self._notify(self._on_end, self.step_number, self.step_detail, deferred)
+            self._notify(self._on_end_ordinary, self.step_number, False, deferred)
             self._deferred.append((record, deferred))
             if self._finisher is None:
                 self._start_finisher()
@@ -292,7 +305,7 @@ class Runtime:
         step, start_ns = self.step_number, self.step_start_ns
         record = (step, start_ns, now_ns, self.totals, self.step_start_cpu_ns, cpu, False,
                   [capture() for capture in self.summary_captures])
-        self._notify(self._on_end, step, False, deferred)
+        self._notify(self._on_end_ordinary, step, False, deferred)
         self._deferred.append((record, deferred))
         if self._finisher is None:
             self._start_finisher()
@@ -308,7 +321,7 @@ class Runtime:
         self._children = []
         self._step_span = None
         self._step_context = None
-        self._notify(self._on_start, step, detail)
+        self._notify(self._on_start if detail else self._on_start_ordinary, step, detail)
 
     def _capture(self, end_ns: int) -> tuple:
         """What the step span needs from the training thread at the step's end."""
@@ -395,7 +408,8 @@ class Runtime:
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
-        self._notify(self._on_end, self.step_number, self.step_detail, span)
+        self._notify(self._on_end if self.step_detail else self._on_end_ordinary,
+                     self.step_number, self.step_detail, span)
         children, self._children = self._children, []
         if children:
             context = trace.set_span_in_context(span)

@@ -53,6 +53,8 @@ def _is_helper_of_a_rank() -> bool:
 class _FirstStepListener:
     """Resolves what needs the user's modules loaded, once, at the first step."""
 
+    ordinary_steps = ("on_step_start",)
+
     def __init__(self, runtime: Runtime, python_calls):
         self.runtime = runtime
         self.python_calls = python_calls
