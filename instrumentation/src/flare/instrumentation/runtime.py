@@ -285,7 +285,8 @@ class Runtime:
             if self._step_span is not None:  # a hang report or an error made it
                 return None
             self._step_span = PendingStepSpan(
-                lambda: SpanContext(self._step_parent(step).trace_id, finished.new_span_id(),
+                lambda: SpanContext(semconv.step_trace_id(self.identity.job_id, step),
+                                    finished.new_span_id(),
                                     is_remote=False, trace_flags=_SAMPLED), {})
             return self._step_span
 
@@ -403,8 +404,12 @@ class Runtime:
         summary = self._build_summary(record)
         self._label_step(summary, step)
         summary.update(pending.pending_attributes)
-        self._finished.emit(semconv.SPAN_STEP, self._step_parent(step),
-                            pending.get_span_context().span_id, summary, start_ns, end_ns)
+        context = pending.get_span_context()  # its trace id is the step's: not hashed twice
+        parent = SpanContext(trace_id=context.trace_id,
+                             span_id=semconv.step_root_span_id(self.identity.job_id, step),
+                             is_remote=True, trace_flags=_SAMPLED)
+        self._finished.emit(semconv.SPAN_STEP, parent, context.span_id, summary, start_ns,
+                            end_ns)
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
