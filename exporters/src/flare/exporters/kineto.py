@@ -59,6 +59,7 @@ _SEPARATOR = re.compile(r"[ \t\n\r]*([,\]])[ \t\n\r]*")
 _BOUNDARY = re.compile(r"\}[ \t\n\r]*,[ \t\n\r]*(?=\{)")  # `}, {` between two elements
 _DECODER = json.JSONDecoder()
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_GPU_CAT_NAMES = {cat: cat for cat in _GPU_CATS}  # the one copy of each kept
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime"}
 _STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
@@ -310,6 +311,9 @@ class _Collector:
         self.flop_ops: list[_Op] = []
         self.cpu_ops: list[_Op] = []  # kept only while no GPU activity has been seen
         self.pid: int | None = None
+        # One object per distinct kernel name and thread id: tens of thousands of events
+        # repeat a few hundred, and each kept copy would pin memory the parse frees.
+        self._shared: dict[Any, Any] = {}
         # The trace's top-level keys as parsed so far: `deviceProperties` usually comes
         # before the events and says GPU activity follows, so CPU operators need no copy.
         self.meta: dict[str, Any] = {}
@@ -322,8 +326,10 @@ class _Collector:
         if cat in _GPU_CATS:
             if self.cpu_ops:
                 self.cpu_ops = []
+            name = event.get("name", "")
             self.gpu.append(_Gpu(
-                event.get("name", ""), cat, event["ts"], event.get("dur", 0),
+                self._shared.setdefault(name, name), _GPU_CAT_NAMES[cat], event["ts"],
+                event.get("dur", 0),
                 _int(args.get("stream"), -1), _int(args.get("device"), _int(event.get("pid"), 0)),
                 _int(args.get("correlation"), -1), _int(args.get("External id"), None),
                 _gpu_args(cat, args),
@@ -332,7 +338,8 @@ class _Collector:
         if cat in _LAUNCH_CATS:
             correlation = args.get("correlation")
             if correlation is not None:
-                self.launches[int(correlation)] = (event["ts"], event.get("tid"),
+                tid = event.get("tid")
+                self.launches[int(correlation)] = (event["ts"], self._shared.setdefault(tid, tid),
                                                    event.get("dur", 0))
             return
         name = event.get("name", "")
@@ -367,10 +374,13 @@ _COMM_KEYS = ("Collective name", "In msg nelems", "Out msg nelems", "Group size"
               "Process Group Name", "Process Group Description", "Process Group Ranks", "Seq")
 
 
+_NO_ARGS: dict[str, Any] = {}  # shared by the kernels without communication metadata; never mutated
+
+
 def _gpu_args(cat: str, args: dict[str, Any]) -> dict[str, Any]:
     if cat == "gpu_memcpy" or cat == "gpu_memset":
         return {"bytes": args.get("bytes")}
-    return {k: args[k] for k in _COMM_KEYS if k in args}
+    return {k: args[k] for k in _COMM_KEYS if k in args} or _NO_ARGS
 
 
 def _op_args(args: dict[str, Any]) -> dict[str, Any]:
