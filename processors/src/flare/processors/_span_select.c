@@ -217,6 +217,8 @@ static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth) {
 typedef struct {
     const char *text;
     Py_ssize_t len;
+    PyObject *obj; /* the str itself (borrowed from the caller's tuple): a matching key or
+                      name is returned as this object rather than decoded again */
 } Str;
 
 #define MAX_STRS 64
@@ -228,16 +230,22 @@ static int strs_from_tuple(PyObject *tuple, Str *out, Py_ssize_t *count, const c
     }
     *count = PyTuple_GET_SIZE(tuple);
     for (Py_ssize_t i = 0; i < *count; i++) {
-        out[i].text = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(tuple, i), &out[i].len);
+        out[i].obj = PyTuple_GET_ITEM(tuple, i);
+        out[i].text = PyUnicode_AsUTF8AndSize(out[i].obj, &out[i].len);
         if (!out[i].text) return -1;
     }
     return 0;
 }
 
-static int str_in(const Str *set, Py_ssize_t count, const uint8_t *p, size_t n) {
+/* The entry of `set` equal to the UTF-8 bytes p[0:n], or NULL. */
+static const Str *str_find(const Str *set, Py_ssize_t count, const uint8_t *p, size_t n) {
     for (Py_ssize_t i = 0; i < count; i++)
-        if ((size_t)set[i].len == n && memcmp(set[i].text, p, n) == 0) return 1;
-    return 0;
+        if ((size_t)set[i].len == n && memcmp(set[i].text, p, n) == 0) return &set[i];
+    return NULL;
+}
+
+static int str_in(const Str *set, Py_ssize_t count, const uint8_t *p, size_t n) {
+    return str_find(set, count, p, n) != NULL;
 }
 
 /* {key: value} of the wanted keys among the KeyValues in field `field_num` (last wins). */
@@ -256,8 +264,9 @@ static PyObject *pick(const uint8_t *p, size_t n, uint32_t field_num, const Str 
             rc = -1;
             break;
         }
-        if (!str_in(keys, n_keys, key.data, key.len)) continue;
-        PyObject *k = PyUnicode_DecodeUTF8((const char *)key.data, (Py_ssize_t)key.len, "replace");
+        const Str *wanted = str_find(keys, n_keys, key.data, key.len);
+        if (!wanted) continue;
+        PyObject *k = Py_NewRef(wanted->obj);
         PyObject *v = k ? (has_value ? anyvalue_py(value.data, value.len, 0) : Py_NewRef(Py_None)) : NULL;
         if (!v || PyDict_SetItem(dict, k, v)) {
             Py_XDECREF(k);
@@ -311,11 +320,14 @@ static int select_span(const Selection *sel, const uint8_t *p, size_t n, PyObjec
         PyErr_SetString(PyExc_ValueError, "malformed OTLP span");
         return -1;
     }
-    if (!wanted_name(sel, name.data, name.len)) return 0;
+    const Str *exact = str_find(sel->exact, sel->n_exact, name.data, name.len);
+    if (!exact && !wanted_name(sel, name.data, name.len)) return 0;
     PyObject *attrs = pick(p, n, 9, sel->span_keys, sel->n_span_keys);
     if (!attrs) return -1;
     PyObject *record = Py_BuildValue(
-        "(Ny#y#KKN)", PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"),
+        "(Ny#y#KKN)",
+        exact ? Py_NewRef(exact->obj)
+              : PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"),
         (const char *)trace.data, (Py_ssize_t)trace.len, (const char *)span_id.data,
         (Py_ssize_t)span_id.len, (unsigned long long)start, (unsigned long long)end, attrs);
     if (!record) return -1;
