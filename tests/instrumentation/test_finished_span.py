@@ -6,6 +6,7 @@ exporter sees, honour the sampler, and step aside for processors that do work in
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -285,3 +286,40 @@ def test_listeners_skip_the_hooks_they_do_not_need_on_ordinary_steps(rank_env, b
                                ("start", 4, True)]
     spans = finished(exporter, semconv.SPAN_STEP)
     assert [s.attributes.get("test.order") for s in spans] == [0, 1, 2, 3]
+
+
+def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa: F811
+    """With no listener wanting ordinary steps' ends (the CPU default), no stand-in is
+    made at the boundary: the finisher fixes the span id; the spans are the same."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    reference_provider = TracerProvider(resource=Resource({"service.name": "t"}))
+    _, reference, _ = run(reference_provider, steps=5)
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource({"service.name": "t"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        runtime = flare_instrumentation.active_runtime()
+        assert not runtime._on_end_ordinary
+        appended = []
+
+        class Recording(collections.deque):
+            def append(self, item):
+                appended.append(item)
+                super().append(item)
+
+        runtime._deferred = Recording()
+        train(5)
+        assert [(record[0], pending) for record, pending in appended] == [(1, None), (3, None)]
+        provider.force_flush()
+        spans = finished(exporter, semconv.SPAN_STEP)
+    finally:
+        instrumentor.uninstrument()
+    strip = {"test.list", "test.none", "test.step"}  # what run()'s listener adds
+    want = [comparable(s) for s in reference]
+    for item in want:
+        item["attributes"] = {k: v for k, v in item["attributes"].items() if k not in strip}
+    assert [comparable(s) for s in spans] == want
+    assert len({s.context.span_id for s in spans}) == 5

@@ -245,11 +245,12 @@ class Runtime:
             self._step_context = trace.set_span_in_context(span)
         return self._step_context
 
-    def end_step(self, end_ns: int | None = None) -> None:
+    def end_step(self, end_ns: int | None = None, record: tuple | None = None) -> None:
         if not self.step_open:
             return
         end_ns = end_ns or time.time_ns()
-        record = self._capture(end_ns)
+        if record is None:
+            record = self._capture(end_ns)
         deferred = self._defer_span()
         if deferred is not None:
             self._notify(self._on_end_ordinary, self.step_number, False, deferred)
@@ -266,21 +267,26 @@ class Runtime:
         self._step_span = None
         self._step_context = None
 
-    def _defer_span(self) -> PendingStepSpan | None:
-        """The common case: nothing needed the span during this ordinary step and its
-        processors export in batches anyway. Returns the stand-in the listeners see
-        (its context is computed only if something asks for it); the finisher thread
-        builds the attributes and hands the span over (drain() on every flush). None
-        when the span must be finished now."""
+    def _deferrable(self) -> bool:
+        """Whether the step in progress can have its span built later by the finisher:
+        an ordinary step without children, and processors that export in batches
+        anyway (handing a span over 0.2 s later changes nothing they see)."""
         finished = self._finished
         if finished is None or self.step_detail or self._children:
-            return None
+            return False
         # finished.asynchronous(), with its usual answer read inline (this runs cold)
-        if not ((finished._asynchronous
-                and finished._processor._span_processors is finished._checked)
-                or finished.asynchronous()):
+        return ((finished._asynchronous
+                 and finished._processor._span_processors is finished._checked)
+                or finished.asynchronous())
+
+    def _defer_span(self) -> PendingStepSpan | None:
+        """The stand-in the step-end listeners see for a deferred step span (its
+        context is computed only if something asks for it); the finisher thread builds
+        the attributes and hands the span over (drain() on every flush). None when the
+        span must be finished now."""
+        if not self._deferrable():
             return None
-        step = self.step_number
+        step, finished = self.step_number, self._finished
         with self._lock:
             if self._step_span is not None:  # a hang report or an error made it
                 return None
@@ -297,32 +303,66 @@ class Runtime:
         the training thread's bookkeeping, since this code runs right after the
         optimizer step, with cold caches, where every call and lookup is paid several
         times over; anything else takes `end_step` then `begin_step`."""
-        deferred = self._defer_span() if self.step_open else None
+        if not self.step_open:
+            self.begin_step(now_ns)
+            return
+        if not self._on_end_ordinary and self._deferrable():
+            self._boundary_without_stand_in(now_ns)
+            return
+        deferred = self._defer_span()
         if deferred is None:
             self.end_step(now_ns)
             self.begin_step(now_ns)
             return
         cpu = (time.process_time_ns(), time.thread_time_ns())
-        step, start_ns = self.step_number, self.step_start_ns
-        record = (step, start_ns, now_ns, self.totals, self.step_start_cpu_ns, cpu, False,
-                  [capture() for capture in self.summary_captures])
+        step = self.step_number
+        record = (step, self.step_start_ns, now_ns, self.totals, self.step_start_cpu_ns, cpu,
+                  False, [capture() for capture in self.summary_captures])
         self._notify(self._on_end_ordinary, step, False, deferred)
         self._deferred.append((record, deferred))
         if self._finisher is None:
             self._start_finisher()
-        self.recent_step_s.append((now_ns - start_ns) / 1e9)
+        self._advance(now_ns, cpu)
+        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
+                     self.step_number, self.step_detail)
+
+    def _boundary_without_stand_in(self, now_ns: int) -> None:
+        """No listener wants the ending step, so no stand-in span either. The switch to
+        the next step happens under the lock: a thread asking for the step span (a hang
+        report, an error) gets either this step's, made by the SDK (and the step is then
+        finished now), or the next one's."""
+        cpu = (time.process_time_ns(), time.thread_time_ns())
+        record = (self.step_number, self.step_start_ns, now_ns, self.totals,
+                  self.step_start_cpu_ns, cpu, False,
+                  [capture() for capture in self.summary_captures])
+        with self._lock:
+            deferred = self._step_span is None
+            if deferred:
+                self._deferred.append((record, None))
+                self._advance(now_ns, cpu)
+        if not deferred:
+            self.end_step(now_ns, record)
+            self.begin_step(now_ns)
+            return
+        if self._finisher is None:
+            self._start_finisher()
+        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
+                     self.step_number, self.step_detail)
+
+    def _advance(self, now_ns: int, cpu: tuple) -> None:
+        """Close the step in progress at `now_ns` and open the next one there, with the
+        same clocks (no listener calls)."""
+        self.recent_step_s.append((now_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = now_ns
-        # The next step begins where this one ended, with the same clocks.
-        step += 1
+        step = self.step_number + 1
         self.step_number = step
-        self.step_detail = detail = self._decide_detail(step)
+        self.step_detail = self._decide_detail(step)
         self.step_start_ns = now_ns
         self.step_start_cpu_ns = cpu
         self.totals = StepTotals()
         self._children = []
         self._step_span = None
         self._step_context = None
-        self._notify(self._on_start if detail else self._on_start_ordinary, step, detail)
 
     def _capture(self, end_ns: int) -> tuple:
         """What the step span needs from the training thread at the step's end."""
@@ -399,17 +439,20 @@ class Runtime:
             thread.join(timeout=2)
         self.drain()
 
-    def _emit_deferred(self, record: tuple, pending: PendingStepSpan) -> None:
+    def _emit_deferred(self, record: tuple, pending: PendingStepSpan | None) -> None:
         step, start_ns, end_ns = record[0], record[1], record[2]
         summary = self._build_summary(record)
         self._label_step(summary, step)
-        summary.update(pending.pending_attributes)
-        context = pending.get_span_context()  # its trace id is the step's: not hashed twice
-        parent = SpanContext(trace_id=context.trace_id,
-                             span_id=semconv.step_root_span_id(self.identity.job_id, step),
+        job = self.identity.job_id
+        if pending is None:  # no listener saw a stand-in: nothing fixed the span id
+            trace_id, span_id = semconv.step_trace_id(job, step), self._finished.new_span_id()
+        else:
+            summary.update(pending.pending_attributes)
+            context = pending.get_span_context()  # the step's trace id: not hashed twice
+            trace_id, span_id = context.trace_id, context.span_id
+        parent = SpanContext(trace_id=trace_id, span_id=semconv.step_root_span_id(job, step),
                              is_remote=True, trace_flags=_SAMPLED)
-        self._finished.emit(semconv.SPAN_STEP, parent, context.span_id, summary, start_ns,
-                            end_ns)
+        self._finished.emit(semconv.SPAN_STEP, parent, span_id, summary, start_ns, end_ns)
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
