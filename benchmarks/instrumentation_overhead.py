@@ -215,8 +215,10 @@ def _encoding_us(spans: list) -> tuple[float, float, float]:
         ExportTraceServiceRequest,
     )
 
-    from flare.instrumentation.otlp_encoding import encode_request
-
+    try:
+        from flare.instrumentation.otlp_encoding import encode_request
+    except ImportError:  # an older tree on PYTHONPATH (before/after comparisons)
+        return (float("nan"),) * 3
     if not spans:
         return (float("nan"),) * 3
     sdk = _per_call_us(lambda: encode_spans(spans), 3) / len(spans)
