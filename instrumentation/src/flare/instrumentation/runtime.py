@@ -62,7 +62,7 @@ class StepTotals:
         return totals
 
 
-@dataclass
+@dataclass(slots=True)
 class Operation:
     """Something a thread is blocked in; what the watchdog reports when it is stuck."""
 
