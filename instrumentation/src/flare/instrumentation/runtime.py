@@ -28,7 +28,8 @@ from flare.instrumentation.identity import ProcessIdentity
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
-_FINISH_EVERY_S = 0.2  # how often the finisher thread builds deferred step spans
+_FINISH_EVERY_S = 1.0  # how often the finisher thread builds deferred step spans (each wake-up
+# runs cold: ~250 µs in situ before the first span, ~45 µs for each next one)
 
 
 @dataclass(slots=True)
@@ -270,7 +271,7 @@ class Runtime:
     def _deferrable(self) -> bool:
         """Whether the step in progress can have its span built later by the finisher:
         an ordinary step without children, and processors that export in batches
-        anyway (handing a span over 0.2 s later changes nothing they see)."""
+        anyway (handing a span over a second later changes nothing they see)."""
         finished = self._finished
         if finished is None or self.step_detail or self._children:
             return False

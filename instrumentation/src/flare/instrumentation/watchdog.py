@@ -26,7 +26,7 @@ from flare.instrumentation.runtime import Operation, Runtime
 from flare.instrumentation.step_hooks import OP_BACKWARD
 
 _log = logging.getLogger(__name__)
-TICK_S = 0.25
+TICK_S = 1.0  # hang checks, heartbeats and the flag-file poll: each tick runs cold
 FLAG_POLL_S = 1.0
 FLUSH_TIMEOUT_MS = 5000
 
