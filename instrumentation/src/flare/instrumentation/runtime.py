@@ -205,8 +205,7 @@ class Runtime:
         self._step_span = None
         self._step_context = None
         self.step_open = True
-        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
-                     self.step_number, self.step_detail)
+        self._notify_start()
 
     def _step_parent(self, step: int | None = None) -> SpanContext:
         job = self.identity.job_id
@@ -255,9 +254,7 @@ class Runtime:
         deferred = self._defer_span()
         if deferred is not None:
             self._notify(self._on_end_ordinary, self.step_number, False, deferred)
-            self._deferred.append((record, deferred))
-            if self._finisher is None:
-                self._start_finisher()
+            self._queue_deferred(record, deferred)
         else:
             self.drain()  # earlier steps' spans first: the processors see steps in order
             self._finish_now(record, end_ns)
@@ -316,16 +313,11 @@ class Runtime:
             self.begin_step(now_ns)
             return
         cpu = (time.process_time_ns(), time.thread_time_ns())
-        step = self.step_number
-        record = (step, self.step_start_ns, now_ns, self.totals, self.step_start_cpu_ns, cpu,
-                  False, [capture() for capture in self.summary_captures])
-        self._notify(self._on_end_ordinary, step, False, deferred)
-        self._deferred.append((record, deferred))
-        if self._finisher is None:
-            self._start_finisher()
+        record = self._capture(now_ns, cpu)
+        self._notify(self._on_end_ordinary, self.step_number, False, deferred)
+        self._queue_deferred(record, deferred)
         self._advance(now_ns, cpu)
-        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
-                     self.step_number, self.step_detail)
+        self._notify_start()
 
     def _boundary_without_stand_in(self, now_ns: int) -> None:
         """No listener wants the ending step, so no stand-in span either. The switch to
@@ -333,9 +325,7 @@ class Runtime:
         report, an error) gets either this step's, made by the SDK (and the step is then
         finished now), or the next one's."""
         cpu = (time.process_time_ns(), time.thread_time_ns())
-        record = (self.step_number, self.step_start_ns, now_ns, self.totals,
-                  self.step_start_cpu_ns, cpu, False,
-                  [capture() for capture in self.summary_captures])
+        record = self._capture(now_ns, cpu)
         with self._lock:
             deferred = self._step_span is None
             if deferred:
@@ -347,8 +337,7 @@ class Runtime:
             return
         if self._finisher is None:
             self._start_finisher()
-        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
-                     self.step_number, self.step_detail)
+        self._notify_start()
 
     def _advance(self, now_ns: int, cpu: tuple) -> None:
         """Close the step in progress at `now_ns` and open the next one there, with the
@@ -365,11 +354,23 @@ class Runtime:
         self._step_span = None
         self._step_context = None
 
-    def _capture(self, end_ns: int) -> tuple:
-        """What the step span needs from the training thread at the step's end."""
+    def _capture(self, end_ns: int, cpu: tuple | None = None) -> tuple:
+        """What the step span needs from the training thread at the step's end (`cpu`:
+        the process and thread CPU clocks read at `end_ns`, when already read)."""
+        if cpu is None:
+            cpu = (time.process_time_ns(), time.thread_time_ns())
         return (self.step_number, self.step_start_ns, end_ns, self.totals,
-                self.step_start_cpu_ns, (time.process_time_ns(), time.thread_time_ns()),
-                self.step_detail, [capture() for capture in self.summary_captures])
+                self.step_start_cpu_ns, cpu, self.step_detail,
+                [capture() for capture in self.summary_captures])
+
+    def _queue_deferred(self, record: tuple, pending: PendingStepSpan | None) -> None:
+        self._deferred.append((record, pending))
+        if self._finisher is None:
+            self._start_finisher()
+
+    def _notify_start(self) -> None:
+        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
+                     self.step_number, self.step_detail)
 
     def _build_summary(self, record: tuple) -> dict:
         totals = record[3]
