@@ -72,3 +72,24 @@ def test_a_command_that_sends_nothing_keeps_its_status(tmp_path):
     result = _run(["--", sys.executable, "-c", "raise SystemExit(5)"], cwd=tmp_path)
     assert result.returncode == 5
     assert "sent no spans" in result.stderr
+
+
+def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):
+    import signal
+    import time
+
+    flare = subprocess.Popen(
+        [FLARE, "run", "--", sys.executable, "-c", "import time; time.sleep(120)"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "collecting into" in flare.stderr.readline()
+        time.sleep(1.0)  # the job is running
+        flare.send_signal(signal.SIGINT)
+        _, stderr = flare.communicate(timeout=60)
+    finally:
+        if flare.poll() is None:
+            flare.kill()
+    assert flare.returncode == 130
+    assert "interrupted; stopping the job" in stderr
+    assert "sent no spans" in stderr  # the report still runs after the job stopped
+    assert "Traceback" not in stderr.split("interrupted", 1)[0]

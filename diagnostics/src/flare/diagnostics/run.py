@@ -193,6 +193,8 @@ def _wait(child: subprocess.Popen) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if interrupts[0]:
+        return 128 + signal.SIGINT  # the shell's status for a command stopped by Ctrl-C
     return code if code >= 0 else 128 - code
 
 
