@@ -42,6 +42,7 @@ from flare.diagnostics import pipeline, writeback
 from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.columns import Table
+from flare.diagnostics.complete import CompleteSteps
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.exporters.store import spans_table
 from flare.instrumentation import semconv as sc
@@ -421,7 +422,10 @@ class FollowService:
                 return []
             assert self.data is not None
             self.data.refresh()
-            diagnosis = pipeline.diagnose(self.data, self.config, warn=self._warn)
+            # only the steps every rank has sent (a late rank's missing steps would read
+            # as its peers' problem); the final word on open steps comes next poll
+            diagnosis = pipeline.diagnose(CompleteSteps.of(self.data), self.config,
+                                          warn=self._warn)
             gauges = rank_gauges(self.data)
             with self.metrics.lock:
                 self.metrics.rank_gauges = gauges

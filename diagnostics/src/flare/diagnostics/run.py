@@ -256,6 +256,7 @@ class LiveMonitor:
 
     def check_once(self) -> list:
         from flare.diagnostics.backends.store import StoreBackend
+        from flare.diagnostics.complete import CompleteSteps
 
         if not os.path.exists(self.store_path):
             return []
@@ -264,8 +265,10 @@ class LiveMonitor:
             backend = StoreBackend(self.store_path, open_timeout_s=5.0)
             if self.job not in backend.jobs():
                 return []
-            diagnosis = pipeline.diagnose(backend.job_data(self.job), DiagnosisConfig(),
-                                          warn=lambda _line: None)
+            # only the steps every rank has sent: a late rank's missing steps would
+            # otherwise read as its peers' problem (CompleteSteps)
+            diagnosis = pipeline.diagnose(CompleteSteps.of(backend.job_data(self.job)),
+                                          DiagnosisConfig(), warn=lambda _line: None)
         except BackendError:
             return []  # the collector is mid-flush; the next pass will see it
         finally:
