@@ -57,16 +57,23 @@ def _parser() -> argparse.ArgumentParser:
         prog="flare", description="Flare: anomaly diagnosis for distributed PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("run", help="run CMD with an embedded collector, then diagnose it "
-                   "(flare run [--store PATH] [--job NAME] [--otlp-forward URL] [--no-diagnose] -- CMD …)")
+                   "(flare run [options] -- CMD …; flare run --help)")
     sub.add_parser("collector", help="run the OTLP collector (flare collector --config FILE)")
 
-    diagnose = sub.add_parser("diagnose", help="diagnose a job held in a store or trace backend")
+    diagnose = sub.add_parser(
+        "diagnose", help="diagnose a job held in a store or trace backend",
+        description="Diagnose a job held in a Flare store, Jaeger or Tempo: which rank, what "
+                    "cause, from which step. --store PATH is short for --backend store:PATH.")
     add_diagnose_options(diagnose)
     diagnose.set_defaults(handler=diagnose_command)
 
-    kineto = sub.add_parser("import-kineto", help="import PyTorch profiler (Kineto) traces into a store")
+    kineto = sub.add_parser(
+        "import-kineto", help="import PyTorch profiler (Kineto) traces into a store",
+        description="Import PyTorch profiler (Kineto) traces, one rank per file, into a store "
+                    "that flare diagnose reads.")
     kineto.add_argument("directory", metavar="DIR", help="a trace file or a folder of them")
-    kineto.add_argument("--store", default=DEFAULT_STORE, metavar="PATH")
+    kineto.add_argument("--store", default=DEFAULT_STORE, metavar="PATH",
+                        help=f"DuckDB store, created if missing (default {DEFAULT_STORE})")
     kineto.add_argument("--job", metavar="NAME", help="job name (default: the folder's name)")
     kineto.set_defaults(handler=import_kineto_command)
     return parser

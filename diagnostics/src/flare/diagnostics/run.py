@@ -46,16 +46,20 @@ def _usage_error(message: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="flare run", description="Run CMD under Flare and print its diagnosis.",
-                usage="flare run [--store PATH] [--job NAME] [--otlp-forward URL] [--no-diagnose] "
+                usage="flare run [-h] [--store PATH] [--job NAME] [--otlp-forward URL] "
+                      "[--otlp-forward-protocol grpc|http] [--no-diagnose] "
                       "[--format text|json|html] [-o FILE] -- CMD …")
-    p.add_argument("--store", default=DEFAULT_STORE, metavar="PATH")
+    p.add_argument("--store", default=DEFAULT_STORE, metavar="PATH",
+                   help=f"DuckDB store the job's spans go to, created if missing, appended to "
+                        f"if not (default {DEFAULT_STORE})")
     p.add_argument("--job", metavar="NAME", help="job id (default: a generated one)")
     p.add_argument("--otlp-forward", metavar="URL",
                    help="also forward everything to this OTLP endpoint (Jaeger, Tempo, a collector)")
     p.add_argument("--otlp-forward-protocol", choices=("grpc", "http"),
                    help="protocol of --otlp-forward (default: http for port 4318, else grpc)")
     p.add_argument("--no-diagnose", action="store_true", help="collect only; no alerts, no report")
-    p.add_argument("--format", choices=("text", "json", "html"), default="text")
+    p.add_argument("--format", choices=("text", "json", "html"), default="text",
+                   help="format of the final report (default text)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the final report here")
     return p
 
