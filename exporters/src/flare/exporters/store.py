@@ -22,51 +22,83 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import duckdb
-import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SCHEMA_VERSION = 1
 
-SPAN_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
-    ("job", "VARCHAR", pa.string()),
-    ("service", "VARCHAR", pa.string()),
-    ("trace_id", "VARCHAR", pa.string()),  # 32 lowercase hex digits
-    ("span_id", "VARCHAR", pa.string()),  # 16 lowercase hex digits
-    ("parent_span_id", "VARCHAR", pa.string()),  # '' for a root span
-    ("name", "VARCHAR", pa.string()),
-    ("kind", "TINYINT", pa.int8()),  # OTLP SpanKind number
-    ("start_ns", "BIGINT", pa.int64()),  # unix epoch nanoseconds
-    ("end_ns", "BIGINT", pa.int64()),
-    ("duration_ns", "BIGINT", pa.int64()),
-    ("status_code", "TINYINT", pa.int8()),  # OTLP: 0 unset, 1 ok, 2 error
-    ("status_message", "VARCHAR", pa.string()),
-    ("rank", "INTEGER", pa.int32()),  # flare.rank of the resource; NULL if none
-    ("step", "BIGINT", pa.int64()),  # flare.step of the span; NULL if none
-    ("host", "VARCHAR", pa.string()),
-    ("pid", "INTEGER", pa.int32()),
-    ("attributes", "VARCHAR", pa.string()),  # JSON object of span attributes
-    ("resource", "VARCHAR", pa.string()),  # JSON object of resource attributes
-    ("events", "VARCHAR", pa.string()),  # JSON array [{name, time_ns, attributes}]
-    ("links", "VARCHAR", pa.string()),  # JSON array [{trace_id, span_id, attributes}]
+# (name, SQL type). The Arrow forms (SPAN_COLUMNS, SPAN_SCHEMA, ...) are built on first
+# use, below: `flare import-kineto` and the diagnosis's store backend read and write the
+# store without loading pyarrow (~25-35 MB of their processes).
+SPAN_SQL_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("job", "VARCHAR"),
+    ("service", "VARCHAR"),
+    ("trace_id", "VARCHAR"),  # 32 lowercase hex digits
+    ("span_id", "VARCHAR"),  # 16 lowercase hex digits
+    ("parent_span_id", "VARCHAR"),  # '' for a root span
+    ("name", "VARCHAR"),
+    ("kind", "TINYINT"),  # OTLP SpanKind number
+    ("start_ns", "BIGINT"),  # unix epoch nanoseconds
+    ("end_ns", "BIGINT"),
+    ("duration_ns", "BIGINT"),
+    ("status_code", "TINYINT"),  # OTLP: 0 unset, 1 ok, 2 error
+    ("status_message", "VARCHAR"),
+    ("rank", "INTEGER"),  # flare.rank of the resource; NULL if none
+    ("step", "BIGINT"),  # flare.step of the span; NULL if none
+    ("host", "VARCHAR"),
+    ("pid", "INTEGER"),
+    ("attributes", "VARCHAR"),  # JSON object of span attributes
+    ("resource", "VARCHAR"),  # JSON object of resource attributes
+    ("events", "VARCHAR"),  # JSON array [{name, time_ns, attributes}]
+    ("links", "VARCHAR"),  # JSON array [{trace_id, span_id, attributes}]
 )
 
-METRIC_COLUMNS: tuple[tuple[str, str, pa.DataType], ...] = (
-    ("job", "VARCHAR", pa.string()),
-    ("rank", "INTEGER", pa.int32()),
-    ("name", "VARCHAR", pa.string()),
-    ("time_ns", "BIGINT", pa.int64()),
-    ("value", "DOUBLE", pa.float64()),
-    ("unit", "VARCHAR", pa.string()),
-    ("attributes", "VARCHAR", pa.string()),  # JSON object of point + resource attrs
+METRIC_SQL_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("job", "VARCHAR"),
+    ("rank", "INTEGER"),
+    ("name", "VARCHAR"),
+    ("time_ns", "BIGINT"),
+    ("value", "DOUBLE"),
+    ("unit", "VARCHAR"),
+    ("attributes", "VARCHAR"),  # JSON object of point + resource attrs
 )
+
+_ARROW_TYPE = {"VARCHAR": "string", "TINYINT": "int8", "INTEGER": "int32", "BIGINT": "int64",
+               "DOUBLE": "float64"}
+_ARROW_NAMES = ("SPAN_COLUMNS", "METRIC_COLUMNS", "SPAN_SCHEMA", "METRIC_SCHEMA")
+
+
+def _arrow(name: str) -> Any:
+    """SPAN_COLUMNS / METRIC_COLUMNS ((name, SQL type, Arrow type) triples) and
+    SPAN_SCHEMA / METRIC_SCHEMA, built (importing pyarrow) on first use."""
+    if name not in globals():
+        import pyarrow as pa
+
+        def typed(columns: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str, pa.DataType], ...]:
+            return tuple((n, t, getattr(pa, _ARROW_TYPE[t])()) for n, t in columns)
+
+        spans, metrics = typed(SPAN_SQL_COLUMNS), typed(METRIC_SQL_COLUMNS)
+        globals().update(
+            SPAN_COLUMNS=spans, METRIC_COLUMNS=metrics,
+            SPAN_SCHEMA=pa.schema([(n, t) for n, _, t in spans]),
+            METRIC_SCHEMA=pa.schema([(n, t) for n, _, t in metrics]),
+        )
+    return globals()[name]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ARROW_NAMES:
+        return _arrow(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # DuckDB's row group: an insert at least this big is written straight into the file;
 # a smaller one goes through DuckDB's own log first and is written twice.
 ROW_GROUP_ROWS = 122_880
-
-SPAN_SCHEMA = pa.schema([(n, t) for n, _, t in SPAN_COLUMNS])
-METRIC_SCHEMA = pa.schema([(n, t) for n, _, t in METRIC_COLUMNS])
 
 # The JSON text columns are most of a store's bytes. DuckDB's default for text (FSST
 # with a dictionary) keeps them at about twice the size zstd does on Flare's span mix
@@ -75,10 +107,10 @@ METRIC_SCHEMA = pa.schema([(n, t) for n, _, t in METRIC_COLUMNS])
 ZSTD_COLUMNS = frozenset({"attributes", "resource", "events", "links"})
 
 
-def _column_ddl(columns: tuple[tuple[str, str, pa.DataType], ...]) -> str:
+def _column_ddl(columns: tuple[tuple[str, str], ...]) -> str:
     return ", ".join(
         f"{n} {t}" + (" USING COMPRESSION zstd" if n in ZSTD_COLUMNS else "")
-        for n, t, _ in columns
+        for n, t in columns
     )
 
 
@@ -87,8 +119,8 @@ def _column_ddl(columns: tuple[tuple[str, str, pa.DataType], ...]) -> str:
 # by job and span name.
 _DDL = [
     "CREATE TABLE IF NOT EXISTS flare_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
-    f"CREATE TABLE IF NOT EXISTS spans ({_column_ddl(SPAN_COLUMNS)})",
-    f"CREATE TABLE IF NOT EXISTS metrics ({_column_ddl(METRIC_COLUMNS)})",
+    f"CREATE TABLE IF NOT EXISTS spans ({_column_ddl(SPAN_SQL_COLUMNS)})",
+    f"CREATE TABLE IF NOT EXISTS metrics ({_column_ddl(METRIC_SQL_COLUMNS)})",
     "CREATE INDEX IF NOT EXISTS spans_job_name ON spans (job, name)",
 ]
 
@@ -212,21 +244,25 @@ def writer(
 
 def spans_table(columns: Mapping[str, Sequence[object]]) -> pa.Table:
     """Build an Arrow table in the span schema; missing columns become NULL."""
+    import pyarrow as pa
+
     n = len(next(iter(columns.values()))) if columns else 0
     arrays = []
-    for name, _, typ in SPAN_COLUMNS:
+    for name, _, typ in _arrow("SPAN_COLUMNS"):
         values = columns.get(name)
         arrays.append(pa.array(values if values is not None else [None] * n, type=typ))
-    return pa.Table.from_arrays(arrays, schema=SPAN_SCHEMA)
+    return pa.Table.from_arrays(arrays, schema=_arrow("SPAN_SCHEMA"))
 
 
 def metrics_table(columns: Mapping[str, Sequence[object]]) -> pa.Table:
+    import pyarrow as pa
+
     n = len(next(iter(columns.values()))) if columns else 0
     arrays = []
-    for name, _, typ in METRIC_COLUMNS:
+    for name, _, typ in _arrow("METRIC_COLUMNS"):
         values = columns.get(name)
         arrays.append(pa.array(values if values is not None else [None] * n, type=typ))
-    return pa.Table.from_arrays(arrays, schema=METRIC_SCHEMA)
+    return pa.Table.from_arrays(arrays, schema=_arrow("METRIC_SCHEMA"))
 
 
 def insert_spans(con: duckdb.DuckDBPyConnection, table: pa.Table) -> int:
