@@ -300,3 +300,26 @@ def test_doubles_are_written_as_python_repr(fast):
     for value in values:
         if math.isfinite(value):
             assert fast.double_json(value) == encode(value), value
+
+
+def test_recycled_column_buffers_hold_only_the_new_batch(fast, monkeypatch):
+    """Column buffers Arrow lets go of are reused by the next batches (a pool in C):
+    each batch's table still holds exactly its own rows, whatever the previous batch
+    left in the memory, and a table still alive keeps its own buffers."""
+    monkeypatch.setattr(otlp_columns, "_otlp_fast", fast)
+    batches = [[realistic_request(seed).SerializeToString() for seed in range(start, start + 40)]
+               for start in (0, 40, 80, 120)]
+    kept = None
+    for index, payloads in enumerate(batches):
+        columns = SpanColumns()
+        for payload in payloads:  # 2,000 spans: buffers well past the pool's 64 KiB floor
+            columns.add_payload(payload)
+        table = columns.table()
+        reference = SpanColumns()
+        for payload in payloads:
+            reference.add_request_python(ExportTraceServiceRequest.FromString(payload))
+        assert table.to_pylist() == reference.table().to_pylist()
+        if index == 1:
+            kept, kept_rows = table, table.to_pylist()
+        del table, columns  # its buffers go back to the pool for the next batch
+    assert kept.to_pylist() == kept_rows
