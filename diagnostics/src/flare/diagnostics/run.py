@@ -231,6 +231,9 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) 
     emit(diagnosis, job_data, config, args.format, args.output)
 
 
+_REPORTED_KINDS = ("hang", "error")
+
+
 class LiveMonitor:
     """Re-diagnoses what has been stored so far and prints each new anomaly once."""
 
@@ -241,6 +244,10 @@ class LiveMonitor:
         self.interval_s = interval_s
         self.out = out or sys.stderr
         self.seen: set[tuple] = set()
+        # what the last pass found: an anomaly is announced once two passes in a row
+        # find it, so a label that one pass's partial data produced (and the next drops)
+        # never reaches the user
+        self._previous: set[tuple] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flare-live", daemon=True)
 
@@ -279,9 +286,13 @@ class LiveMonitor:
             if backend is not None:
                 backend.close()  # the embedded collector's next flush needs the file
         fresh = []
+        found = {(a.kind, tuple(a.ranks), a.cause) for a in diagnosis.anomalies}
+        confirmed, self._previous = found & self._previous, found
+        # a hang or an error is a report from a rank, not a statistic: at once
+        confirmed |= {identity for identity in found if identity[0] in _REPORTED_KINDS}
         for anomaly in diagnosis.anomalies:
             identity = (anomaly.kind, tuple(anomaly.ranks), anomaly.cause)
-            if identity not in self.seen:
+            if identity in confirmed and identity not in self.seen:
                 self.seen.add(identity)
                 fresh.append(anomaly)
                 print(f"{time.strftime('%H:%M:%S')} {report_text.alert_line(self.job, anomaly)}",
