@@ -163,3 +163,20 @@ def test_hang_waits_for_late_dumps_before_blaming_the_silent():
              for r in (0, 1, 3)]
     later = hang.detect(_job(pa.concat_tables([base, _extra(dumps + beats)])), DiagnosisConfig())
     assert [(a.ranks, a.evidence["victims"]) for a in later] == [([2], [0, 1, 3])]
+
+
+def test_a_stop_by_the_user_is_not_an_error_but_a_real_failure_still_is():
+    t = 1_800_000_000_000_000_000
+    stop = [_span(sc.SPAN_STEP, r, 12, t + r, {sc.STEP: 12}, status=2, events=[
+        {"name": "exception", "attributes": {sc.ERROR_TYPE: "KeyboardInterrupt" if r else "SIGTERM",
+                                             sc.ERROR_MESSAGE: "killed by SIGTERM" if not r else ""}}])
+        for r in range(4)]
+    job = _job(pa.concat_tables([job_spans("j", 4, 12), _extra(stop)]))
+    assert error.detect(job, DiagnosisConfig(stopped_by_user=True)) == []
+    assert [a.confidence for a in error.detect(job, DiagnosisConfig())] == [0.6]
+    real = [_span(sc.SPAN_STEP, 2, 12, t - 100, {sc.STEP: 12}, status=2, events=[
+        {"name": "exception", "attributes": {sc.ERROR_TYPE: "ValueError",
+                                             sc.ERROR_MESSAGE: "bad batch"}}])]
+    job = _job(pa.concat_tables([job_spans("j", 4, 12), _extra(stop + real)]))
+    found = error.detect(job, DiagnosisConfig(stopped_by_user=True))
+    assert [(a.ranks, a.evidence["exception_type"]) for a in found] == [([2], "ValueError")]

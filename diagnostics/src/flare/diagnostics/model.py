@@ -160,6 +160,9 @@ class DiagnosisConfig:
 
     # A rank is a straggler when the others wait for it at least this share of a step.
     straggler_min_impact: float = 0.05
+    # Added: the job was stopped by its user (Ctrl-C under `flare run`): failures that are
+    # only consequences (signals, KeyboardInterrupt, closed connections) are that stop.
+    stopped_by_user: bool = False
     # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
     min_persist_steps: int = 5
     # Added: a straggler must be the culprit of this many steps (5 labelled 1-s CPU-starvation

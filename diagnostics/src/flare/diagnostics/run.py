@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
         child = _launch(command, job, endpoint)
         if monitor:
             monitor.start()
-        status = _wait(child)
+        status = _wait(child, on_interrupt=monitor.mute if monitor else None)
     finally:
         if monitor:
             monitor.stop()
@@ -99,7 +99,8 @@ def main(argv: list[str]) -> int:
             child.kill()
     collector.flush()
     if not args.no_diagnose:
-        _final_report(args, collector, job, endpoint)
+        _final_report(args, collector, job, endpoint,
+                      stopped_by_user=status == INTERRUPTED_STATUS)
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
@@ -173,7 +174,7 @@ def _launch(command: list[str], job: str, endpoint: str) -> subprocess.Popen:
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
 
 
-def _wait(child: subprocess.Popen) -> int:
+def _wait(child: subprocess.Popen, on_interrupt=None) -> int:
     interrupts = [0]
 
     def forward(signum: int, _frame) -> None:
@@ -181,6 +182,8 @@ def _wait(child: subprocess.Popen) -> int:
         sig = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)[min(interrupts[0], 3) - 1]
         if interrupts[0] == 1:
             print("\nflare: interrupted; stopping the job (Ctrl-C again to force)", file=sys.stderr)
+            if on_interrupt is not None:
+                on_interrupt()
         try:
             os.killpg(child.pid, sig)
         except ProcessLookupError:
@@ -198,11 +201,12 @@ def _wait(child: subprocess.Popen) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if interrupts[0]:
-        return 128 + signal.SIGINT  # the shell's status for a command stopped by Ctrl-C
+        return INTERRUPTED_STATUS
     return code if code >= 0 else 128 - code
 
 
-def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) -> None:
+def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
+                  stopped_by_user: bool = False) -> None:
     from flare.diagnostics.backends.store import StoreBackend
 
     backend = None
@@ -213,7 +217,7 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) 
                   "installed in the command's Python?)", file=sys.stderr)
             return
         job_data = backend.job_data(job)
-        config = DiagnosisConfig()
+        config = DiagnosisConfig(stopped_by_user=stopped_by_user)
         diagnosis = pipeline.diagnose(job_data, config)
     except BackendError as exc:
         print(f"flare: cannot diagnose: {exc}", file=sys.stderr)
@@ -232,6 +236,7 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str) 
 
 
 _REPORTED_KINDS = ("hang", "error")
+INTERRUPTED_STATUS = 128 + signal.SIGINT  # the shell's status for a command stopped by Ctrl-C
 
 
 class LiveMonitor:
@@ -257,6 +262,11 @@ class LiveMonitor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+
+    def mute(self) -> None:
+        """The user stopped the job: what its ranks report while they stop (signals,
+        interrupted calls) is not news."""
+        self._stop.set()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -32,7 +32,10 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     if not errors:
         return []
     errors.sort(key=lambda e: e["time_ns"])
-    primary = [e for e in errors if not e["consequence"]] or errors
+    primary = [e for e in errors if not e["consequence"]]
+    if not primary and config.stopped_by_user:
+        return []  # the signals and interrupts of the user's own stop
+    primary = primary or errors
     root = primary[0]
     others = [e for e in errors if e["rank"] != root["rank"]]
     others_text = ""
