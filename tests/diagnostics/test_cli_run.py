@@ -93,3 +93,12 @@ def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):
     assert "interrupted; stopping the job" in stderr
     assert "sent no spans" in stderr  # the report still runs after the job stopped
     assert "Traceback" not in stderr.split("interrupted", 1)[0]
+
+
+def test_a_json_report_on_stdout_stays_parseable_when_the_job_prints(tmp_path):
+    result = _run(["--job", "noisy", "--format", "json", "--", sys.executable, "-c",
+                   "import subprocess, sys; print('step 0 loss 2.7', flush=True); "
+                   f"sys.exit(subprocess.call([sys.executable, {EMIT!r}, '3']))"], cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert json.loads(result.stdout)["job"] == "noisy"
+    assert "step 0 loss 2.7" in result.stderr  # the job's own output, kept

@@ -88,7 +88,10 @@ def main(argv: list[str]) -> int:
     monitor = None if args.no_diagnose else LiveMonitor(args.store, job)
     child = None
     try:
-        child = _launch(command, job, endpoint)
+        # A JSON or HTML report on stdout stays parseable: the job's own stdout goes to
+        # stderr then.
+        machine_report = args.format != "text" and not args.output
+        child = _launch(command, job, endpoint, stdout=sys.stderr if machine_report else None)
         if monitor:
             monitor.start()
         status = _wait(child, on_interrupt=monitor.mute if monitor else None)
@@ -164,12 +167,12 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
     return env
 
 
-def _launch(command: list[str], job: str, endpoint: str) -> subprocess.Popen:
+def _launch(command: list[str], job: str, endpoint: str, stdout=None) -> subprocess.Popen:
     try:
         # Its own process group: Ctrl-C reaches Flare, which passes it on and still
         # gets to drain the collector and print the report.
         return subprocess.Popen(_instrument_command() + command, env=child_environment(job, endpoint),
-                                process_group=0)
+                                process_group=0, stdout=stdout)
     except OSError as exc:
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
 
