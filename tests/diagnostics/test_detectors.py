@@ -130,19 +130,42 @@ def test_callsite_formats():
     assert user_callsite(None) is None
 
 
-def test_collective_slow_per_process_group():
-    from flare.diagnostics.detectors import collective_slow
-
+def _group_calls(source: str | None = None, busbw: float | None = None) -> list[dict]:
     t = 1_800_000_000_000_000_000
     rows = []
     for seq in range(24):
         for rank in range(4):
             slow_link = 2.0 if seq >= 12 else 1.0  # the group's transfer takes twice as long
             ms = 10.0 * slow_link * (1.02 if seq % 2 else 0.99) + (5.0 if rank == 1 else 0.0)
-            row = _span("collective.all_reduce", rank, seq, t + seq * 10**8 + rank, {
-                sc.COLL_PG: "7", sc.COLL_SEQ: seq, sc.COLL_BYTES: 64 * 2**20, sc.COLL_OP: "all_reduce"})
+            attributes = {sc.COLL_PG: "7", sc.COLL_SEQ: seq, sc.COLL_BYTES: 64 * 2**20,
+                          sc.COLL_OP: "all_reduce"}
+            if source:
+                attributes[sc.COLL_SOURCE] = source
+            if busbw is not None:
+                attributes[sc.COLL_BUSBW_GBPS] = busbw
+            row = _span("collective.all_reduce", rank, seq, t + seq * 10**8 + rank, attributes)
             row["duration_ns"] = int(ms * 1e6)
             rows.append(row)
+    return rows
+
+
+def test_collective_slow_ignores_recorder_spans_without_a_completion():
+    """gloo's flight-recorder entries end with the enclosing backward: their length is
+    compute, not transfer; with a recorded completion (NCCL: a bandwidth) they count."""
+    from flare.diagnostics.detectors import collective_slow
+
+    for source, busbw, expected in (("flight_recorder", None, 0), ("flight_recorder", 3.2, 1),
+                                    ("python", None, 1)):
+        rows = _group_calls(source, busbw)
+        found = collective_slow.detect(
+            _job(pa.concat_tables([job_spans("j", 4, 24), _extra(rows)])), DiagnosisConfig())
+        assert len([a for a in found if a.evidence.get("pg") == "7"]) == expected, source
+
+
+def test_collective_slow_per_process_group():
+    from flare.diagnostics.detectors import collective_slow
+
+    rows = _group_calls()
     found = collective_slow.detect(_job(pa.concat_tables([job_spans("j", 4, 24), _extra(rows)])),
                                    DiagnosisConfig())
     assert len(found) == 1

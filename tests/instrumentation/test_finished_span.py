@@ -100,6 +100,9 @@ def test_finished_step_spans_match_the_sdk_path(rank_env):  # noqa: F811
     ids = {s.context.span_id for s in fast_spans}
     loader = finished(fast_exporter, semconv.SPAN_DATALOADER)
     assert loader and all(s.parent.span_id in ids for s in loader)
+    # and carry their step's number, as the step span does
+    step_of = {s.context.span_id: s.attributes[semconv.STEP] for s in fast_spans}
+    assert all(s.attributes[semconv.STEP] == step_of[s.parent.span_id] for s in loader)
 
 
 @pytest.mark.parametrize("with_start_processor", [False, True])

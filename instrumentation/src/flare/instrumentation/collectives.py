@@ -511,6 +511,7 @@ class CollectiveTracker:
                     attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
         if self.runtime.span_attributes:
             attributes.update(self.runtime.span_attributes)
+        attributes[semconv.STEP] = self.runtime.step_number
         span = self.runtime.tracer.start_span(semconv.collective_span_name(op),
                                               context=self.runtime.step_context,
                                               start_time=created, attributes=attributes)

@@ -467,8 +467,10 @@ class Runtime:
                 # a collection can also run inside this bookkeeping, after end_ns was taken
                 start, end = min(start, end_ns), min(end, end_ns)
                 # dict(): one atomic copy, as the CUDA event poller may still add keys
+                attributes = dict(attributes)
+                attributes[semconv.STEP] = self.step_number  # queries filter children by step
                 child = self.tracer.start_span(name, context=context, start_time=start,
-                                               attributes=dict(attributes))
+                                               attributes=attributes)
                 child.end(end_time=end)
 
     def abandon_step(self) -> None:

@@ -34,17 +34,24 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
 
 
 def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
-    spans = job.spans(["collective.*"], [sc.COLL_PG, sc.COLL_SEQ, sc.COLL_BYTES, sc.COLL_OP],
+    spans = job.spans(["collective.*"], [sc.COLL_PG, sc.COLL_SEQ, sc.COLL_BYTES, sc.COLL_OP,
+                                         sc.COLL_SOURCE, sc.COLL_BUSBW_GBPS],
                       columns=["rank", "step", "duration_ns"])
     if spans.num_rows == 0:
         return []
     # (pg, seq) → the last arrival's time (the least duration) and the bytes moved.
     by_call: dict[tuple[str, int], list] = {}
-    for rank, step, duration, pg, seq, size, op in zip(
+    for rank, step, duration, pg, seq, size, op, source, busbw in zip(
             spans["rank"].to_pylist(), spans["step"].to_pylist(), spans["duration_ns"].to_pylist(),
             spans[sc.COLL_PG].to_pylist(), spans[sc.COLL_SEQ].to_pylist(),
-            spans[sc.COLL_BYTES].to_pylist(), spans[sc.COLL_OP].to_pylist(), strict=False):
+            spans[sc.COLL_BYTES].to_pylist(), spans[sc.COLL_OP].to_pylist(),
+            spans[sc.COLL_SOURCE].to_pylist(), spans[sc.COLL_BUSBW_GBPS].to_pylist(),
+            strict=False):
         if pg is None or seq is None or not duration or not size:
+            continue
+        if source == "flight_recorder" and busbw is None:
+            # no completion recorded (gloo): the span ends with the enclosing backward,
+            # so its length is the rest of the backward's compute, not a transfer time
             continue
         entry = by_call.setdefault((pg, seq), [duration, size, step, op, set()])
         entry[0] = min(entry[0], duration)
@@ -64,12 +71,14 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         before = float(np.median(gbps[:point.index]))
         after = float(np.median(gbps[point.index:]))
         first_step = next((c[2] for c in calls[point.index:] if c[2] is not None), None)
+        since = (f"step {first_step}" if first_step is not None
+                 else f"collective #{calls[point.index][0]}")
         anomalies.append(Anomaly(
             kind="collective_slow", ranks=[], cause="communication", first_step=first_step,
             last_step=calls[-1][2], impact=min(1.0, 1 - after / before),
             confidence=min(0.99, 1 - math.exp(-point.score / config.fail_slow_min_score)),
-            summary=f"process group {pg} runs its collectives at {after:.2f} GB/s from step "
-                    f"{first_step}, down from its usual {before:.2f} GB/s ({after / before - 1:+.0%})",
+            summary=f"process group {pg} runs its collectives at {after:.2f} GB/s from {since}, "
+                    f"down from its usual {before:.2f} GB/s ({after / before - 1:+.0%})",
             evidence={"pg": pg, "gbps_before": round(before, 4), "gbps_after": round(after, 4),
                       "first_seq": calls[point.index][0], "collectives": len(calls),
                       "group_size": max(c[4] for c in calls)},
