@@ -43,3 +43,23 @@ def test_import_kineto_of_nothing_is_one_line(tmp_path):
     result = _flare("import-kineto", str(tmp_path / "missing"), "--store", str(tmp_path / "s.duckdb"))
     assert result.returncode == 1
     assert result.stderr.startswith("flare: error:") and "Traceback" not in result.stderr
+
+
+def test_import_kineto_with_a_truncated_file_keeps_the_good_one_and_fails(tmp_path):
+    import gzip
+
+    if not KINETO.exists():
+        pytest.skip("shared Kineto traces are not on this machine")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(KINETO, traces / "rank0.json.gz")
+    (traces / "rank1.json.gz").write_bytes(gzip.compress(gzip.decompress(KINETO.read_bytes())[:50_000])[:-20])
+    store = tmp_path / "k.duckdb"
+    result = _flare("import-kineto", str(traces), "--store", str(store), "--job", "partial")
+    assert result.returncode == 1
+    assert "imported 1 trace file(s)" in result.stdout
+    assert [line for line in result.stderr.splitlines()] == [
+        line for line in result.stderr.splitlines() if line.startswith("flare: skipped")]
+    assert "rank1.json.gz" in result.stderr and "Traceback" not in result.stderr
+    report = _flare("diagnose", "--store", str(store), "--format", "json")
+    assert report.returncode == 0 and json.loads(report.stdout)["job"] == "partial"

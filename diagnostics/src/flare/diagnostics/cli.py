@@ -212,9 +212,13 @@ def import_kineto_command(args: argparse.Namespace) -> int:
         raise UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     for error in result.errors:
         print(f"flare: skipped {error}", file=sys.stderr)
+    if not result.files_imported:
+        print("flare: error: no trace file imported", file=sys.stderr)
+        return EXIT_FAILURE
     print(f"imported {result.files_imported} trace file(s), {result.spans} spans, "
           f"into job {result.job} of {result.store_path}")
-    return 0 if result.files_imported else EXIT_FAILURE
+    # what was imported stays; the status tells a script that some files were not
+    return EXIT_FAILURE if result.errors else 0
 
 
 if __name__ == "__main__":
