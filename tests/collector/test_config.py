@@ -48,6 +48,10 @@ def test_embedded_yaml_takes_ports_and_store_from_the_environment(monkeypatch, t
     assert cfg.receivers["otlp"].grpc.endpoint.port == 4317 and cfg.receivers["otlp"].http.endpoint.port == 4318
     assert cfg.receivers["otlp"].grpc.endpoint.host == "127.0.0.1"  # loopback by default
     assert cfg.exporters["flare_store"][1]["path"] == ".flare/store.duckdb"
+    monkeypatch.setenv("FLARE_OTLP_HOST", "0.0.0.0")  # ranks on other hosts
+    cfg = config.parse(config.load_file(EMBEDDED))
+    assert cfg.receivers["otlp"].grpc.endpoint.host == "0.0.0.0"
+    assert cfg.receivers["otlp"].http.endpoint.host == "0.0.0.0"
 
 
 def _embedded(tmp_path):
