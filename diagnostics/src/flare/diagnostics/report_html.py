@@ -85,8 +85,10 @@ def _downsample(matrix: np.ndarray) -> np.ndarray:
     padded = np.full((-(-rows // row_group) * row_group, -(-cols // col_group) * col_group), np.nan)
     padded[:rows, :cols] = matrix
     shaped = padded.reshape(padded.shape[0] // row_group, row_group, padded.shape[1] // col_group, col_group)
-    # The max keeps one slow rank visible inside a group of healthy ones.
-    with np.errstate(all="ignore"):
+    # The max keeps one slow rank visible inside a group of healthy ones. A group with no
+    # value at all stays NaN (numpy warns about those groups rather than raising).
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         return np.where(np.all(np.isnan(shaped), axis=(1, 3)), np.nan, np.nanmax(shaped, axis=(1, 3)))
 
 
