@@ -238,3 +238,14 @@ def test_gpu_detectors_on_real_traces(tmp_path):
     assert rank_missing.detect(backend.job_data("ws16"), config) == []
     json.dumps([a.to_json() for a in idle + launch])  # the ARCHITECTURE §5 shape serialises
     assert np.isfinite(idle[0].confidence)
+
+
+def test_kernel_names_in_summaries_are_short():
+    from flare.diagnostics.detectors.kernel_slow import short_name
+
+    assert short_name("void cub::DeviceRadixSortOnesweepKernel<cub::Policy<long, int>, true>"
+                      "(int*, int)") == "cub::DeviceRadixSortOnesweepKernel"
+    assert short_name("at::native::elementwise_kernel<128, 2>(int)") == "at::native::elementwise_kernel"
+    assert short_name("ampere_sgemm_128x64_nn") == "ampere_sgemm_128x64_nn"
+    assert short_name("(anonymous)") == "(anonymous)"
+    assert len(short_name("k" * 200)) == 60

@@ -114,7 +114,7 @@ def _peer_slow(table: Table, groups: list[dict[str, Any]], totals: dict[int, flo
             impact=min(1.0, impact),
             confidence=min(0.99, 0.5 + 0.5 * len(kernels) / max(compared.get(rank, 1), 1)),
             summary=(f"rank {rank} runs {len(kernels)} kernel(s) slower than its peers on the "
-                     f"same shapes; worst {worst['kernel'][:60]} at {worst['ratio']:.1f}x"),
+                     f"same shapes; worst {short_name(worst['kernel'])} at {worst['ratio']:.1f}x"),
             evidence={"reference": "peers", "kernels": [
                 {k: v for k, v in entry.items() if k != "extra_ns"} for entry in kernels[:10]],
                 "kernels_compared": compared.get(rank, 0)},
@@ -168,3 +168,15 @@ def _below_peak(job: JobData, table: Table, totals: dict[int, float]) -> list[An
                 zero_copy_only=False) == rank),
         ))
     return anomalies
+
+
+def short_name(kernel: str, limit: int = 60) -> str:
+    """A kernel's name for a one-line summary: the demangled signature without its
+    return type, template arguments and parameters (`void cub::Kernel<...>(...)` ->
+    `cub::Kernel`); the full name stays in the evidence."""
+    name = kernel.strip()
+    if name.startswith("void "):
+        name = name[5:]
+    cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
+    name = name[:cut].strip() or kernel.strip()
+    return name if len(name) <= limit else name[:limit - 1] + "…"
