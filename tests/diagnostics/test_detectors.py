@@ -203,3 +203,20 @@ def test_a_stop_by_the_user_is_not_an_error_but_a_real_failure_still_is():
     job = _job(pa.concat_tables([job_spans("j", 4, 12), _extra(stop + real)]))
     found = error.detect(job, DiagnosisConfig(stopped_by_user=True))
     assert [(a.ranks, a.evidence["exception_type"]) for a in found] == [([2], "ValueError")]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_two_rank_job_gets_its_straggler_and_a_healthy_one_none(seed):
+    """With two ranks the cross-rank noise estimate is half of any difference: the
+    straggler's noise is read from the step-to-step movement of the ranks' difference."""
+    from flare.diagnostics import pipeline
+    from flare.diagnostics.backends.arrow import ArrowJobData
+
+    def diagnose(faults):
+        table = job_spans("two", 2, 80, faults, seed=seed)
+        job = ArrowJobData("two", "arrow:test", lambda *_: table)
+        return [(a.kind, a.ranks, a.cause)
+                for a in pipeline.diagnose(job, DiagnosisConfig(), warn=lambda _: None).anomalies]
+
+    assert ("straggler", [1], "compute") in diagnose((Fault("compute", 1, 20, extra_ms=40),))
+    assert diagnose(()) == []

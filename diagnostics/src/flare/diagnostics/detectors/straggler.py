@@ -51,7 +51,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     persist = max(2, math.ceil(config.straggler_min_steps / frame.bucket))
     work = frame.work.astype(np.float64)
     deviation = work - nanmedian(work, axis=0)[None, :]
-    noise_ms = mad(deviation[:, warm])
+    noise_ms = _noise_ms(deviation[:, warm])
     anomalies = []
     for row in np.unique(culprit_row[significant]):
         mask = significant & (culprit_row == row)
@@ -83,6 +83,20 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
                 and excess >= config.straggler_min_noise_units * noise_ms):
             anomalies.append(anomaly)
     return anomalies
+
+
+def _noise_ms(deviation: np.ndarray) -> float:
+    """The job's rank-to-rank noise: the MAD of each rank's time around its step's
+    median. With two ranks that median is their mean, so a straggler's own excess is
+    half of every deviation and would count as noise; there the noise is read from how
+    the two ranks' difference moves from step to step instead (a lasting shift does not
+    move it), scaled to one rank's deviation."""
+    if deviation.shape[0] != 2:
+        return mad(deviation)
+    steps = deviation[0][np.isfinite(deviation[0])]
+    if steps.size < 3:
+        return mad(deviation)
+    return mad(np.diff(steps)) / math.sqrt(2)
 
 
 def _trim(deviation: np.ndarray, first: int, last: int) -> np.ndarray:
@@ -139,7 +153,7 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.
         "communication": "its communication is slower", "unknown": "the cause is unclear",
     }.get(why.cause, why.cause)
     summary = (
-        f"rank {rank} makes the other {others} rank{'s' if others != 1 else ''} wait "
+        f"rank {rank} makes {'the other rank' if others == 1 else f'the other {others} ranks'} wait "
         f"{impact:.0%} of each step from step {first} to {last}: {cause_text} "
         f"(+{why.excess_ms:.1f} ms/step over its peers)"
     )
