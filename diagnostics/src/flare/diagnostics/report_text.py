@@ -45,6 +45,9 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
             lines.append("      " + line)
         if a.callsite:
             lines.append(f"      at {a.callsite}")
+    lines.append("")
+    lines.append("IMPACT: share of each affected step the problem costs; CONF: confidence (0-1). "
+                 "Evidence per label: --format json or html.")
     return "\n".join(lines) + "\n"
 
 
@@ -55,5 +58,6 @@ def _bold(text: str, colour: bool) -> str:
 def alert_line(job: str, anomaly) -> str:
     """One line for a live alert while the job runs."""
     where = f" at {anomaly.callsite}" if anomaly.callsite else ""
-    return (f"flare: [{anomaly.kind}] ranks {_ranks(anomaly.ranks)} cause {anomaly.cause} "
-            f"from step {anomaly.first_step}{where}: {anomaly.summary}")
+    since = f" from step {anomaly.first_step}" if anomaly.first_step is not None else ""
+    return (f"flare: [{anomaly.kind}] ranks {_ranks(anomaly.ranks)} cause {anomaly.cause}"
+            f"{since}{where}: {anomaly.summary}")
