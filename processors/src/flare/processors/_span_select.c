@@ -178,32 +178,36 @@ static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth) {
         return PyFloat_FromDouble(d);
     }
     case 5: {
+        /* Counted first, then built as the tuple itself (no list in between). */
         Reader r = {f.data, f.data + f.len};
         Field item;
         int rc;
-        PyObject *list = PyList_New(0);
-        if (!list) return NULL;
+        Py_ssize_t count = 0;
         while ((rc = next_field(&r, &item)) == 0) {
             if (item.num != 1) continue;
             if (item.wt != 2) {
                 rc = -1;
                 break;
             }
-            PyObject *v = anyvalue_py(item.data, item.len, depth + 1);
-            if (!v || PyList_Append(list, v)) {
-                Py_XDECREF(v);
-                Py_DECREF(list);
-                return NULL;
-            }
-            Py_DECREF(v);
+            count++;
         }
         if (rc < 0) {
-            Py_DECREF(list);
             PyErr_SetString(PyExc_ValueError, "malformed OTLP ArrayValue");
             return NULL;
         }
-        PyObject *tuple = PyList_AsTuple(list);
-        Py_DECREF(list);
+        PyObject *tuple = PyTuple_New(count);
+        if (!tuple) return NULL;
+        r.p = f.data;
+        Py_ssize_t i = 0;
+        while (i < count && next_field(&r, &item) == 0) {
+            if (item.num != 1) continue;
+            PyObject *v = anyvalue_py(item.data, item.len, depth + 1);
+            if (!v) {
+                Py_DECREF(tuple);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(tuple, i++, v);
+        }
         return tuple;
     }
     case 6: return kvlist_py(f.data, f.len, depth + 1);
@@ -324,13 +328,29 @@ static int select_span(const Selection *sel, const uint8_t *p, size_t n, PyObjec
     if (!exact && !wanted_name(sel, name.data, name.len)) return 0;
     PyObject *attrs = pick(p, n, 9, sel->span_keys, sel->n_span_keys);
     if (!attrs) return -1;
-    PyObject *record = Py_BuildValue(
-        "(Ny#y#KKN)",
+    PyObject *record = PyTuple_New(6);
+    if (!record) {
+        Py_DECREF(attrs);
+        return -1;
+    }
+    PyTuple_SET_ITEM(record, 5, attrs);
+    PyObject *items[5] = {
         exact ? Py_NewRef(exact->obj)
               : PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"),
-        (const char *)trace.data, (Py_ssize_t)trace.len, (const char *)span_id.data,
-        (Py_ssize_t)span_id.len, (unsigned long long)start, (unsigned long long)end, attrs);
-    if (!record) return -1;
+        PyBytes_FromStringAndSize((const char *)trace.data, (Py_ssize_t)trace.len),
+        PyBytes_FromStringAndSize((const char *)span_id.data, (Py_ssize_t)span_id.len),
+        PyLong_FromUnsignedLongLong((unsigned long long)start),
+        PyLong_FromUnsignedLongLong((unsigned long long)end),
+    };
+    int failed = 0;
+    for (int i = 0; i < 5; i++) {
+        if (!items[i]) failed = 1;
+        else PyTuple_SET_ITEM(record, i, items[i]);
+    }
+    if (failed) { /* the slots left NULL are skipped by the tuple's dealloc */
+        Py_DECREF(record);
+        return -1;
+    }
     int err = PyList_Append(out, record);
     Py_DECREF(record);
     return err;
