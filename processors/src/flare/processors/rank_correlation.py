@@ -155,6 +155,19 @@ def _step_root(job: str, step: int) -> bytes:
     return sc.step_root_span_id(job, step).to_bytes(8, "big")
 
 
+def _add_span(into, fields: dict, attrs: dict, ranks) -> Span:
+    """Add one emitted span to `into`: its attributes and per-rank links written as wire
+    bytes in C when possible, else through protobuf."""
+    wire = _wire(attrs, ranks)
+    if wire is not None:
+        span: Span = into.add(**fields)
+        span.MergeFromString(wire)
+    else:
+        span = into.add(**fields, attributes=key_values(attrs))
+        _add_rank_links(span, ranks)
+    return span
+
+
 def _wire(attrs: dict[str, Any], ranks: dict[int, Any] | None = None) -> bytes | None:
     """A span's attributes (and, given `ranks`, its per-rank links) as wire bytes to
     merge into it: one C call instead of a KeyValue and an AnyValue object per
@@ -657,13 +670,7 @@ class RankCorrelation(Processor):
             "start_time_unix_nano": min(s.start_ns for s in win.ranks.values()),
             "end_time_unix_nano": max(s.end_ns for s in win.ranks.values()),
         }
-        wire = _wire(attrs, win.ranks)
-        if wire is not None:
-            span: Span = into.add(**fields)
-            span.MergeFromString(wire)
-        else:
-            span = into.add(**fields, attributes=key_values(attrs))
-            _add_rank_links(span, win.ranks)
+        span = _add_span(into, fields, attrs, win.ranks)
         for pg in pgs:
             if pg.missing:
                 self._summary_collective_span(job, step, trace_id, step_span_id, pg, closed_by, span, into)
@@ -718,10 +725,4 @@ class RankCorrelation(Processor):
             "end_time_unix_nano": max(a.end_ns for a in arrivals),
         }
         attrs = collective_attributes(win, pg, seq, closed_by, job.pg_members.get(pg, set()))
-        wire = _wire(attrs, win.ranks)
-        if wire is not None:
-            span: Span = into.add(**fields)
-            span.MergeFromString(wire)
-        else:
-            span = into.add(**fields, attributes=key_values(attrs))
-            _add_rank_links(span, win.ranks)
+        _add_span(into, fields, attrs, win.ranks)
