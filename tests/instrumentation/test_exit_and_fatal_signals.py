@@ -117,7 +117,7 @@ def test_native_crash_dumps_every_threads_stack_through_faulthandler(ending, sig
     assert stderr.count("Thread 0x") >= 2  # the other threads too (exporter, watchdog)
 
 
-def test_flare_flush_returns_on_time_against_a_dead_collector():
+def test_flare_flush_returns_on_time_against_a_dead_collector(caplog):
     """The SDK's force_flush ignores its timeout (each batch retries for up to 10 s);
     Flare's hang/error/signal flushes must not."""
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -141,3 +141,14 @@ def test_flare_flush_returns_on_time_against_a_dead_collector():
     started = time.monotonic()
     provider.shutdown()
     assert time.monotonic() - started < 3.0
+    # an export the stop made raise is not logged with a traceback; other lines still are
+    import logging
+
+    sdk = logging.getLogger("opentelemetry.sdk._shared_internal")
+    with caplog.at_level(logging.INFO):
+        try:
+            raise ValueError("Cannot invoke RPC on closed channel!")
+        except ValueError:
+            sdk.exception("Exception while exporting %s.", "Span")
+        sdk.warning("something else")
+    assert "Exception while exporting" not in caplog.text and "something else" in caplog.text

@@ -22,6 +22,15 @@ import threading
 _log = logging.getLogger(__name__)
 
 
+# Where the SDK's batch workers log an export that raised ("Exception while exporting ...").
+_EXPORT_LOGGERS = ("opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export",
+                   "opentelemetry.sdk.metrics._internal.export")
+
+
+def _drop_export_errors(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Exception while exporting")
+
+
 def _span_exporters(tracer_provider) -> list:
     """The exporters behind a TracerProvider's processors (SDK internals; [] if unknown)."""
     processors = getattr(getattr(tracer_provider, "_active_span_processor", None),
@@ -96,6 +105,11 @@ class FlushDeadline:
         _log.warning("flare: the exit flush did not finish in time; stopping %d exporter(s) "
                      "(unsent telemetry is dropped)", len(exporters))
         self.exporters_stopped = True
+        # Closing the channel under a call in flight can make that export raise (e.g. a
+        # retry that starts on the closed channel); the batch worker would log it with a
+        # traceback. It is the stop just announced, not news.
+        for name in _EXPORT_LOGGERS:
+            logging.getLogger(name).addFilter(_drop_export_errors)
         for exporter in exporters:
             try:
                 exporter.shutdown()
