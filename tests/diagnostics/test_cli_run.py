@@ -76,14 +76,15 @@ def test_a_command_that_sends_nothing_keeps_its_status(tmp_path):
 
 def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):
     import signal
-    import time
 
     flare = subprocess.Popen(
-        [FLARE, "run", "--", sys.executable, "-c", "import time; time.sleep(120)"],
+        [FLARE, "run", "--", sys.executable, "-c",
+         "import sys, time; print('job running', file=sys.stderr, flush=True); time.sleep(120)"],
         cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         assert "collecting into" in flare.stderr.readline()
-        time.sleep(1.0)  # the job is running
+        while "job running" not in flare.stderr.readline():
+            pass
         flare.send_signal(signal.SIGINT)
         _, stderr = flare.communicate(timeout=60)
     finally:
@@ -102,3 +103,25 @@ def test_a_json_report_on_stdout_stays_parseable_when_the_job_prints(tmp_path):
     assert result.returncode == 3, result.stderr
     assert json.loads(result.stdout)["job"] == "noisy"
     assert "step 0 loss 2.7" in result.stderr  # the job's own output, kept
+
+
+def test_a_job_that_ignores_the_interrupt_gets_the_next_signal(tmp_path):
+    """A SIGINT can be lost (one caught just before an exec) or ignored: the job is sent
+    SIGTERM once the escalation delay passes, without a second Ctrl-C."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from flare.diagnostics.run import INTERRUPTED_STATUS, _wait
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGINT, "
+         "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, process_group=0)
+    assert child.stdout.readline().strip() == "ready"
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    assert _wait(child, escalate_after_s=1.0) == INTERRUPTED_STATUS
+    assert child.returncode == -signal.SIGTERM
+    assert time.monotonic() - started < 10

@@ -177,27 +177,39 @@ def _launch(command: list[str], job: str, endpoint: str, stdout=None) -> subproc
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
 
 
-def _wait(child: subprocess.Popen, on_interrupt=None) -> int:
+def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 15.0) -> int:
+    """Wait for the job. Ctrl-C passes SIGINT to its process group, a second SIGTERM, a
+    third SIGKILL; a job still running `escalate_after_s` after a signal gets the next
+    one anyway (a SIGINT that reached a process between its Python handler and an exec,
+    as `opentelemetry-instrument` does at start, is lost)."""
     interrupts = [0]
+    last_signal = [0.0]
 
-    def forward(signum: int, _frame) -> None:
+    def send_next() -> None:
         interrupts[0] += 1
         sig = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)[min(interrupts[0], 3) - 1]
-        if interrupts[0] == 1:
-            print("\nflare: interrupted; stopping the job (Ctrl-C again to force)", file=sys.stderr)
-            if on_interrupt is not None:
-                on_interrupt()
+        last_signal[0] = time.monotonic()
         try:
             os.killpg(child.pid, sig)
         except ProcessLookupError:
             pass
 
+    def forward(signum: int, _frame) -> None:
+        if interrupts[0] == 0:
+            print("\nflare: interrupted; stopping the job (Ctrl-C again to force)", file=sys.stderr)
+            if on_interrupt is not None:
+                on_interrupt()
+        send_next()
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
             try:
-                code = child.wait()
+                code = child.wait(timeout=1.0)
                 break
+            except subprocess.TimeoutExpired:
+                if interrupts[0] and time.monotonic() - last_signal[0] >= escalate_after_s:
+                    send_next()
             except InterruptedError:
                 continue
     finally:
