@@ -124,3 +124,5 @@ def test_unknown_flag_is_a_usage_error(tmp_path):
     assert result.returncode == 2
     assert "unrecognized arguments: --bogus" in result.stderr
     assert "Traceback" not in result.stderr
+    # said by the subcommand, with its own usage line
+    assert "flare diagnose: error:" in result.stderr and "usage: flare diagnose" in result.stderr

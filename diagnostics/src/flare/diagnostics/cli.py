@@ -48,7 +48,9 @@ def _dispatch(argv: list[str]) -> int:
         from flare.diagnostics import run
 
         return run.main(argv[1:])
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its own usage line
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.handler(args)
 
 
@@ -65,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Diagnose a job held in a Flare store, Jaeger or Tempo: which rank, what "
                     "cause, from which step. --store PATH is short for --backend store:PATH.")
     add_diagnose_options(diagnose)
-    diagnose.set_defaults(handler=diagnose_command)
+    diagnose.set_defaults(handler=diagnose_command, command_parser=diagnose)
 
     kineto = sub.add_parser(
         "import-kineto", help="import PyTorch profiler (Kineto) traces into a store",
@@ -75,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     kineto.add_argument("--store", default=DEFAULT_STORE, metavar="PATH",
                         help=f"DuckDB store, created if missing (default {DEFAULT_STORE})")
     kineto.add_argument("--job", metavar="NAME", help="job name (default: the folder's name)")
-    kineto.set_defaults(handler=import_kineto_command)
+    kineto.set_defaults(handler=import_kineto_command, command_parser=kineto)
     return parser
 
 
