@@ -126,3 +126,11 @@ def test_unknown_flag_is_a_usage_error(tmp_path):
     assert "Traceback" not in result.stderr
     # said by the subcommand, with its own usage line
     assert "flare diagnose: error:" in result.stderr and "usage: flare diagnose" in result.stderr
+
+
+def test_a_baseline_that_is_the_job_itself_is_one_line():
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--job",
+                             "a", "--baseline-job", "a"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("flare: error: --baseline-job is the job being diagnosed; "
+                                     "name an earlier job")

@@ -140,6 +140,8 @@ def diagnose_command(args: argparse.Namespace) -> int:
 
     if args.interval <= 0:
         raise UserError("--interval must be positive")
+    if args.baseline_job and args.baseline_job == args.job:
+        raise UserError("--baseline-job is the job being diagnosed; name an earlier job")
     spec = backend_spec(args)
     backend = open_user_backend(spec)
     try:
