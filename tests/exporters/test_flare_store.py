@@ -303,27 +303,39 @@ def test_a_store_file_replaced_between_flushes_gets_its_schema_again(tmp_path):
     assert exporter.read_meta("k") == "2"
 
 
-def test_large_flushes_checkpoint_without_vacuum_and_small_ones_with_it(tmp_path, monkeypatch):
+def _watch_large_flush_settings(monkeypatch, setting):
+    """Record, around the real `_vacuum_off_if_large` of each flush, a DuckDB setting's
+    value while the flush writes and after it (the function itself runs unchanged)."""
     from flare.exporters import flare_store
 
     seen = []
     real = flare_store._vacuum_off_if_large
 
-    @contextlib.contextmanager
-    def spy(con, rows):
-        with real(con, rows):
-            seen.append((rows, con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0]))
-            yield
-        seen.append(con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0])
+    def value(con):
+        return con.execute(f"SELECT current_setting('{setting}')").fetchone()[0]
 
-    monkeypatch.setattr(flare_store, "_vacuum_off_if_large", spy)
+    @contextlib.contextmanager
+    def watched(con, rows):
+        before = value(con)
+        with real(con, rows):
+            seen.append((rows, value(con), before))
+            yield
+        seen.append((value(con), before))
+
+    monkeypatch.setattr(flare_store, "_vacuum_off_if_large", watched)
     monkeypatch.setattr(flare_store, "LARGE_FLUSH_ROWS", 6)
+    return seen
+
+
+def test_large_flushes_checkpoint_without_vacuum_and_small_ones_with_it(tmp_path, monkeypatch):
+    watched = _watch_large_flush_settings(monkeypatch, "max_vacuum_tasks")
     path = tmp_path / "store.duckdb"
     exporter = FlareStoreExporter(path)
     for flush in range(4):
         for _ in range(3 if flush % 2 else 1):  # 2 spans (small), then 6 (large)
             exporter.export_traces(step_request())
         exporter.flush(commit_marker=("wal_lsn", str(flush)))
+    seen = [(item[0], item[1]) if len(item) == 3 else item[0] for item in watched]
     # Off while a large flush writes; DuckDB's default before the file closes.
     assert seen == [(2, 100), 100, (6, 0), 100, (2, 100), 100, (6, 0), 100]
     assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 16}]
@@ -333,29 +345,14 @@ def test_large_flushes_checkpoint_without_vacuum_and_small_ones_with_it(tmp_path
 def test_large_flushes_checkpoint_at_commit(tmp_path, monkeypatch):
     """A large flush writes its rows to the file at commit (no DuckDB WAL round trip);
     the threshold is back to DuckDB's default before the file closes."""
-    from flare.exporters import flare_store
-
-    seen = []
-    real = flare_store._vacuum_off_if_large
-
-    def threshold(con):
-        return con.execute("SELECT current_setting('checkpoint_threshold')").fetchone()[0]
-
-    @contextlib.contextmanager
-    def spy(con, rows):
-        default = threshold(con)
-        with real(con, rows):
-            seen.append((rows, threshold(con) != default))
-            yield
-        seen.append(threshold(con) == default)
-
-    monkeypatch.setattr(flare_store, "_vacuum_off_if_large", spy)
-    monkeypatch.setattr(flare_store, "LARGE_FLUSH_ROWS", 6)
+    watched = _watch_large_flush_settings(monkeypatch, "checkpoint_threshold")
     path = tmp_path / "store.duckdb"
     exporter = FlareStoreExporter(path)
     for flush in range(2):
         for _ in range(3 if flush else 1):  # 2 spans (small), then 6 (large)
             exporter.export_traces(step_request())
         exporter.flush(commit_marker=("wal_lsn", str(flush)))
+    seen = [(item[0], item[1] != item[2]) if len(item) == 3 else item[0] == item[1]
+            for item in watched]
     assert seen == [(2, False), True, (6, True), True]
     assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 8}]
