@@ -207,6 +207,15 @@ def rank_directory(trace: Path, ranks: int, out: Path) -> Path:
     return folder
 
 
+
+def _rounds(left: list[dict], right: list[dict]) -> str:
+    """Each round's wall/CPU/RSS of two sides, side by side."""
+    def one(r: dict) -> str:
+        return f"{r['wall_s']:.2f}/{r['cpu_s']:.2f}/{r['rss_mb']:.0f}"
+
+    return "; ".join(f"{one(a)} | {one(b)}" for a, b in zip(left, right, strict=True))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -270,10 +279,7 @@ def main() -> int:
             same = all(b["anomalies"] == flare["anomalies"] for b in bases)
             print(f"baseline anomalies: {', '.join(bases[-1]['kinds'])} "
                   f"(JSON anomalies {'identical' if same else 'DIFFERENT'} to this tree's)")
-            print("rounds (this tree | baseline, wall/CPU/RSS): " + "; ".join(
-                f"{f['wall_s']:.2f}/{f['cpu_s']:.2f}/{f['rss_mb']:.0f} | "
-                f"{b['wall_s']:.2f}/{b['cpu_s']:.2f}/{b['rss_mb']:.0f}"
-                for f, b in zip(flares, bases, strict=True)))
+            print("rounds (this tree | baseline, wall/CPU/RSS): " + _rounds(flares, bases))
         print(f"flare figures: GPU idle {idle:.2f}% (HTA definition), "
               f"median launch delay {delay:.1f} µs")
         if python is None:
@@ -290,10 +296,7 @@ def main() -> int:
             if bases:
                 print(f"ratio baseline/HTA: wall {med(bases, 'wall_s') / hta_wall:.2f}, "
                       f"peak RSS {med(bases, 'rss_mb') / hta_rss:.2f}")
-            print("rounds (flare wall/CPU/RSS | HTA wall/CPU/RSS): " + "; ".join(
-                f"{f['wall_s']:.2f}/{f['cpu_s']:.2f}/{f['rss_mb']:.0f} | "
-                f"{h['wall_s']:.2f}/{h['cpu_s']:.2f}/{h['rss_mb']:.0f}"
-                for f, h in zip(flares, htas, strict=True)))
+            print("rounds (flare wall/CPU/RSS | HTA wall/CPU/RSS): " + _rounds(flares, htas))
         print("\nmemory against trace size (events replicated; factor 0 = a one-kernel trace,")
         print("the fixed cost of interpreter, DuckDB, numpy / pandas):")
         print(f"{'factor':>6}{'events MB (json)':>18}{'flare import MB':>17}"
