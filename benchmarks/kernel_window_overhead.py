@@ -18,6 +18,7 @@ same benchmark there through tests/gpu/run_gpu_checks.sh.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -95,6 +96,8 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     step = make_step(device)
     runtime = BenchRuntime()
+    if device == "cpu":  # host windows are opt-in without CUDA; this measures that path
+        os.environ.setdefault(sc.ENV_KERNEL_WINDOWS, "1")
     windows = kernels.install(runtime)
     if windows is None:
         print("skipped: kernel windows are switched off (FLARE_KERNEL_WINDOWS=0)")

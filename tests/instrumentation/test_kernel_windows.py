@@ -59,7 +59,7 @@ def _work():
 
 
 def test_cpu_windows_become_kernel_spans_parented_to_detail_steps(monkeypatch):
-    monkeypatch.delenv(sc.ENV_KERNEL_WINDOWS, raising=False)
+    monkeypatch.setenv(sc.ENV_KERNEL_WINDOWS, "1")  # CPU-only here: ask for host windows
     runtime = MinimalRuntime()
     windows = kernels.install(runtime)
     assert windows is not None and runtime.listeners == [windows]
@@ -83,6 +83,20 @@ def test_cpu_windows_become_kernel_spans_parented_to_detail_steps(monkeypatch):
     assert runtime.listeners == []
 
 
+def test_auto_opens_no_windows_without_cuda(monkeypatch):
+    monkeypatch.delenv(sc.ENV_KERNEL_WINDOWS, raising=False)
+    monkeypatch.setattr(kernels, "_cuda_available", lambda: False)
+    runtime = MinimalRuntime()
+    assert kernels.install(runtime) is None and runtime.listeners == []
+    monkeypatch.setenv(sc.ENV_KERNEL_WINDOWS, "auto")
+    assert kernels.install(runtime) is None
+    monkeypatch.setattr(kernels, "_cuda_available", lambda: True)
+    windows = kernels.install(runtime)
+    assert windows is not None and runtime.listeners == [windows]
+    kernels.uninstall(runtime)
+    assert runtime.listeners == []
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(sc.ENV_KERNEL_WINDOWS, "0")
     runtime = MinimalRuntime()
@@ -91,7 +105,7 @@ def test_switched_off_by_environment(monkeypatch):
 
 
 def test_user_profiler_takes_precedence(monkeypatch):
-    monkeypatch.delenv(sc.ENV_KERNEL_WINDOWS, raising=False)
+    monkeypatch.setenv(sc.ENV_KERNEL_WINDOWS, "1")  # CPU-only here: ask for host windows
     runtime = MinimalRuntime()
     windows = kernels.install(runtime)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
@@ -180,7 +194,7 @@ def test_window_on_request_through_the_real_runtime(monkeypatch):
     from flare.instrumentation.identity import ProcessIdentity
     from flare.instrumentation.runtime import Runtime
 
-    monkeypatch.delenv(sc.ENV_KERNEL_WINDOWS, raising=False)
+    monkeypatch.setenv(sc.ENV_KERNEL_WINDOWS, "1")  # CPU-only here: ask for host windows
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

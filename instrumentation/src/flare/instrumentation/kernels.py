@@ -11,9 +11,11 @@ children of the step span:
   (GPU start − start of the `cudaLaunchKernel` call with the same CUPTI correlation id),
   launch call duration, FLOPs from the launching operator's shapes, achieved TFLOPS or
   GB/s.
-- CPU-only builds: the same path with CPU activity only; the top-level operators of
-  each thread become `kernel` spans on device `KERNEL_DEVICE_HOST` (-1), so the code
-  path is exercised and tested on machines without a GPU.
+- CPU-only processes, when asked for (`FLARE_KERNEL_WINDOWS=1`): the same path with CPU
+  activity only; the top-level operators of each thread become `kernel` spans on device
+  `KERNEL_DEVICE_HOST` (-1), so the code path is exercised and tested on machines
+  without a GPU. By default (`auto`) a process without CUDA opens no windows: no
+  diagnosis reads host operators, and recording them costs CPU the job needs.
 
 Cost: between windows the listener does one boolean test per step. A window costs the
 profiler's start/stop plus the (background) conversion; `benchmarks/
@@ -332,8 +334,12 @@ def _profiler_active() -> bool:
 
 
 def install(runtime: Any) -> KernelWindows | None:
-    """Attach kernel windows to `runtime`; None (and no cost) when off or torch is absent."""
-    if os.environ.get(semconv.ENV_KERNEL_WINDOWS, "1").strip().lower() in ("0", "false", "off"):
+    """Attach kernel windows to `runtime`; None (and no cost) when off, when torch is
+    absent, or by default (`auto`) when this process has no CUDA device."""
+    setting = os.environ.get(semconv.ENV_KERNEL_WINDOWS, "auto").strip().lower()
+    if setting in ("0", "false", "off"):
+        return None
+    if setting in ("", "auto") and not _cuda_available():
         return None
     if id(runtime) in _installed:
         return _installed[id(runtime)]

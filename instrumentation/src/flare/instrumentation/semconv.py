@@ -217,7 +217,7 @@ ENV_HEARTBEAT_S = "FLARE_HEARTBEAT_S"
 # seconds the exit-time flush may take before the exporters are stopped (default 5)
 ENV_EXIT_FLUSH_TIMEOUT_S = "FLARE_EXIT_FLUSH_TIMEOUT_S"
 ENV_DETAIL_FLAG_FILE = "FLARE_DETAIL_FLAG_FILE"
-ENV_KERNEL_WINDOWS = "FLARE_KERNEL_WINDOWS"  # "0" turns the sampled kernel windows off
+ENV_KERNEL_WINDOWS = "FLARE_KERNEL_WINDOWS"  # auto (default: with CUDA only), 1 (also CPU-only), 0 (off)
 ENV_NVML_INTERVAL_S = "FLARE_NVML_INTERVAL_S"  # NVML poll period; "0" turns NVML off
 # Client credentials for `flare diagnose --backend jaeger+https://…|tempo+https://…`
 # (and --follow) when no option is given: a CA bundle, a client certificate and key
