@@ -25,3 +25,17 @@ def test_traced_function_entries_are_parsed_strictly():
     assert parse_entry(" json : dumps ") == ("json", "dumps")
     for bad in ("nocolon", ":f", "m:", "m:a-b", "m:a..b"):
         assert parse_entry(bad) is None
+
+
+def test_a_full_ring_newer_than_the_step_start_means_entries_were_overwritten(monkeypatch):
+    from flare.instrumentation import semconv
+    from flare.instrumentation.flight_recorder import FlightRecorder
+
+    monkeypatch.setenv(semconv.ENV_FR_BUFFER_SIZE, "3")
+    ring = [{"time_created_ns": t} for t in (100, 110, 120)]
+    assert FlightRecorder.overwrote(ring, since_ns=90)  # full, and the step began earlier
+    assert not FlightRecorder.overwrote(ring, since_ns=100)  # the step's first one is kept
+    assert not FlightRecorder.overwrote(ring[:2], since_ns=90)  # not full: nothing lost
+    assert not FlightRecorder.overwrote([], since_ns=90)
+    monkeypatch.setenv(semconv.ENV_FR_BUFFER_SIZE, "many")
+    assert not FlightRecorder.overwrote(ring, since_ns=90)

@@ -492,6 +492,52 @@ def test_ddp_gradient_bytes_are_in_every_step_summary(process_group):
     assert steps[4].attributes[semconv.STEP_COLLECTIVE_BYTES] == 0
 
 
+def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread(
+        process_group, monkeypatch):
+    """C++-issued collectives (DDP's buckets) of a detail step become spans from the
+    flight recorder, children of that step; the recorder's dump (milliseconds) runs on
+    Flare's finisher thread, not in the training thread's step boundary."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flare.instrumentation import flight_recorder
+
+    readers = []
+    original = flight_recorder.FlightRecorder.entries
+
+    def entries(self):
+        readers.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(flight_recorder.FlightRecorder, "entries", entries)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(16, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        model(torch.randn(2, 16)).sum().backward()
+        optimizer.step()
+    deadline = time.monotonic() + 10
+    recorded = []
+    while time.monotonic() < deadline:
+        recorded = [s for s in process_group.get_finished_spans()
+                    if s.attributes.get(semconv.COLL_SOURCE) == "flight_recorder"]
+        if {s.attributes[semconv.STEP] for s in recorded} >= {0, 2}:
+            break
+        time.sleep(0.05)
+    steps = {s.attributes[semconv.STEP]: s for s in finished(process_group, semconv.SPAN_STEP)}
+    assert {s.attributes[semconv.STEP] for s in recorded} == {0, 2}  # the detail steps
+    for span in recorded:
+        step = steps[span.attributes[semconv.STEP]]
+        assert span.parent.span_id == step.context.span_id
+        assert span.context.trace_id == step.context.trace_id
+        assert span.attributes[semconv.RANK] == 0
+    buckets = [s for s in recorded if s.name == "collective.all_reduce"]
+    assert sorted(s.attributes[semconv.STEP] for s in buckets) == [0, 2]  # one bucket each
+    assert all(s.attributes[semconv.COLL_BYTES] == (16 * 8 + 8) * 4 for s in buckets)
+    assert readers and "MainThread" not in readers
+
+
 def test_uninstrument_restores_ddp_construction(rank_env):
     from torch.nn.parallel import DistributedDataParallel
 

@@ -17,11 +17,14 @@ background thread (device_timing.py): `flare.collective.device_ms` and, per step
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
+
+from opentelemetry import trace
 
 from flare.instrumentation import semconv
 from flare.instrumentation.bandwidth import busbw_gbps
@@ -174,6 +177,7 @@ class CollectiveTracker:
         self.groups = ProcessGroups()
         self.ddp_gradients = DdpGradients(self.groups)
         self.recorder = FlightRecorder()
+        self.recorder_truncated_steps = 0  # detail steps whose first entries were overwritten
         self._patches = Patches()
         self._step = _StepCollectives()
         self._pending: dict[int, tuple[object, CollectiveRecord]] = {}
@@ -461,29 +465,46 @@ class CollectiveTracker:
 
     def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:
-            self._emit_flight_recorder(self.runtime.step_start_ns, self._step.seq_at_end or {},
-                                       self._step.seq_at_start)
+            # The recorder's dump costs milliseconds (linear in its buffer): it is read
+            # off the training thread, within a second, while the entries of this step
+            # are still in the ring.
+            runtime = self.runtime
+            self.runtime.run_later(functools.partial(
+                self._emit_flight_recorder, runtime.step_start_ns, time.time_ns(),
+                self._step, step, trace.set_span_in_context(span),
+                dict(runtime.span_attributes)))
 
-    def _emit_flight_recorder(self, step_start_ns: int, now_seqs: dict, started: dict) -> None:
+    def _emit_flight_recorder(self, step_start_ns: int, step_end_ns: int,
+                              collectives: _StepCollectives, step: int, parent,
+                              labels: dict) -> None:
         """Detail step: C++-issued collectives of this step, as spans."""
         entries = self.recorder.entries()
         if not entries:
+            now_seqs, started = collectives.seq_at_end or {}, collectives.seq_at_start or {}
             if self.recorder.available and any(s > started.get(n, s) for n, s in now_seqs.items()):
                 self.recorder.note_empty()
             return
+        if self.recorder.overwrote(entries, step_start_ns):
+            self.recorder_truncated_steps += 1
+            if self.recorder_truncated_steps == 1:
+                _log.info("flare: detail step %d issued more collectives than the flight "
+                          "recorder keeps (%s); its earliest C++-issued ones have no span",
+                          step, semconv.ENV_FR_BUFFER_SIZE)
         infos = self.groups.infos_by_name()
-        windows = self._step.backward_windows
+        windows = collectives.backward_windows
         for entry in entries:
             created = entry.get("time_created_ns") or 0
-            if created < step_start_ns or entry.get("is_p2p"):
-                continue
+            if created < step_start_ns or created > step_end_ns or entry.get("is_p2p"):
+                continue  # another step's (the dump runs up to a second later)
             pg_name, seq = entry_pg_name(entry), entry.get("collective_seq_id")
             if any(pg == pg_name and start <= created <= end
-                   for pg, start, end in self._step.python_windows):
+                   for pg, start, end in collectives.python_windows):
                 continue  # already a span from the Python wrapper
-            self._emit_recorded(entry, pg_name, seq, created, infos.get(pg_name), windows)
+            self._emit_recorded(entry, pg_name, seq, created, infos.get(pg_name), windows,
+                                step, parent, labels)
 
-    def _emit_recorded(self, entry, pg_name, seq, created, info, windows) -> None:
+    def _emit_recorded(self, entry, pg_name, seq, created, info, windows, step, parent,
+                       labels) -> None:
         op = op_name(entry.get("profiling_name", ""))
         nbytes = entry_bytes(entry)
         completed = entry.get("time_discovered_completed_ns") or 0
@@ -509,11 +530,9 @@ class CollectiveTracker:
                 bandwidth = busbw_gbps(op, nbytes, info.size, completed - started)
                 if bandwidth is not None:
                     attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
-        if self.runtime.span_attributes:
-            attributes.update(self.runtime.span_attributes)
-        attributes[semconv.STEP] = self.runtime.step_number
-        span = self.runtime.tracer.start_span(semconv.collective_span_name(op),
-                                              context=self.runtime.step_context,
+        attributes.update(labels)
+        attributes[semconv.STEP] = step
+        span = self.runtime.tracer.start_span(semconv.collective_span_name(op), context=parent,
                                               start_time=created, attributes=attributes)
         span.end(end_time=max(end, created))
 

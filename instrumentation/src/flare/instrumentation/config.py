@@ -27,8 +27,10 @@ HANG_STEP_MULTIPLE = 10.0
 # so a 2 s dataloader stall is visible as a span without waiting for a detail step.
 SLOW_CHILD_MS = 100.0
 # Entries kept by the flight recorder when Flare turns it on. A dump (detail steps and
-# hang reports only) costs time linear in this; 512 covers several steps of DDP.
-FLIGHT_RECORDER_BUFFER = 512
+# hang reports only) costs ~7 µs per entry (PyTorch builds and pickles every one), on
+# Flare's finisher thread; 256 covers several steps of DDP, and a detail step with more
+# collectives than that between its start and the dump is counted as truncated.
+FLIGHT_RECORDER_BUFFER = 256
 
 
 def _number(name: str, default: float | None, minimum: float) -> float | None:

@@ -124,6 +124,9 @@ class Runtime:
         # built and emitted by a finisher thread a few times a second, in a batch: the
         # training thread only captures the step's numbers (see end_step).
         self._deferred: deque = deque()
+        # Other work a listener hands off the training thread (run_later): the finisher
+        # runs it after the deferred spans, and so does every flush.
+        self._later: deque = deque()
         self._drain_lock = threading.Lock()
         self._finisher: threading.Thread | None = None
         self._finisher_stop = threading.Event()
@@ -256,7 +259,9 @@ class Runtime:
             self._notify(self._on_end_ordinary, self.step_number, False, deferred)
             self._queue_deferred(record, deferred)
         else:
-            self.drain()  # earlier steps' spans first: the processors see steps in order
+            # earlier steps' spans first: the processors see steps in order (work
+            # handed to run_later stays with the finisher)
+            self.drain(spans_only=True)
             self._finish_now(record, end_ns)
         self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = end_ns
@@ -417,10 +422,10 @@ class Runtime:
         while not self._finisher_stop.wait(_FINISH_EVERY_S):
             self.drain()
 
-    def drain(self) -> bool:
-        """Build and hand over every deferred step span now (before any flush); True
-        if there was any."""
-        if not self._deferred:
+    def drain(self, spans_only: bool = False) -> bool:
+        """Build and hand over every deferred step span now (before any flush), then
+        run the work handed to run_later unless `spans_only`; True if there was any."""
+        if not self._deferred and (spans_only or not self._later):
             return False
         with self._drain_lock:
             while self._deferred:
@@ -431,7 +436,22 @@ class Runtime:
                     if not self._finisher_failed:
                         self._finisher_failed = True
                         _log.warning("flare: a step span could not be built: %r", error)
+            while self._later and not spans_only:
+                work = self._later.popleft()
+                try:
+                    work()
+                except Exception as error:
+                    if not self._finisher_failed:
+                        self._finisher_failed = True
+                        _log.warning("flare: background work failed: %r", error)
         return True
+
+    def run_later(self, work) -> None:
+        """Run `work()` off the training thread: on the finisher thread within a
+        second, or at the next flush, whichever comes first."""
+        self._later.append(work)
+        if self._finisher is None:
+            self._start_finisher()
 
     def stop_finisher(self) -> None:
         """Drain, then stop the finisher thread (uninstrument, exit)."""
