@@ -326,3 +326,38 @@ def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa
         item["attributes"] = {k: v for k, v in item["attributes"].items() if k not in strip}
     assert [comparable(s) for s in spans] == want
     assert len({s.context.span_id for s in spans}) == 5
+
+
+def test_the_default_samplers_verdict_is_taken_without_asking_it_again():
+    """Below a sampled remote parent the SDK's default sampler keeps every span with the
+    parent's trace state; after its first answer Flare writes that verdict itself. The
+    spans must equal those of a sampler that behaves the same but is always asked."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+    from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+
+    class AskedEveryTime(ParentBased):
+        calls = 0
+
+        def should_sample(self, *args, **kwargs):
+            AskedEveryTime.calls += 1
+            return super().should_sample(*args, **kwargs)
+
+    spans = {}
+    for label, sampler in (("default", ParentBased(ALWAYS_ON)),
+                           ("asked", AskedEveryTime(ALWAYS_ON))):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider(sampler=sampler, resource=Resource({"service.name": "t"}))
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        emitter = FinishedSpans.for_tracer(provider.get_tracer("t"))
+        parents = [SpanContext(7, 8, is_remote=True, trace_flags=TraceFlags(1),
+                               trace_state=TraceState([("k", "v")])),
+                   SpanContext(7, 9, is_remote=True, trace_flags=TraceFlags(1)),
+                   SpanContext(7, 10, is_remote=True, trace_flags=TraceFlags(0))]
+        for round_ in range(2):
+            for number, parent in enumerate(parents):
+                emitter.emit("s", parent, 100 + 10 * round_ + number, {"a": number}, 1, 2)
+        spans[label] = [(s.context, s.parent, dict(s.attributes)) for s in
+                        exporter.get_finished_spans()]
+    assert spans["default"] == spans["asked"]
+    assert [ctx.trace_state.get("k") for ctx, _, _ in spans["default"]] == ["v", None] * 2
+    assert AskedEveryTime.calls == 6

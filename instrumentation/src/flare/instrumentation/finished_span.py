@@ -108,6 +108,19 @@ class DrainOnFlush:
         return done
 
 
+def _keeps_sampled_remote(sampler):
+    """`sampler` when it is the SDK's ParentBased with ALWAYS_ON for sampled remote
+    parents (the default sampler, `parentbased_always_on`), else None."""
+    try:
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+    except ImportError:
+        return None
+    if type(sampler) is ParentBased and getattr(sampler, "_remote_parent_sampled",
+                                                None) is ALWAYS_ON:
+        return sampler
+    return None
+
+
 class FinishedSpans:
     """Emits finished spans of one SDK tracer without the SDK's per-span machinery."""
 
@@ -120,6 +133,9 @@ class FinishedSpans:
         self._checked: tuple | None = None
         self._asynchronous = False
         self._starts, self._endings = _noop_processor_hooks()
+        # the tracer's sampler once it is known to keep every child of a sampled remote
+        # parent unchanged (checked after the first span it sampled)
+        self._keeps_sampled_remote = None
 
     @classmethod
     def for_tracer(cls, tracer) -> FinishedSpans | None:
@@ -193,17 +209,27 @@ class FinishedSpans:
         """Sample and hand one finished INTERNAL span (a child of `parent`) to the
         processors."""
         tracer = self._tracer
-        parent_context = trace.set_span_in_context(NonRecordingSpan(parent))
-        result = tracer.sampler.should_sample(parent_context, parent.trace_id, name,
-                                              SpanKind.INTERNAL, attributes, ())
-        if not result.decision.is_recording():
-            return
-        if result.attributes:
-            attributes.update(result.attributes)
-        context = SpanContext(parent.trace_id, span_id, is_remote=False,
-                              trace_flags=_SAMPLED if result.decision.is_sampled()
-                              else _NOT_SAMPLED,
-                              trace_state=result.trace_state)
+        sampler = tracer.sampler
+        if (sampler is self._keeps_sampled_remote and parent.is_remote
+                and parent.trace_flags.sampled):
+            # the SDK's default sampler (parent-based, always-on below a sampled parent)
+            # keeps it, with the parent's trace state, and adds nothing: its verdict,
+            # without building a parent context to ask
+            context = SpanContext(parent.trace_id, span_id, is_remote=False,
+                                  trace_flags=_SAMPLED, trace_state=parent.trace_state)
+        else:
+            parent_context = trace.set_span_in_context(NonRecordingSpan(parent))
+            result = sampler.should_sample(parent_context, parent.trace_id, name,
+                                           SpanKind.INTERNAL, attributes, ())
+            if not result.decision.is_recording():
+                return
+            if result.attributes:
+                attributes.update(result.attributes)
+            context = SpanContext(parent.trace_id, span_id, is_remote=False,
+                                  trace_flags=_SAMPLED if result.decision.is_sampled()
+                                  else _NOT_SAMPLED,
+                                  trace_state=result.trace_state)
+            self._keeps_sampled_remote = _keeps_sampled_remote(sampler)
         span = self._readable(name, context=context, parent=parent,
                               resource=tracer.resource, attributes=attributes,
                               kind=SpanKind.INTERNAL, start_time=start_ns, end_time=end_ns,
