@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from flare.collector.ingest import Item, ItemQueue
 from flare.collector.pipeline import Pipeline, Stage
 from flare.collector.telemetry import Counters
@@ -188,6 +190,58 @@ def test_store_gets_the_correlators_spans_appended_to_a_request(tmp_path, helper
     finally:
         con.close()
     assert names == [sc.SPAN_STEP, sc.SPAN_STEP, sc.SPAN_STEP_RANKS]
+
+
+def test_an_unparsed_request_reaches_the_store_as_bytes_and_others_as_a_message(tmp_path, helpers):
+    """A request the receiver did not parse (None, with its bytes) runs through the
+    memory limiter and the correlator as bytes: the store gets the bytes with the
+    correlator's spans appended, another exporter the same request parsed, and a
+    buffering stage gets it parsed too."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    from flare.instrumentation import semconv as sc
+    from flare.processors.memory_limiter import MemoryLimiter
+    from flare.processors.rank_correlation import RankCorrelation
+
+    class Capture:
+        def __init__(self) -> None:
+            self.got: list = []
+
+        def export_traces(self, request) -> None:
+            self.got.append(request)
+
+    class StoreCapture(FlareStoreExporter):
+        def __init__(self) -> None:
+            self.got: list = []
+
+        def export_traces(self, request) -> None:
+            self.got.append(request)
+
+    store_side, other = StoreCapture(), Capture()
+    stages = [Stage("memory_limiter", "memory_limiter", MemoryLimiter()),
+              Stage("rank_correlation", "rank_correlation", RankCorrelation())]
+    pipeline = Pipeline("traces", "traces", stages, [("flare_store", store_side), ("otlp", other)], Counters())
+    payloads = []
+    for rank in range(2):  # the second rank's step completes the window
+        request = helpers.make_request(1, job="corr-job", rank=rank, step=0, first_index=rank)
+        request.resource_spans[0].resource.attributes.append(
+            KeyValue(key=sc.WORLD_SIZE, value=AnyValue(int_value=2)))
+        request.resource_spans[0].scope_spans[0].spans[0].name = sc.SPAN_STEP
+        payloads.append(request.SerializeToString())
+        pipeline.push(None, [], payloads[-1])
+    assert store_side.got[0] == payloads[0]
+    assert store_side.got[1].startswith(payloads[1]) and len(store_side.got[1]) > len(payloads[1])
+    assert [r.SerializeToString() for r in other.got] == store_side.got
+    names = [s.name for rs in other.got[1].resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert names == [sc.SPAN_STEP, sc.SPAN_STEP_RANKS]
+
+    batch = BatchProcessor(send_batch_size=1, timeout="1h")
+    batched = Pipeline("traces", "traces", [Stage("batch", "batch", batch)], [("otlp", other)], Counters())
+    batched.push(None, [], payloads[0])
+    assert other.got[-1] == ExportTraceServiceRequest.FromString(payloads[0])
+    with pytest.raises(ValueError):
+        batched.push(None, [], None)
 
 
 class _BufferedStore:

@@ -228,3 +228,115 @@ def test_id_check_on_the_wire_agrees_with_the_check_on_the_parsed_request():
             spans=[Span(trace_id=b"\x01" * 16, span_id=b"\x01" * 8), Span(span_id=b"\x01" * 8)])])])
         .SerializeToString())
     assert (spans, bad) == (2, 1)
+
+
+def test_wire_check_is_sure_only_of_what_protobuf_parses():
+    """The receivers skip parsing a trace request when `check_traces_wire` is sure of it:
+    on valid and damaged requests (bytes changed, cut, inserted; invalid UTF-8; unknown
+    fields) it must never be sure of bytes protobuf refuses, and must count the spans
+    protobuf finds; it must be sure of the plain requests Flare's SDK sends."""
+    import random
+
+    from google.protobuf.message import DecodeError
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import (
+        AnyValue,
+        ArrayValue,
+        KeyValue,
+        KeyValueList,
+    )
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+
+    from flare.collector import validate
+
+    if validate._TRACES_SCHEMA is None:
+        pytest.skip("flare.exporters built without its C decoder")
+    rng = random.Random(11)
+
+    def any_value(depth: int = 0) -> AnyValue:
+        kind = rng.randrange(7 if depth < 3 else 5)
+        if kind == 0:
+            return AnyValue(string_value=rng.choice(["x", "é", "€ok", "\U0001f600", ""]))
+        if kind == 1:
+            return AnyValue(int_value=rng.choice([0, 1, -1, 2**63 - 1, -(2**63)]))
+        if kind == 2:
+            return AnyValue(double_value=rng.random())
+        if kind == 3:
+            return AnyValue(bool_value=True)
+        if kind == 4:
+            return AnyValue(bytes_value=bytes(rng.randrange(256) for _ in range(3)))
+        if kind == 5:
+            return AnyValue(array_value=ArrayValue(values=[any_value(depth + 1) for _ in range(2)]))
+        return AnyValue(kvlist_value=KeyValueList(values=[KeyValue(key="k", value=any_value(depth + 1))]))
+
+    def span() -> Span:
+        out = Span(trace_id=rng.randbytes(16), span_id=rng.randbytes(8), name="s",
+                   parent_span_id=rng.choice([b"", rng.randbytes(8)]), kind=rng.randrange(6),
+                   start_time_unix_nano=rng.randrange(1 << 64), end_time_unix_nano=rng.randrange(1 << 64),
+                   attributes=[KeyValue(key=f"a{i}", value=any_value()) for i in range(rng.randrange(4))],
+                   status=Status(code=rng.randrange(3), message="m"), flags=rng.randrange(1 << 32))
+        out.events.add(name="e", time_unix_nano=5).attributes.add(key="k").value.int_value = 3
+        out.links.add(trace_id=rng.randbytes(16), span_id=rng.randbytes(8))
+        return out
+
+    plain = []
+    for _ in range(60):
+        request = ExportTraceServiceRequest(resource_spans=[
+            ResourceSpans(scope_spans=[ScopeSpans(spans=[span() for _ in range(rng.randrange(4))])])
+            for _ in range(rng.randrange(1, 3))
+        ])
+        request.resource_spans[0].resource.attributes.add(key="service.name").value.string_value = "svc"
+        payload = request.SerializeToString()
+        checked = validate.check_traces_wire(payload)
+        assert checked == validate.check_traces(ExportTraceServiceRequest.FromString(payload))
+        plain.append(payload)
+    sure = 0
+    for _ in range(6000):
+        payload = bytearray(rng.choice(plain))
+        for _ in range(rng.choice([1, 1, 2, 4])):
+            i = rng.randrange(len(payload) + 1)
+            roll = rng.random()
+            if roll < 0.4 and i < len(payload):
+                payload[i] = rng.randrange(256)
+            elif roll < 0.6:
+                del payload[i:i + rng.randrange(1, 4)]
+            else:
+                payload[i:i] = rng.choice([b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80",
+                                           b"\xe2\x82\xac", b"\x80", b"\x08\x96\x01", b"\xf8\x07\x01"])
+        payload = bytes(payload)
+        checked = validate.check_traces_wire(payload)
+        if checked is None:
+            continue
+        sure += 1
+        try:
+            request = ExportTraceServiceRequest.FromString(payload)
+        except DecodeError:
+            pytest.fail(f"sure of bytes protobuf refuses: {payload!r}")
+        assert checked == validate.check_traces(request), payload
+    assert sure > 100  # the damage left many requests valid, and the check saw that
+    # Invalid UTF-8 in a string and an unknown field: parsed by protobuf, as before.
+    bad_text = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(
+        spans=[Span(trace_id=b"\x01" * 16, span_id=b"\x01" * 8, name="\u00e9")])])]).SerializeToString()
+    assert validate.check_traces_wire(bad_text.replace("\u00e9".encode(), b"\xc3\x28")) is None
+    assert validate.check_traces_wire(bad_text + b"\xf8\x07\x01") is None
+    assert validate.check_traces_wire(bad_text) == validate.Checked(1, 0, "")
+
+
+def test_unparsed_and_parsed_requests_are_answered_alike(collector_process, helpers):
+    """A request the wire check is sure of (not parsed), one with an unknown field (parsed)
+    and one with an unusable span id (parsed, partial success) are stored alike."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    collector = collector_process().start()
+    good = helpers.make_request(3, first_index=0)
+    unknown_field = helpers.make_request(3, first_index=10).SerializeToString() + b"\xf8\x07\x01"
+    one_bad = helpers.make_request(3, first_index=20)
+    one_bad.resource_spans[0].scope_spans[0].spans[1].span_id = bytes(8)
+    replies = []
+    for body in (good.SerializeToString(), unknown_field, one_bad.SerializeToString()):
+        status, _, reply = helpers.post(f"http://{collector.http}/v1/traces", body)
+        assert status == 200
+        replies.append(ExportTraceServiceResponse.FromString(reply))
+    assert [r.partial_success.rejected_spans for r in replies] == [0, 0, 1]
+    collector.terminate()
+    assert len(helpers.stored_span_ids(collector.store_path)) == 8

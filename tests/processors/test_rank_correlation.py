@@ -438,3 +438,37 @@ def test_encoded_path_and_badly_typed_pg_arrays_give_the_same_steps():
     assert plain[2][sc.RANKS_PG_MISSING_COUNT][pg0] == 0
     assert plain[2][sc.RANKS_PG_LAST_ARRIVAL][pg0] == 3
     assert plain[2][sc.RANKS_PG_ARRIVAL_SKEW_MS][pg0] == pytest.approx(3.0)
+
+
+def test_wire_path_gives_the_bytes_of_the_message_path():
+    """`process_traces_wire` (a request the receiver did not parse) returns exactly the
+    encoding of what `process_traces` returns: the request's bytes, with the encoding of
+    the emitted spans appended when a window completed; the state after each request,
+    and what `tick` and `shutdown` emit later, are the same too."""
+    rng = random.Random(4)
+    inputs = []
+    for step in range(1, 5):
+        ranks = list(range(4))
+        rng.shuffle(ranks)
+        for rank in ranks[: 3 if step == 3 else 4]:  # step 3 misses a rank: closed by tick
+            spans = [step_span(step, 10.0 - rank, pgs={"0": (10.0 - rank, 7), "dp": (1.0, 2)})]
+            spans += [collective_span(step, "0", 7, arrive_ms=rank, group_size=4)]
+            spans += [Span(trace_id=b"\x05" * 16, span_id=next(_ids).to_bytes(8, "big"), name="other")]
+            inputs.append(request(rank, spans).SerializeToString())
+    inputs.append(b"")  # an empty request passes through
+    clock_a, clock_b = FakeClock(), FakeClock()
+    by_message, by_wire = RankCorrelation(clock=clock_a), RankCorrelation(clock=clock_b)
+    grew = 0
+    for payload in inputs:
+        clock_a.now += 7 * MS
+        clock_b.now += 7 * MS
+        expected = by_message.process_traces(ExportTraceServiceRequest.FromString(payload)).SerializeToString()
+        out = by_wire.process_traces_wire(payload)
+        assert out == expected
+        grew += len(out) > len(payload)
+        assert by_message.snapshot() == by_wire.snapshot()
+    assert grew >= 3  # steps 1, 2 and 4 completed on a request
+    later = clock_a.now + 60 * 1000 * MS
+    ticked = [r.SerializeToString() for r in by_message.tick(later)]
+    assert ticked and ticked == [r.SerializeToString() for r in by_wire.tick(later)]
+    assert by_message.metrics() == by_wire.metrics()

@@ -28,7 +28,9 @@ class Item:
 
     lsn: int  # 0 when no write-ahead log is configured
     signal: int  # wal.SIGNAL_TRACES | wal.SIGNAL_METRICS
-    request: Any  # ExportTraceServiceRequest | ExportMetricsServiceRequest
+    # ExportTraceServiceRequest | ExportMetricsServiceRequest; None for a trace request
+    # the receiver did not parse (its `payload` is all there is, see Pipeline.push)
+    request: Any
     nbytes: int
     admitted: list[Any] = field(default_factory=list)  # limiters to release later
     payload: bytes | None = None  # the logged encoding of `request`
@@ -87,7 +89,7 @@ class Ingest:
         self._lock = threading.Lock()  # keeps log order == queue order
 
     def submit(self, signal: int, request: Any, payload: bytes) -> None:
-        """Accept `request` (whose encoding is `payload`) or raise Refused."""
+        """Accept `request` (whose encoding is `payload`; None: not parsed) or raise Refused."""
         if self.closed:
             raise _shutting_down()
         nbytes = len(payload)

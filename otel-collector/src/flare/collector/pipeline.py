@@ -94,7 +94,14 @@ class Pipeline:
         self.gate: ExportGate | None = None
 
     def push(self, request: Any, lsns: list[int], payload: bytes | None = None) -> None:
-        """Run `request` through the pipeline; `payload` is its encoding, if known."""
+        """Run `request` through the pipeline; `payload` is its encoding, if known.
+
+        `request` None (a trace request the receiver did not parse) runs as bytes through
+        the stages that take them (`process_traces_wire`) and is parsed at the first
+        stage or exporter that needs the message.
+        """
+        if request is None and payload is None:
+            raise ValueError("a request or its encoding is needed")
         self._run(request, lsns, 0, payload)
 
     def tick(self, now_ns: int) -> None:
@@ -121,6 +128,16 @@ class Pipeline:
     def _run(self, request: Any, lsns: list[int], start: int, payload: bytes | None = None) -> None:
         for index in range(start, len(self.stages)):
             stage = self.stages[index]
+            if request is None:  # trace request bytes, not parsed yet
+                wire = None if stage.buffers else getattr(stage.processor, "process_traces_wire", None)
+                if wire is not None:
+                    out = wire(payload)
+                    if out is None:
+                        self.counters.add("processor_dropped_requests", processor=stage.id)
+                        return
+                    payload = out
+                    continue
+                request = ExportTraceServiceRequest.FromString(payload)
             traces = isinstance(request, ExportTraceServiceRequest)
             if stage.buffers and traces:
                 stage.hold(lsns, _span_count(request))
@@ -147,15 +164,17 @@ class Pipeline:
 
     def _export(self, request: Any, lsns: list[int], payload: bytes | None = None) -> None:
         newest = max(lsns) if lsns else None
-        traces = isinstance(request, ExportTraceServiceRequest)
+        traces = request is None or isinstance(request, ExportTraceServiceRequest)
         for exporter_id, exporter in self.exporters:
             if newest is not None and newest <= self.skip_upto.get(exporter_id, 0):
                 continue
             if payload is not None and traces and isinstance(exporter, FlareStoreExporter):
                 # The store decodes bytes directly: handing it the bytes the client sent
-                # saves re-encoding a request nothing has changed.
+                # (plus any spans a processor added) saves parsing and re-encoding.
                 request_or_bytes: Any = payload
             else:
+                if request is None:  # parsed once, for every exporter that wants the message
+                    request = ExportTraceServiceRequest.FromString(payload)
                 request_or_bytes = request
             if self.gate is not None and self.gate.holds(exporter_id):
                 self.gate.waiting.append((self, exporter_id, exporter, request_or_bytes, traces))

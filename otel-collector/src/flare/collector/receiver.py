@@ -48,6 +48,13 @@ class Acceptor:
         self.counters = counters
 
     def accept(self, kind: SignalKind, body: bytes, transport: str, is_json: bool = False) -> Any:
+        if kind is TRACES and not is_json:
+            # The common case is told from the bytes alone (what protobuf would accept,
+            # every span usable): the request is not parsed here, the pipeline reads the
+            # bytes. Anything else is parsed and checked below, as before.
+            checked = validate.check_traces_wire(body)
+            if checked is not None:
+                return self._submit(kind, None, body, checked, transport)
         try:
             if is_json:
                 request = otlp_json.parse(body, kind.request)
@@ -63,6 +70,17 @@ class Acceptor:
             checked = validate.check_traces(request, None if is_json else body)
         else:
             checked = validate.check_metrics(request)
+        # The log keeps the canonical binary form: the original bytes when nothing was
+        # removed from a protobuf body, else a fresh encoding of what was kept.
+        payload = body if not (is_json or checked.rejected) else None
+        return self._submit(kind, request, payload, checked, transport)
+
+    def _submit(
+        self, kind: SignalKind, request: Any, payload: bytes | None, checked: validate.Checked,
+        transport: str,
+    ) -> Any:
+        """Log and enqueue what `checked` kept; `request` may be None when `payload`
+        (its encoding) is given, and is parsed from it only where something needs it."""
         response = kind.response()
         if checked.rejected:
             self.counters.add("rejected_" + kind.item_unit, checked.rejected, transport=transport)
@@ -74,9 +92,8 @@ class Acceptor:
             partial.error_message = checked.message
         if checked.accepted == 0:
             return response  # nothing to keep: no log record, still a valid reply
-        # The log keeps the canonical binary form: the original bytes when nothing was
-        # removed from a protobuf body, else a fresh encoding of what was kept.
-        payload = body if not (is_json or checked.rejected) else request.SerializeToString()
+        if payload is None:
+            payload = request.SerializeToString()
         try:
             self.ingest.submit(kind.code, request, payload)
         except Refused as refused:

@@ -16,11 +16,13 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 try:  # the same test on the wire bytes, in C (one pass, no protobuf objects)
     from flare.exporters._otlp_fast import check_span_ids as _check_span_ids
+    from flare.exporters._otlp_fast import check_traces_strict as _check_traces_strict
 except ImportError:  # no compiler where flare-exporters was installed
-    _check_span_ids = None
+    _check_span_ids = _check_traces_strict = None
 
 _ZERO_TRACE = bytes(16)
 _ZERO_SPAN = bytes(8)
@@ -31,6 +33,63 @@ class Checked:
     accepted: int  # spans or data points kept
     rejected: int
     message: str  # why items were rejected ('' when none were)
+
+
+def _wire_schema(root, counted) -> tuple[tuple[bytes, ...], int] | None:
+    """The message types under `root` as `check_traces_strict` reads them: per type, a
+    code per field number (see _otlp_fast.c), and the index of type `counted`. None if
+    a type does not fit the codes."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    scalar = {
+        F.TYPE_INT32: 1, F.TYPE_INT64: 1, F.TYPE_UINT32: 1, F.TYPE_UINT64: 1, F.TYPE_SINT32: 1,
+        F.TYPE_SINT64: 1, F.TYPE_BOOL: 1, F.TYPE_ENUM: 1,
+        F.TYPE_FIXED64: 2, F.TYPE_SFIXED64: 2, F.TYPE_DOUBLE: 2,
+        F.TYPE_FIXED32: 3, F.TYPE_SFIXED32: 3, F.TYPE_FLOAT: 3,
+        F.TYPE_STRING: 4, F.TYPE_BYTES: 5,
+    }
+    order = [root]
+    index = {root.full_name: 0}
+    tables: list[bytes] = []
+    for message in order:  # grows while it is walked: breadth first over nested types
+        codes = bytearray(max((f.number for f in message.fields), default=0) + 1)
+        for field in message.fields:
+            if field.type == F.TYPE_MESSAGE:
+                if field.message_type.GetOptions().map_entry:
+                    return None
+                name = field.message_type.full_name
+                if name not in index:
+                    index[name] = len(order)
+                    order.append(field.message_type)
+                code = 6 + index[name]
+            else:
+                # A group, or a repeated number (packed on the wire), is left to protobuf.
+                repeated_number = field.is_repeated and scalar.get(field.type) in (1, 2, 3)
+                code = 0 if repeated_number else scalar.get(field.type, 0)
+            if code > 255:
+                return None
+            codes[field.number] = code
+        tables.append(bytes(codes))
+    if len(tables) > 256 or counted.full_name not in index:
+        return None
+    return tuple(tables), index[counted.full_name]
+
+
+_TRACES_SCHEMA = (
+    _wire_schema(ExportTraceServiceRequest.DESCRIPTOR, Span.DESCRIPTOR) if _check_traces_strict else None
+)
+
+
+def check_traces_wire(payload: bytes) -> Checked | None:
+    """`check_traces` without parsing, for the common case: a Checked when protobuf would
+    certainly parse `payload` and every span has usable ids; None when not sure (the
+    caller parses the request and runs `check_traces`, which decides as before)."""
+    if _TRACES_SCHEMA is None:
+        return None
+    counts = _check_traces_strict(payload, *_TRACES_SCHEMA)
+    if counts is None or counts[1]:
+        return None
+    return Checked(counts[0], 0, "")
 
 
 def _span_problem(span) -> str | None:

@@ -227,7 +227,8 @@ class Worker:
         pipelines = self.by_signal.get(item.signal, ())
         for index, pipeline in enumerate(pipelines):
             request = item.request
-            if index < len(pipelines) - 1:  # later pipelines must see it unmodified
+            # Later pipelines must see it unmodified (bytes, when not parsed, are never modified).
+            if request is not None and index < len(pipelines) - 1:
                 request = type(request)()
                 request.CopyFrom(item.request)
             try:

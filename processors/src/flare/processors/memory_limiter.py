@@ -65,6 +65,10 @@ class MemoryLimiter(Processor):
             # Never below zero: a double release must not open the gate wider.
             self._in_flight = max(0, self._in_flight - nbytes)
 
+    def process_traces_wire(self, payload: bytes) -> bytes:
+        """Admission happened at the receiver: the request passes as it came."""
+        return payload
+
     @property
     def in_flight_bytes(self) -> int:
         return self._in_flight

@@ -265,12 +265,33 @@ class RankCorrelation(Processor):
     ) -> ExportTraceServiceRequest:
         return self._process(request, payload)
 
+    def process_traces_wire(self, payload: bytes) -> bytes:
+        """`process_traces` on a request's serialized bytes, never parsed into a message:
+        the spans emitted go into a request of their own, whose encoding is appended
+        (`resource_spans` is the request's only field, repeated, so the concatenation is
+        the request with them appended: the bytes `process_traces` would give)."""
+        now = self._clock()
+        try:
+            selected = _SELECTION.select_payload(payload)
+        except ValueError:
+            # Bytes the receiver accepted but the C scanner does not read: the reference
+            # reads the parsed request.
+            _SELECTION.fallbacks += 1
+            selected = _SELECTION.select_python(ExportTraceServiceRequest.FromString(payload))
+        emitted = ExportTraceServiceRequest()
+        self._ingest_and_emit(selected, now, emitted.resource_spans)
+        return payload + emitted.SerializeToString() if emitted.resource_spans else payload
+
     def _process(
         self, request: ExportTraceServiceRequest, payload: bytes | None
     ) -> ExportTraceServiceRequest:
         now = self._clock()
         # The bytes the request arrived as save re-serialising it for the C picker.
         selected = _SELECTION.select(request) if payload is None else _SELECTION.select_encoded(request, payload)
+        self._ingest_and_emit(selected, now, request.resource_spans)
+        return request
+
+    def _ingest_and_emit(self, selected: list, now: int, into: Any) -> None:
         with self._lock:
             completed: list[tuple[JobState, Window, str]] = []
             for resource, records in selected:
@@ -279,8 +300,7 @@ class RankCorrelation(Processor):
                 completed.extend(self._over_budget())
             # Built in place: a span extended into a request later is copied whole,
             # and a train.step.ranks span carries one link per rank.
-            self._emit(completed, request.resource_spans)
-        return request
+            self._emit(completed, into)
 
     def tick(self, now_ns: int) -> list[ExportTraceServiceRequest]:
         """Close windows whose grace period ran out; forget what fell out of `window`.
