@@ -492,6 +492,36 @@ def test_ddp_gradient_bytes_are_in_every_step_summary(process_group):
     assert steps[4].attributes[semconv.STEP_COLLECTIVE_BYTES] == 0
 
 
+def test_gradient_accumulation_with_forward_broadcasts_counts_each_sync_once(process_group):
+    """A model with buffers makes DDP broadcast them in every forward, under no_sync()
+    too: the group's counter then moves before a backward that synchronises nothing.
+    Per step of two micro-batches (the first under no_sync), the gradient bytes are
+    counted once; a step of no_sync micro-batches alone counts none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32),
+                                                        torch.nn.BatchNorm1d(32)))
+    assert model.will_sync_module_buffers()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        with model.no_sync():
+            model(torch.randn(4, 16)).sum().backward()
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    for _ in range(2):
+        with model.no_sync():
+            model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    steps = finished(process_group, semconv.SPAN_STEP)
+    gradient_bytes = (16 * 32 + 32 + 32 + 32) * 4  # Linear, then BatchNorm's weight and bias
+    assert [s.attributes[semconv.STEP_COLLECTIVE_BYTES] for s in steps] == \
+        [gradient_bytes] * 3 + [0, 0]
+    # step 3's forward broadcast the buffers under no_sync(): its group advanced, and
+    # still no gradient bytes were counted for it
+    assert steps[3].attributes[semconv.STEP_PG_COUNTS][0] >= 1
+
+
 def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread(
         process_group, monkeypatch):
     """C++-issued collectives (DDP's buckets) of a detail step become spans from the

@@ -6,7 +6,7 @@ Yet the buckets are exactly the module's gradients: their size is fixed when the
 `DistributedDataParallel` wrapper is built. So Flare wraps `DistributedDataParallel.__init__`
 (and nothing DDP runs per step: no comm hook, no forward hook), notes each wrapper's
 process group and gradient bytes once, and when a backward advanced that group's
-sequence counter (i.e. the reducer synchronised; under `no_sync()` it does not) adds
+sequence counter while the wrapper synchronises (under `no_sync()` it does not) adds
 those bytes to the step's total for the group: one dict lookup and an add per backward.
 
 The bytes are the logical gradient payload, in the dtype DDP reduces in
@@ -101,6 +101,23 @@ class DdpGradients:
         """Group name -> gradient bytes as of now. The mapping is replaced, never
         mutated, so a caller may keep it and read it later (after the model is gone)."""
         return self._bytes_by_group
+
+    def syncing(self) -> dict[str, int]:
+        """Like current(), counting only wrappers that synchronise their gradients now
+        (not inside `no_sync()`). One attribute read per wrapper; the shared mapping
+        itself when all of them do (the usual case)."""
+        for ref, _group, _nbytes in self._wrappers.values():
+            ddp = ref()
+            if ddp is not None and not getattr(ddp, "require_backward_grad_sync", True):
+                break
+        else:
+            return self._bytes_by_group
+        by_group: dict[str, int] = {}
+        for ref, group, nbytes in list(self._wrappers.values()):
+            ddp = ref()
+            if ddp is not None and getattr(ddp, "require_backward_grad_sync", True):
+                by_group[group] = by_group.get(group, 0) + nbytes
+        return by_group
 
     def bytes_for(self, group_name: str) -> int:
         """Gradient bytes DDP all-reduces in this group per synchronised backward."""

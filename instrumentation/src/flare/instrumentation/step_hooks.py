@@ -105,7 +105,7 @@ class StepHooks:
             if grad_fn is not None:
                 handle = grad_fn.register_prehook(queue_marker)
                 break
-        seqs_before = self.collectives.sequence_snapshot() if self.collectives else None
+        seqs_before = self.collectives.sequences_before_backward() if self.collectives else None
         start = time.time_ns()
         op = runtime.push_op(OP_BACKWARD, start, {})
         try:
