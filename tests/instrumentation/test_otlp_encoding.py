@@ -24,6 +24,57 @@ from flare.instrumentation import otlp_encoding, otlp_exporter
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 
 
+@pytest.fixture(autouse=True, params=["c", "python"])
+def writer(request, monkeypatch):
+    """Every test runs with the C attribute writer (when built) and the Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(otlp_encoding, "_attributes", otlp_encoding._py_attributes)
+    elif otlp_encoding._otlp_attributes is None:
+        pytest.skip("the C attribute writer is not built (no compiler at install)")
+    return request.param
+
+
+def test_c_and_python_attribute_writers_agree_byte_for_byte(writer):
+    if writer == "python" or otlp_encoding._otlp_attributes is None:
+        pytest.skip("compares the C writer with the Python reference")
+    import types
+
+    c, python = otlp_encoding._otlp_attributes.attributes, otlp_encoding._py_attributes
+    rng = random.Random(7)
+    cases = [{}, {"": 1}, {"k": None}, {"k": []}, {"k": [None, [1, [2.5, "é"]], b"\x00"]},
+             {"a": -1, "b": -(1 << 63), "c": (1 << 63) - 1, "d": 0x7F, "e": 0x80},
+             {"f": -0.0, "g": math.inf, "h": math.nan, "t": True, "u": False},
+             {"s" * 300: "v" * 70_000}]
+    cases += [{f"k{i}": _random_value(rng) for i in range(rng.randrange(0, 30))}
+              for _ in range(300)]
+    def outcome(write, mapping):
+        try:
+            return write(mapping, 0x4A)
+        except (otlp_encoding.Unsupported, UnicodeEncodeError) as error:
+            return type(error)
+
+    written = 0
+    for case in cases:
+        for mapping in (case, types.MappingProxyType(case)):
+            result = outcome(c, mapping)
+            assert result == outcome(python, mapping), case
+            written += isinstance(result, bytes)
+    assert written > 200  # most cases are written, the rest refused alike
+    class Flag(int):
+        pass
+
+    for bad, error in (({"k": 1 << 63}, otlp_encoding.Unsupported),
+                       ({"k": -(1 << 63) - 1}, otlp_encoding.Unsupported),
+                       ({"k": Flag(1)}, otlp_encoding.Unsupported),
+                       ({"k": {"nested": 1}}, otlp_encoding.Unsupported),
+                       ({1: "key"}, otlp_encoding.Unsupported),
+                       ({"k": "\ud800"}, UnicodeEncodeError),
+                       ({"\ud800": 1}, UnicodeEncodeError)):
+        for write in (c, python):
+            with pytest.raises(error):
+                write(bad, 0x4A)
+
+
 def same_as_sdk(spans) -> None:
     ours = ExportTraceServiceRequest.FromString(otlp_encoding.encode_request(spans))
     theirs = encode_spans(spans)
@@ -143,12 +194,14 @@ def test_the_exporter_sends_what_the_sdk_would_over_grpc(monkeypatch):
     with OtlpSink() as sink:
         exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint=sink.endpoint, insecure=True)
         try:
-            assert exporter._fast
+            assert exporter._fast and exporter._sends_bytes
+            assert exporter.export(spans).name == "SUCCESS"
+            exporter._initialize_channel_and_stub()  # the SDK's reconnection
             assert exporter.export(spans).name == "SUCCESS"
         finally:
             exporter.shutdown()
         received = [request for _, request, _ in sink.trace_requests]
-    assert received == [encode_spans(spans)]
+    assert received == [encode_spans(spans)] * 2
 
 
 def test_the_exporter_uses_the_sdk_encoder_when_the_check_fails(monkeypatch, caplog):

@@ -90,10 +90,12 @@ def _any_value(value) -> bytes:
     raise Unsupported  # subclasses, mappings, anything else: the SDK decides
 
 
-def _attributes(attributes, tag: bytes) -> bytes:
-    """Repeated KeyValue fields; the usual value kinds are written inline."""
+def _py_attributes(attributes, tag: int) -> bytes:
+    """Repeated KeyValue fields; the usual value kinds are written inline. The reference
+    for `_otlp_attributes.attributes` (C), which is used when it is built."""
     if not attributes:
         return b""
+    tag = _SMALL[tag]
     parts = []
     append = parts.append
     for key, value in attributes.items():
@@ -111,6 +113,15 @@ def _attributes(attributes, tag: bytes) -> bytes:
         append(tag + (_SMALL[size] if size < 0x80 else _varint(size)) + field)
     return b"".join(parts)
 
+
+try:  # the same in C (~5x faster); optional at install, like the collector's decoders
+    from flare.instrumentation import _otlp_attributes
+except ImportError:
+    _otlp_attributes = None
+    _attributes = _py_attributes
+else:
+    _otlp_attributes.init(Unsupported)
+    _attributes = _otlp_attributes.attributes
 
 _KINDS: dict | None = None
 
@@ -151,7 +162,9 @@ def encode_span(span) -> bytes:
         out.append(b"\x39" + _pack_fixed64(span.start_time))
     if span.end_time:
         out.append(b"\x41" + _pack_fixed64(span.end_time))
-    out.append(_attributes(span.attributes, b"\x4a"))
+    attributes = span.attributes
+    if attributes:
+        out.append(_attributes(attributes, 0x4A))
     for tag, count in ((b"\x50", span.dropped_attributes), (b"\x60", span.dropped_events),
                        (b"\x70", span.dropped_links)):
         if count:

@@ -2,9 +2,9 @@
 
 Everything but the encoding is the SDK's `OTLPSpanExporter` (endpoint and TLS
 settings, headers, compression, retries, timeouts, the environment variables it
-reads): only `_translate_data` differs, building the request from bytes written by
-`flare.instrumentation.otlp_encoding` (~4x less CPU per span) instead of one protobuf
-object per attribute. Select it with `OTEL_TRACES_EXPORTER=flare_otlp` (`flare run`
+reads): only the request differs, written as bytes by
+`flare.instrumentation.otlp_encoding` (~8x less CPU per span, its attribute writer in C
+when built) instead of one protobuf object per attribute, and handed to gRPC as bytes. Select it with `OTEL_TRACES_EXPORTER=flare_otlp` (`flare run`
 does); `otlp` keeps working, at the SDK encoder's cost.
 
 At construction the exporter checks that the installed SDK encodes a probe set of
@@ -47,8 +47,34 @@ class FlareOTLPSpanExporter(OTLPSpanExporter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fast = writer_matches_sdk()
+        # The written request goes to gRPC as it is (a stub without a serializer), not
+        # parsed into the protobuf object the SDK's stub would serialize again. Where
+        # the SDK keeps its channel and stub under other names, the request is parsed.
+        self._sends_bytes = False
+        if (self._fast and getattr(self, "_channel", None) is not None
+                and hasattr(self, "_stub") and hasattr(self, "_client")):
+            self._stub = _BytesTraceStub  # what a reconnection builds its client from
+            self._client = _BytesTraceStub(self._channel)
+            self._sends_bytes = True
 
-    def _translate_data(self, data: Sequence) -> ExportTraceServiceRequest:
+    def _translate_data(self, data: Sequence) -> ExportTraceServiceRequest | bytes:
         if not self._fast:
             return encode_spans(data)
-        return ExportTraceServiceRequest.FromString(otlp_encoding.encode_request(data))
+        request = otlp_encoding.encode_request(data)
+        if self._sends_bytes:
+            return request
+        return ExportTraceServiceRequest.FromString(request)
+
+
+class _BytesTraceStub:
+    """TraceService.Export taking the serialized request (bytes) as it is."""
+
+    def __init__(self, channel):
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceResponse,
+        )
+
+        self.Export = channel.unary_unary(
+            "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+            request_serializer=None,  # bytes already
+            response_deserializer=ExportTraceServiceResponse.FromString)
