@@ -10,8 +10,9 @@ in the DuckDB file.
 
 Printed side by side, in one run:
   parse ceiling     ExportTraceServiceRequest.FromString alone, this process, 1 thread
-  front door        the receivers' own share, in this process, 1 thread: parse, check
-                    ids, append to a write-ahead log, enqueue (no network, no pipeline)
+  front door        the receivers' own share, in this process, 1 thread: check the
+                    request (in C; parsed with protobuf only when the check is not sure),
+                    append to a write-ahead log, enqueue (no network, no pipeline)
   no transport      the same pipeline in this process, requests handed straight to
                     the receivers' accept(): spans per CPU-second of this process, so
                     the difference to the lines below is what the transports cost
