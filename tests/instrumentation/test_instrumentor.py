@@ -522,6 +522,26 @@ def test_gradient_accumulation_with_forward_broadcasts_counts_each_sync_once(pro
     assert steps[3].attributes[semconv.STEP_PG_COUNTS][0] >= 1
 
 
+def test_a_failing_collective_bookkeeping_never_fails_the_backward(process_group, monkeypatch,
+                                                                    caplog):
+    from flare.instrumentation import collectives
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("bookkeeping bug")
+
+    monkeypatch.setattr(collectives.CollectiveTracker, "record_backward", broken)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.step_hooks"):
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+    assert model.weight.grad is not None
+    assert len(finished(process_group, semconv.SPAN_STEP)) >= 2
+    warnings = [r for r in caplog.records if "bookkeeping failed" in r.getMessage()]
+    assert len(warnings) == 1  # once, not per backward
+
+
 def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread(
         process_group, monkeypatch):
     """C++-issued collectives (DDP's buckets) of a detail step become spans from the

@@ -106,14 +106,15 @@ class DdpGradients:
         """Like current(), counting only wrappers that synchronise their gradients now
         (not inside `no_sync()`). One attribute read per wrapper; the shared mapping
         itself when all of them do (the usual case)."""
-        for ref, _group, _nbytes in self._wrappers.values():
+        wrappers = tuple(self._wrappers.values())  # a dropped model's callback may pop one
+        for ref, _group, _nbytes in wrappers:
             ddp = ref()
             if ddp is not None and not getattr(ddp, "require_backward_grad_sync", True):
                 break
         else:
             return self._bytes_by_group
         by_group: dict[str, int] = {}
-        for ref, group, nbytes in list(self._wrappers.values()):
+        for ref, group, nbytes in wrappers:
             ddp = ref()
             if ddp is not None and getattr(ddp, "require_backward_grad_sync", True):
                 by_group[group] = by_group.get(group, 0) + nbytes

@@ -11,11 +11,14 @@ becomes the clock.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.runtime import Runtime
+
+_log = logging.getLogger(__name__)
 
 OP_BACKWARD = "autograd.backward"
 
@@ -29,6 +32,7 @@ class StepHooks:
         self._queue_callback = None  # looked up once at install (backward runs them cold)
         self._handles: list = []
         self._patches = Patches()
+        self._record_failed = False  # warned once
 
     # -------------------------------------------------------------- install/uninstall
     def install(self) -> None:
@@ -120,7 +124,13 @@ class StepHooks:
                 handle.remove()
             runtime.totals.backward_ns += end - start
             if self.collectives is not None:
-                self.collectives.record_backward(start, graph_done[0], end, seqs_before)
+                try:
+                    self.collectives.record_backward(start, graph_done[0], end, seqs_before)
+                except Exception as error:  # bookkeeping must never fail the user's backward
+                    if not self._record_failed:
+                        self._record_failed = True
+                        _log.warning("flare: a backward's collective bookkeeping failed (%r); "
+                                     "training continues", error)
 
 
 def _retains_graph(args: tuple, kwargs: dict) -> bool:
