@@ -122,7 +122,10 @@ def test_healthy_run_has_no_anomalies(healthy):
 
 
 def test_compute_slowdown_is_a_straggler_and_fail_slow_with_onset(store):
-    run = FlareRun(store, "compute", "compute", rank=2)
+    # 90 steps: the live alert needs two passes (2 s apart) over steps every rank has
+    # sent, after the onset; with 60 the slowed phase (~4.5 s) left no margin for that on
+    # a loaded 2-core host, and the job could end before the second pass (seen once).
+    run = FlareRun(store, "compute", "compute", rank=2, steps=90)
     report = run.finish()
     labels = _labels(report, 2)
     kinds = {a["kind"] for a in labels}
