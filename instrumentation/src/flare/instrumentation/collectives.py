@@ -227,9 +227,6 @@ class CollectiveTracker:
         self._patches.restore_all()
         self._pending.clear()
 
-    def sequence_snapshot(self) -> dict[str, int]:
-        return self.groups.sequence_snapshot()
-
     def sequences_before_backward(self) -> dict[str, int]:
         """The groups' sequence numbers as last read on the training thread: at this
         step's start or at the end of its previous backward. A backward compares its

@@ -97,29 +97,17 @@ class DdpGradients:
             by_group[group] = by_group.get(group, 0) + nbytes
         self._bytes_by_group = by_group
 
-    def current(self) -> dict[str, int]:
-        """Group name -> gradient bytes as of now. The mapping is replaced, never
-        mutated, so a caller may keep it and read it later (after the model is gone)."""
-        return self._bytes_by_group
-
     def syncing(self) -> dict[str, int]:
-        """Like current(), counting only wrappers that synchronise their gradients now
-        (not inside `no_sync()`). One attribute read per wrapper; the shared mapping
-        itself when all of them do (the usual case)."""
-        wrappers = tuple(self._wrappers.values())  # a dropped model's callback may pop one
-        for ref, _group, _nbytes in wrappers:
-            ddp = ref()
-            if ddp is not None and not getattr(ddp, "require_backward_grad_sync", True):
-                break
-        else:
+        """Group name -> gradient bytes of the wrappers that synchronise their gradients
+        now (not inside `no_sync()`): one attribute read per wrapper. The mapping is
+        replaced, never mutated, so a caller may keep it and read it later (after the
+        model is gone); it is the shared one when every wrapper synchronises."""
+        # a snapshot: a dropped model's weakref callback may pop one from another thread
+        paused = [(group, nbytes) for ref, group, nbytes in tuple(self._wrappers.values())
+                  if not getattr(ref(), "require_backward_grad_sync", True)]
+        if not paused:
             return self._bytes_by_group
-        by_group: dict[str, int] = {}
-        for ref, group, nbytes in wrappers:
-            ddp = ref()
-            if ddp is not None and getattr(ddp, "require_backward_grad_sync", True):
-                by_group[group] = by_group.get(group, 0) + nbytes
+        by_group = dict(self._bytes_by_group)
+        for group, nbytes in paused:  # (never below 0, were one forgotten meanwhile)
+            by_group[group] = max(0, by_group.get(group, 0) - nbytes)
         return by_group
-
-    def bytes_for(self, group_name: str) -> int:
-        """Gradient bytes DDP all-reduces in this group per synchronised backward."""
-        return self._bytes_by_group.get(group_name, 0)

@@ -339,7 +339,8 @@ def install(runtime: Any) -> KernelWindows | None:
     setting = os.environ.get(semconv.ENV_KERNEL_WINDOWS, "auto").strip().lower()
     if setting in ("0", "false", "off"):
         return None
-    if setting in ("", "auto") and not _cuda_available():
+    cuda = _cuda_available()
+    if setting in ("", "auto") and not cuda:
         return None
     if id(runtime) in _installed:
         return _installed[id(runtime)]
@@ -348,7 +349,7 @@ def install(runtime: Any) -> KernelWindows | None:
     # user chose a level.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
-        windows = KernelWindows(runtime)
+        windows = KernelWindows(runtime, cuda=cuda)
     except ImportError:
         return None
     runtime.add_step_listener(windows)
