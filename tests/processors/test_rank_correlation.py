@@ -472,3 +472,59 @@ def test_wire_path_gives_the_bytes_of_the_message_path():
     ticked = [r.SerializeToString() for r in by_message.tick(later)]
     assert ticked and ticked == [r.SerializeToString() for r in by_wire.tick(later)]
     assert by_message.metrics() == by_wire.metrics()
+
+
+def test_compact_step_records_give_what_the_attribute_dicts_give(picker, monkeypatch):
+    """The C picker's compact step records and the dict records they replace: the same
+    emitted bytes and counters, over out-of-order, duplicated, late and oddly typed input."""
+    if picker != "c_picker" or span_select._span_select is None:
+        pytest.skip("compact records come from the C picker")
+    from flare.processors import rank_correlation
+
+    rng = random.Random(21)
+    payloads = []
+    for step in range(30):
+        for rank in rng.sample(range(8), 8 - (step % 7 == 3)):  # a rank missing now and then
+            attrs: dict[str, object] = {
+                sc.STEP: step, sc.RANK: rank, sc.STEP_COLLECTIVE_WAIT_MS: rng.choice([1.5, 20.0, 3.25]),
+                sc.STEP_PG_NAMES: ["0", f"tp{rank // 4}"], sc.STEP_PG_WAIT_MS: [rng.random(), 0.5],
+                sc.STEP_PG_LAST_SEQ: [step * 4 - (rank == 5 and step % 5 == 0), step * 2],
+            }
+            odd = rng.random()
+            if odd < 0.05:
+                attrs[sc.STEP] = str(step)  # converted on the dict path
+            elif odd < 0.1:
+                del attrs[sc.RANK]  # the resource's rank
+            elif odd < 0.15:
+                attrs[sc.STEP_PG_WAIT_MS] = ["x"]  # converted, padded
+            elif odd < 0.2:
+                attrs[sc.STEP_COLLECTIVE_WAIT_MS] = 7  # an int wait
+            span = Span(trace_id=sc.step_trace_id(JOB, step).to_bytes(16, "big"),
+                        span_id=next(_ids).to_bytes(8, "big"), name=sc.SPAN_STEP,
+                        start_time_unix_nano=T0 + step * 1000 * MS,
+                        end_time_unix_nano=T0 + step * 1000 * MS + rng.randrange(900, 1100) * MS,
+                        attributes=kvs(attrs))
+            payloads.append(ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+                resource={"attributes": kvs({sc.JOB_ID: JOB, sc.RANK: rank, sc.WORLD_SIZE: 8})},
+                scope_spans=[ScopeSpans(spans=[span])])]).SerializeToString())
+    rng.shuffle(payloads)
+    payloads += rng.sample(payloads, 20)  # duplicates, and late copies of closed steps
+
+    def run() -> tuple[list[bytes], dict[str, float]]:
+        clock = FakeClock()
+        proc = RankCorrelation(clock=clock, grace_period="2s", window="60s")
+        out = []
+        for i, payload in enumerate(payloads):
+            clock.now = T0 + i * 10 * MS
+            out.append(proc.process_traces_wire(payload))
+            if i % 25 == 0:
+                out.extend(r.SerializeToString() for r in proc.tick(clock.now))
+        out.extend(r.SerializeToString() for r in proc.shutdown())
+        metrics = proc.metrics()
+        metrics.pop("picker_fallbacks")
+        return out, metrics
+
+    compact = run()
+    monkeypatch.setattr(rank_correlation._SELECTION, "step", None)  # dict records only
+    assert run() == compact
+    assert compact[1]["steps_emitted"] == 30 and compact[1]["duplicate_spans"] > 0

@@ -203,3 +203,104 @@ def test_attributes_wire_gives_the_message_key_values_gives(fast, monkeypatch):
             fast.attributes_wire(bad, 9)
         assert rank_correlation._wire(bad) is None
     assert rank_correlation._wire({"x": 1}) == fast.attributes_wire({"x": 1}, 9)
+
+
+# ------------------------------------------------------------------ compact step records
+def _random_step_value(rng: random.Random, kind: str) -> object:
+    """A value for a step key: usually of the type Flare sends, often not."""
+    roll = rng.random()
+    if kind == "array":
+        if roll < 0.1:
+            return rng.choice([None, "0", 3, 1.5, {"a": 1}, b"x", True])
+        n = rng.choice([0, 1, 2, 3, 3, 3, 4, 64, 65])
+        item = rng.choice(["str", "float", "int", "mixed"])
+        pool = {"str": lambda: rng.choice(["0", "tp", "dp1", "é"]), "float": lambda: rng.choice([0.5, -0.0, math.inf, 3.25]),
+                "int": lambda: rng.choice([0, -1, 7, 2**62])}
+        if item == "mixed":
+            return [rng.choice([None, "a", 1, 2.5, True, [1]]) for _ in range(n)]
+        return [pool[item]() for _ in range(n)]
+    if roll < 0.7:
+        return {"int": rng.choice([0, 5, -3, 2**63 - 1]), "float": rng.choice([0.0, 12.5, -math.inf])}[kind]
+    return rng.choice([None, "5", 5.0, 5, True, [1], {"k": 2}, b"\x01"])
+
+
+def _step_span(rng: random.Random) -> Span:
+    keys = [(sc.RANK, "int"), (sc.STEP, "int"), (sc.STEP_COLLECTIVE_WAIT_MS, "float"),
+            (sc.STEP_PG_NAMES, "array"), (sc.STEP_PG_WAIT_MS, "array"), (sc.STEP_PG_LAST_SEQ, "array")]
+    attrs: list[KeyValue] = []
+    n_pgs = rng.choice([0, 2, 3])
+    for key, kind in keys:
+        if rng.random() < 0.15:
+            continue  # absent
+        if kind == "array" and rng.random() < 0.6:  # consistent arrays, as Flare sends them
+            value = {sc.STEP_PG_NAMES: [f"pg{i}" for i in range(n_pgs)],
+                     sc.STEP_PG_WAIT_MS: [float(i) / 3 for i in range(n_pgs)],
+                     sc.STEP_PG_LAST_SEQ: [i * 11 for i in range(n_pgs)]}[key]
+        else:
+            value = _random_step_value(rng, kind)
+        attrs.extend(kvs({key: value}))
+        if rng.random() < 0.05:
+            attrs.extend(kvs({key: _random_step_value(rng, kind)}))  # a repeated key: the last counts
+    if rng.random() < 0.05:
+        attrs.append(KeyValue(key=sc.STEP))  # a key without a value
+    if rng.random() < 0.05:
+        attrs.extend(kvs({sc.COLL_OP: "all_reduce"}))  # another wanted key
+    if rng.random() < 0.5:
+        attrs.extend(kvs({"flare.step.compute_ms": 1.5, "unwanted": [1, 2]}))
+    rng.shuffle(attrs)
+    return Span(name=sc.SPAN_STEP, trace_id=rng.randbytes(16), span_id=rng.randbytes(8),
+                start_time_unix_nano=rng.getrandbits(63), end_time_unix_nano=rng.getrandbits(63),
+                attributes=attrs)
+
+
+def _compacted(selected: list) -> list:
+    return [(resource, [span_select.compact_step(r, SELECTION.step, SELECTION._span_keys)
+                        if r[0] == sc.SPAN_STEP else r for r in records])
+            for resource, records in selected]
+
+
+def test_compact_step_records_match_the_reference(fast, monkeypatch):
+    monkeypatch.setattr(span_select, "_span_select", fast)
+    rng = random.Random(11)
+    kinds = {"compact": 0, "dict": 0}
+    for _ in range(300):
+        spans = [_step_span(rng) for _ in range(rng.randint(1, 6))]
+        spans.insert(rng.randrange(len(spans) + 1), Span(name=sc.SPAN_HEARTBEAT, attributes=kvs({sc.RANK: 1})))
+        req = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+            resource={"attributes": kvs({sc.JOB_ID: "j", sc.RANK: 2})}, scope_spans=[ScopeSpans(spans=spans)])])
+        payload = req.SerializeToString()
+        compact = SELECTION.select_payload(payload, compact=True)
+        assert compact == _compacted(SELECTION.select_python(req))
+        assert SELECTION.select_payload(payload) == SELECTION.select_python(req)  # unchanged without it
+        for record in compact[0][1]:
+            if record[0] == sc.SPAN_STEP:
+                kinds["compact" if len(record) == 11 else "dict"] += 1
+    assert kinds["compact"] >= 100 and kinds["dict"] >= 100  # both forms were exercised
+
+
+def test_compact_step_records_on_damaged_bytes(fast, monkeypatch):
+    """Damaged requests: the compact pick refuses exactly what the dict pick refuses,
+    and otherwise gives the dict pick's records, compacted."""
+    monkeypatch.setattr(span_select, "_span_select", fast)
+    rng = random.Random(12)
+    good = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource={"attributes": kvs({sc.JOB_ID: "j"})},
+        scope_spans=[ScopeSpans(spans=[_step_span(rng) for _ in range(8)])])]).SerializeToString()
+    for _ in range(2000):
+        bad = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        try:
+            plain = SELECTION.select_payload(bytes(bad))
+        except ValueError:
+            with pytest.raises(ValueError):
+                SELECTION.select_payload(bytes(bad), compact=True)
+            continue
+        # (repr: damage can make a NaN, which never compares equal)
+        assert repr(SELECTION.select_payload(bytes(bad), compact=True)) == repr(_compacted(plain))
+
+
+def test_step_keys_must_be_picked():
+    with pytest.raises(ValueError):
+        span_select.Selection(names=("a",), prefix="x.", excluded=(), skip_scope="s",
+                              span_keys=("k",), resource_keys=(), step=("a", "k", "k", "k", "k", "k", "z"))

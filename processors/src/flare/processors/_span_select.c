@@ -289,17 +289,144 @@ static PyObject *pick(const uint8_t *p, size_t n, uint32_t field_num, const Str 
     return dict;
 }
 
+/* The compact form of a train.step span (see step_record below): its name and the six
+ * keys it is read by, in this order. */
+enum { SK_NAME, SK_RANK, SK_STEP, SK_WAIT, SK_NAMES, SK_WAITS, SK_SEQS, SK_COUNT };
+
 typedef struct {
     Str exact[MAX_STRS], excluded[MAX_STRS], span_keys[MAX_STRS], resource_keys[MAX_STRS];
     Py_ssize_t n_exact, n_excluded, n_span_keys, n_resource_keys;
     const char *prefix, *skip_scope;
     Py_ssize_t prefix_len, skip_scope_len;
+    int compact;         /* step spans in the compact form when they qualify */
+    Str step[SK_COUNT];  /* the step span's name and keys, when compact */
 } Selection;
 
 static int wanted_name(const Selection *sel, const uint8_t *p, size_t n) {
     if (str_in(sel->exact, sel->n_exact, p, n)) return 1;
     return n >= (size_t)sel->prefix_len && memcmp(p, sel->prefix, (size_t)sel->prefix_len) == 0 &&
            !str_in(sel->excluded, sel->n_excluded, p, n);
+}
+
+/* ------------------------------------------------------------------ compact steps
+ * A train.step span is read for six keys only, once per rank per step. When each of
+ * them is absent or of the type Flare's instrumentation sends (rank, step: int; wait:
+ * double; the per-PG arrays: strings, doubles, ints, the latter two as long as the
+ * names), the span is returned as
+ *     (name, trace_id, span_id, start, end, rank, step, wait, names, waits, seqs)
+ * with None for an absent scalar and ((), (), ()) without PG names: the values the
+ * correlator would derive from the attribute dict, without building it (span_select.
+ * compact_step is the reference). Anything else (another type, a value without a
+ * type, a length mismatch, any other wanted key, anything malformed) returns 0 and
+ * the span takes the dict form, which decides on errors as before. */
+
+/* Items of an ArrayValue AnyValue slice that all carry AnyValue field `want_num`
+ * (1 string, 3 int, 4 double) as their set value; -1 otherwise. Fills `items`
+ * (up to `cap`) with the values' fields. */
+static Py_ssize_t typed_array(const uint8_t *p, size_t n, uint32_t want_num, Field *items, Py_ssize_t cap) {
+    Field f;
+    if (anyvalue_field(p, n, &f) != 1 || f.num != 5) return -1;
+    Reader r = {f.data, f.data + f.len};
+    Field item;
+    int rc;
+    Py_ssize_t count = 0;
+    while ((rc = next_field(&r, &item)) == 0) {
+        if (item.num != 1) continue;
+        if (item.wt != 2 || count >= cap) return -1;
+        Field v;
+        if (anyvalue_field(item.data, item.len, &v) != 1 || v.num != want_num) return -1;
+        items[count++] = v;
+    }
+    return rc < 0 ? -1 : count;
+}
+
+#define MAX_PGS 64
+
+/* 1: the compact record is in *out; 0: the span does not qualify; -1: error set. */
+static int step_record(const Selection *sel, const uint8_t *p, size_t n, PyObject **out) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    Field last[SK_COUNT];
+    int have[SK_COUNT] = {0};
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 9 || f.wt != 2) continue;
+        Field key, value;
+        int has_value;
+        if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) return 0;
+        const Str *k = str_find(sel->step + 1, SK_COUNT - 1, key.data, key.len);
+        if (!k) {
+            if (str_in(sel->span_keys, sel->n_span_keys, key.data, key.len)) return 0;
+            continue;
+        }
+        int slot = (int)(k - sel->step);
+        last[slot] = value;
+        have[slot] = has_value ? 1 : -1; /* the last one counts, as in the dict */
+    }
+    if (rc < 0) return 0;
+    for (int slot = SK_RANK; slot < SK_COUNT; slot++)
+        if (have[slot] < 0) return 0;
+    static const uint32_t scalar_num[SK_COUNT] = {0, 3, 3, 4};
+    uint64_t scalar[SK_COUNT] = {0};
+    for (int slot = SK_RANK; slot <= SK_WAIT; slot++) {
+        if (!have[slot]) continue;
+        Field v;
+        if (anyvalue_field(last[slot].data, last[slot].len, &v) != 1 || v.num != scalar_num[slot]) return 0;
+        scalar[slot] = v.v;
+    }
+    Field names[MAX_PGS], waits[MAX_PGS], seqs[MAX_PGS];
+    Py_ssize_t n_names = 0, n_waits = 0, n_seqs = 0;
+    if (have[SK_NAMES] && (n_names = typed_array(last[SK_NAMES].data, last[SK_NAMES].len, 1, names, MAX_PGS)) < 0)
+        return 0;
+    if (have[SK_WAITS] && (n_waits = typed_array(last[SK_WAITS].data, last[SK_WAITS].len, 4, waits, MAX_PGS)) < 0)
+        return 0;
+    if (have[SK_SEQS] && (n_seqs = typed_array(last[SK_SEQS].data, last[SK_SEQS].len, 3, seqs, MAX_PGS)) < 0)
+        return 0;
+    if (n_names && (n_waits != n_names || n_seqs != n_names)) return 0;
+    PyObject *t_names = PyTuple_New(n_names), *t_waits = PyTuple_New(n_names), *t_seqs = PyTuple_New(n_names);
+    PyObject *rank = NULL, *step = NULL, *wait = NULL;
+    if (!t_names || !t_waits || !t_seqs) goto fail;
+    for (Py_ssize_t i = 0; i < n_names; i++) {
+        PyObject *name = PyUnicode_DecodeUTF8((const char *)names[i].data, (Py_ssize_t)names[i].len, "replace");
+        if (!name) goto fail;
+        PyTuple_SET_ITEM(t_names, i, name);
+        double d;
+        memcpy(&d, &waits[i].v, 8);
+        PyObject *w = PyFloat_FromDouble(d);
+        if (!w) goto fail;
+        PyTuple_SET_ITEM(t_waits, i, w);
+        PyObject *q = PyLong_FromLongLong((long long)(int64_t)seqs[i].v);
+        if (!q) goto fail;
+        PyTuple_SET_ITEM(t_seqs, i, q);
+    }
+    rank = have[SK_RANK] ? PyLong_FromLongLong((long long)(int64_t)scalar[SK_RANK]) : Py_NewRef(Py_None);
+    step = have[SK_STEP] ? PyLong_FromLongLong((long long)(int64_t)scalar[SK_STEP]) : Py_NewRef(Py_None);
+    if (have[SK_WAIT]) {
+        double d;
+        memcpy(&d, &scalar[SK_WAIT], 8);
+        wait = PyFloat_FromDouble(d);
+    } else {
+        wait = Py_NewRef(Py_None);
+    }
+    if (!rank || !step || !wait) goto fail;
+    PyObject *record = PyTuple_New(11);
+    if (!record) goto fail;
+    PyTuple_SET_ITEM(record, 5, rank);
+    PyTuple_SET_ITEM(record, 6, step);
+    PyTuple_SET_ITEM(record, 7, wait);
+    PyTuple_SET_ITEM(record, 8, t_names);
+    PyTuple_SET_ITEM(record, 9, t_waits);
+    PyTuple_SET_ITEM(record, 10, t_seqs);
+    *out = record;
+    return 1;
+fail:
+    Py_XDECREF(t_names);
+    Py_XDECREF(t_waits);
+    Py_XDECREF(t_seqs);
+    Py_XDECREF(rank);
+    Py_XDECREF(step);
+    Py_XDECREF(wait);
+    return -1;
 }
 
 /* Append (name, trace_id, span_id, start, end, attrs) when the span is wanted. 0 ok, -1 error */
@@ -326,14 +453,23 @@ static int select_span(const Selection *sel, const uint8_t *p, size_t n, PyObjec
     }
     const Str *exact = str_find(sel->exact, sel->n_exact, name.data, name.len);
     if (!exact && !wanted_name(sel, name.data, name.len)) return 0;
-    PyObject *attrs = pick(p, n, 9, sel->span_keys, sel->n_span_keys);
-    if (!attrs) return -1;
-    PyObject *record = PyTuple_New(6);
-    if (!record) {
-        Py_DECREF(attrs);
-        return -1;
+    PyObject *record = NULL;
+    int compact = 0;
+    if (sel->compact && name.len == (size_t)sel->step[SK_NAME].len &&
+        memcmp(name.data, sel->step[SK_NAME].text, name.len) == 0) {
+        compact = step_record(sel, p, n, &record);
+        if (compact < 0) return -1;
     }
-    PyTuple_SET_ITEM(record, 5, attrs);
+    if (!compact) {
+        PyObject *attrs = pick(p, n, 9, sel->span_keys, sel->n_span_keys);
+        if (!attrs) return -1;
+        record = PyTuple_New(6);
+        if (!record) {
+            Py_DECREF(attrs);
+            return -1;
+        }
+        PyTuple_SET_ITEM(record, 5, attrs);
+    }
     PyObject *items[5] = {
         exact ? Py_NewRef(exact->obj)
               : PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"),
@@ -425,13 +561,22 @@ malformed:
 static PyObject *select_spans(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer payload;
-    PyObject *exact, *excluded, *span_keys, *resource_keys, *prefix, *skip_scope;
+    PyObject *exact, *excluded, *span_keys, *resource_keys, *prefix, *skip_scope, *step = NULL;
     Selection sel;
-    if (!PyArg_ParseTuple(args, "y*O!UO!UO!O!", &payload, &PyTuple_Type, &exact, &prefix,
+    if (!PyArg_ParseTuple(args, "y*O!UO!UO!O!|O!", &payload, &PyTuple_Type, &exact, &prefix,
                           &PyTuple_Type, &excluded, &skip_scope, &PyTuple_Type, &span_keys,
-                          &PyTuple_Type, &resource_keys))
+                          &PyTuple_Type, &resource_keys, &PyTuple_Type, &step))
         return NULL;
     PyObject *result = NULL;
+    Py_ssize_t n_step = 0;
+    sel.compact = step != NULL;
+    if (sel.compact) {
+        if (PyTuple_GET_SIZE(step) != SK_COUNT) {
+            PyErr_Format(PyExc_TypeError, "step must be a tuple of %d str", SK_COUNT);
+            goto done;
+        }
+        if (strs_from_tuple(step, sel.step, &n_step, "step")) goto done;
+    }
     if (strs_from_tuple(exact, sel.exact, &sel.n_exact, "names") ||
         strs_from_tuple(excluded, sel.excluded, &sel.n_excluded, "excluded") ||
         strs_from_tuple(span_keys, sel.span_keys, &sel.n_span_keys, "span_keys") ||
@@ -721,8 +866,11 @@ static PyMethodDef methods[] = {
      "attributes_wire(attrs, field_num) -> bytes: otlp_values.key_values(attrs) as the wire "
      "bytes of a repeated KeyValue field `field_num` (9: Span.attributes)."},
     {"select_spans", select_spans, METH_VARARGS,
-     "select_spans(payload, names, prefix, excluded, skip_scope, span_keys, resource_keys)\n"
-     "-> [(resource_attrs, [(name, trace_id, span_id, start_ns, end_ns, attrs), ...]), ...]"},
+     "select_spans(payload, names, prefix, excluded, skip_scope, span_keys, resource_keys[, step])\n"
+     "-> [(resource_attrs, [(name, trace_id, span_id, start_ns, end_ns, attrs), ...]), ...]\n"
+     "With step = (name, rank, step, wait, pg names, pg waits, pg seqs keys), such spans\n"
+     "come as (name, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits,\n"
+     "seqs) where their values allow (span_select.compact_step)."},
     {NULL, NULL, 0, NULL},
 };
 

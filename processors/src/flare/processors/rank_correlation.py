@@ -77,9 +77,13 @@ _SELECTION = Selection(
         sc.HANG_ELAPSED_S, sc.HEARTBEAT_LAST_STEP,
     ),
     resource_keys=(sc.SERVICE_NAME, sc.JOB_ID, sc.RANK, sc.WORLD_SIZE),
+    # What _ingest_step reads: the C picker hands such spans over as these values.
+    step=(sc.SPAN_STEP, sc.RANK, sc.STEP, sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_PG_NAMES,
+          sc.STEP_PG_WAIT_MS, sc.STEP_PG_LAST_SEQ),
 )
 _CLOSED_MEMORY_PER_JOB = 4096  # closed windows remembered per job, besides the time bound
 _PG_MEMBER_LIMIT = 65536  # distinct (pg, rank) memberships remembered per job
+_PG_NAME_LISTS_LIMIT = 1024  # distinct PG-name lists shared per job
 
 
 @dataclass
@@ -108,6 +112,8 @@ class JobState:
     pg_members: dict[str, set[int]] = field(default_factory=dict)
     pg_member_count: int = 0
     rank_pg_names: dict[int, tuple[str, ...]] = field(default_factory=dict)  # last learned
+    # One tuple per distinct PG-name list the ranks reported (at most _PG_NAME_LISTS_LIMIT).
+    pg_names_seen: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
 
 
 _STR_ONLY, _FLOAT_ONLY, _INT_ONLY = {str}, {float}, {int}
@@ -272,7 +278,7 @@ class RankCorrelation(Processor):
         the request with them appended: the bytes `process_traces` would give)."""
         now = self._clock()
         try:
-            selected = _SELECTION.select_payload(payload)
+            selected = _SELECTION.select_payload(payload, compact=True)
         except ValueError:
             # Bytes the receiver accepted but the C scanner does not read: the reference
             # reads the parsed request.
@@ -287,7 +293,10 @@ class RankCorrelation(Processor):
     ) -> ExportTraceServiceRequest:
         now = self._clock()
         # The bytes the request arrived as save re-serialising it for the C picker.
-        selected = _SELECTION.select(request) if payload is None else _SELECTION.select_encoded(request, payload)
+        selected = (
+            _SELECTION.select(request, compact=True) if payload is None
+            else _SELECTION.select_encoded(request, payload, compact=True)
+        )
         self._ingest_and_emit(selected, now, request.resource_spans)
         return request
 
@@ -422,17 +431,24 @@ class RankCorrelation(Processor):
         self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
         completed: list[tuple[JobState, Window, str]],
     ) -> None:
-        # Runs for every rank's every step: plain ints and floats (what the picker
-        # returns for Flare's own spans) skip the converters.
+        # Runs for every rank's every step. The C picker hands Flare's own step spans
+        # over in the compact form (span_select.compact_step): the values below, already
+        # of their types; anything else comes as an attribute dict and is converted.
         counters = self._counters
         counters["step_spans"] += 1
-        _, trace_id, span_id, start_ns, end_ns, attrs = record
-        rank = attrs.get(sc.RANK, resource_rank)
-        if type(rank) is not int:
-            rank = as_int(rank)
-        step = attrs.get(sc.STEP)
-        if type(step) is not int:
-            step = as_int(step)
+        if len(record) == 11:
+            _, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits, seqs = record
+            if rank is None:
+                rank = resource_rank
+            attrs = None
+        else:
+            _, trace_id, span_id, start_ns, end_ns, attrs = record
+            rank = attrs.get(sc.RANK, resource_rank)
+            if type(rank) is not int:
+                rank = as_int(rank)
+            step = attrs.get(sc.STEP)
+            if type(step) is not int:
+                step = as_int(step)
         if rank is None:
             counters["spans_without_rank"] += 1
             return
@@ -455,15 +471,26 @@ class RankCorrelation(Processor):
             counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
             return
         learned = job.rank_pg_names.get(rank)
-        names, waits, seqs = _pg_summary(attrs, learned)
+        if attrs is None:
+            if names and learned is not None and names == learned:
+                names = learned
+        else:
+            names, waits, seqs = _pg_summary(attrs, learned)
+            wait = attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)
+            if type(wait) is not float:
+                wait = as_float(wait)
         if names and names is not learned:
-            job.rank_pg_names[rank] = names  # a rank's groups rarely change: learn them once
+            # A rank's groups rarely change: learn them once, as the job's one tuple
+            # for these names (every rank of a job usually reports the same groups, and
+            # a window's summary sees that at a glance when they share the object).
+            seen = job.pg_names_seen.get(names)
+            if seen is not None:
+                names = seen
+            elif len(job.pg_names_seen) < _PG_NAME_LISTS_LIMIT:
+                job.pg_names_seen[names] = names
+            job.rank_pg_names[rank] = names
             self._learn_members(job, names, rank)
-        wait = attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)
-        entry = RankStep(
-            span_id, trace_id, start_ns, end_ns,
-            wait if type(wait) is float else as_float(wait), names, waits, seqs,
-        )
+        entry = RankStep(span_id, trace_id, start_ns, end_ns, wait, names, waits, seqs)
         win = job.steps.get(step)
         if win is None:
             win = job.steps[step] = StepWindow(key=step, first_arrival_ns=now)

@@ -9,6 +9,12 @@ not built.
 
 A record is `(name, trace_id, span_id, start_ns, end_ns, attributes)`, ids as bytes,
 attributes as `{key: value}` of the wanted keys (arrays as tuples, maps as dicts).
+
+With `compact=True` (and a `step` spec), the C picker returns a qualifying step span
+as `(name, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits,
+seqs)` instead: the values the correlator derives from its attributes, without the
+dict in between. `compact_step` is the reference for which spans qualify and what
+they become; the Python path never compacts (the correlator reads both forms).
 """
 
 from __future__ import annotations
@@ -26,14 +32,48 @@ except ImportError:  # built without a C compiler: same records, slower
 
 SpanRecord = tuple[str, bytes, bytes, int, int, dict[str, Any]]
 
+# A step span reads: (span name, rank, step, wait, PG names, PG waits, PG sequence keys).
+StepKeys = tuple[str, str, str, str, str, str, str]
+
+
+def compact_step(record: SpanRecord, step: StepKeys, span_keys: frozenset[str]) -> tuple:
+    """What the C picker returns for `record` (a dict-form record of a step span): the
+    compact tuple when every step key is absent or of its expected type (rank and step
+    int, wait float, the PG arrays as tuples of str, float and int, the latter two as
+    long as the names) and the span carries no other wanted key; else `record` itself.
+    Without PG names the three arrays are empty whatever the other two hold."""
+    name, trace_id, span_id, start_ns, end_ns, attrs = record
+    if name != step[0] or any(key not in step[1:] for key in attrs):
+        return record
+    _, rank_key, step_key, wait_key, names_key, waits_key, seqs_key = step
+    rank, step_no, wait = attrs.get(rank_key), attrs.get(step_key), attrs.get(wait_key)
+    if (rank_key in attrs and type(rank) is not int) or (step_key in attrs and type(step_no) is not int) \
+            or (wait_key in attrs and type(wait) is not float):
+        return record
+    arrays = []
+    for key, kind in ((names_key, str), (waits_key, float), (seqs_key, int)):
+        value = attrs.get(key, ())
+        if type(value) is not tuple or len(value) > 64 or any(type(v) is not kind for v in value):
+            return record
+        arrays.append(value)
+    names, waits, seqs = arrays
+    if names and (len(waits) != len(names) or len(seqs) != len(names)):
+        return record
+    if not names:
+        waits = seqs = ()
+    return (name, trace_id, span_id, start_ns, end_ns, rank, step_no, wait, names, waits, seqs)
+
 
 class Selection:
     """Which spans (exact names, or a name prefix minus exclusions) and keys to keep."""
 
     def __init__(
         self, names: tuple[str, ...], prefix: str, excluded: tuple[str, ...], skip_scope: str,
-        span_keys: tuple[str, ...], resource_keys: tuple[str, ...],
+        span_keys: tuple[str, ...], resource_keys: tuple[str, ...], step: StepKeys | None = None,
     ) -> None:
+        if step is not None and (len(step) != 7 or not set(step[1:]) <= set(span_keys)):
+            raise ValueError("step: a span name and six keys, all among span_keys")
+        self.step = step
         self.names, self.prefix, self.excluded = names, prefix, excluded
         self.skip_scope = skip_scope
         self.span_keys, self.resource_keys = span_keys, resource_keys
@@ -46,11 +86,13 @@ class Selection:
     def wanted(self, name: str) -> bool:
         return name in self._names or (name.startswith(self.prefix) and name not in self._excluded)
 
-    def select(self, request: ExportTraceServiceRequest) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
+    def select(
+        self, request: ExportTraceServiceRequest, compact: bool = False
+    ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         if _span_select is None:
             return self.select_python(request)
         try:
-            return self.select_payload(request.SerializeToString())
+            return self.select_payload(request.SerializeToString(), compact)
         except ValueError:
             # A parsed request always re-serialises to valid bytes, so this is the C
             # scanner disagreeing with protobuf: never lose the request over it.
@@ -58,22 +100,31 @@ class Selection:
             return self.select_python(request)
 
     def select_encoded(
-        self, request: ExportTraceServiceRequest, payload: bytes
+        self, request: ExportTraceServiceRequest, payload: bytes, compact: bool = False
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         """`select` from the bytes `request` arrived as (no re-serialising)."""
         if _span_select is None:
             return self.select_python(request)
         try:
-            return self.select_payload(payload)
+            return self.select_payload(payload, compact)
         except ValueError:
             # The sender's encoding parsed with protobuf but not with the C scanner
             # (e.g. a field layout it does not expect): the reference reads it.
             self.fallbacks += 1
             return self.select_python(request)
 
-    def select_payload(self, payload: bytes) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
+    def select_payload(
+        self, payload: bytes, compact: bool = False
+    ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
+        """Records from the bytes; with `compact` (and a `step` spec), qualifying step
+        spans in the compact form (module docstring)."""
         if _span_select is None:
             return self.select_python(ExportTraceServiceRequest.FromString(payload))
+        if compact and self.step is not None:
+            return _span_select.select_spans(
+                payload, self.names, self.prefix, self.excluded, self.skip_scope,
+                self.span_keys, self.resource_keys, self.step,
+            )
         return _span_select.select_spans(
             payload, self.names, self.prefix, self.excluded, self.skip_scope,
             self.span_keys, self.resource_keys,
