@@ -8,6 +8,7 @@ span. Everything here is plain data and arithmetic: no protobuf, no clocks.
 
 from __future__ import annotations
 
+import operator
 import statistics
 from dataclasses import dataclass, field
 
@@ -69,6 +70,9 @@ class CollectiveWindow(Window):
     ranks: dict[int, RankArrival] = field(default_factory=dict)
 
 
+_PG_WAIT_MS, _PG_LAST_SEQ = operator.attrgetter("pg_wait_ms"), operator.attrgetter("pg_last_seq")
+
+
 def _ms(ns: int) -> float:
     return round(ns / 1e6, 3)
 
@@ -82,11 +86,27 @@ def culprit(ranks: dict[int, RankStep]) -> tuple[int, str, float | None, float |
     arrived last. Ties go to the later-finishing rank. Without wait summaries, the
     slowest step is the best remaining guess.
     """
-    with_wait = [(r, s) for r, s in ranks.items() if s.collective_wait_ms is not None]
-    if with_wait:
-        rank, step = min(with_wait, key=lambda rs: (rs[1].collective_wait_ms, -rs[1].end_ns, rs[0]))
-        median = statistics.median(s.collective_wait_ms for _, s in with_wait)
-        return rank, "collective_wait", step.collective_wait_ms, round(median, 3)
+    waits = [s.collective_wait_ms for s in ranks.values()]
+    if None in waits:
+        with_wait = [(r, s) for r, s in ranks.items() if s.collective_wait_ms is not None]
+        waits = [s.collective_wait_ms for _, s in with_wait]
+    else:
+        with_wait = None  # every rank has one: built below only on a tie or a NaN
+    if waits:
+        lowest = min(waits)
+        total = sum(waits)
+        if total == total and waits.count(lowest) == 1 and with_wait is None:
+            # No NaN (their order would matter) and one least wait: that rank, without
+            # the (wait, -end, rank) key built for every rank.
+            rank = next(r for r, s in ranks.items() if s.collective_wait_ms == lowest)
+            culprit_wait = lowest
+        else:
+            if with_wait is None:
+                with_wait = list(ranks.items())
+            rank, step = min(with_wait, key=lambda rs: (rs[1].collective_wait_ms, -rs[1].end_ns, rs[0]))
+            culprit_wait = step.collective_wait_ms
+        median = statistics.median(waits)
+        return rank, "collective_wait", culprit_wait, round(median, 3)
     rank = max(ranks, key=lambda r: (ranks[r].end_ns - ranks[r].start_ns, r))
     return rank, "duration", None, None
 
@@ -164,8 +184,8 @@ def _uniform_pg_summaries(
     correlator's hottest path (it runs for every step of every job)."""
     rank_ids = list(ranks)
     steps = ranks.values()
-    wait_columns = zip(*(s.pg_wait_ms for s in steps), strict=True)
-    seq_columns = zip(*(s.pg_last_seq for s in steps), strict=True)
+    wait_columns = zip(*map(_PG_WAIT_MS, steps), strict=True)
+    seq_columns = zip(*map(_PG_LAST_SEQ, steps), strict=True)
     sorted_ranks = sorted(rank_ids)
     out = []
     for name, waits, seqs in zip(names, wait_columns, seq_columns, strict=True):
@@ -207,9 +227,9 @@ def step_attributes(
 ) -> dict[str, object]:
     """The attributes of the `train.step.ranks` span of a closed step window."""
     ranks = window.ranks
-    durations = {r: s.end_ns - s.start_ns for r, s in ranks.items()}
     ends = [s.end_ns for s in ranks.values()]
-    slowest = max(durations, key=lambda r: (durations[r], r))
+    durations = [s.end_ns - s.start_ns for s in ranks.values()]
+    slowest = max(zip(durations, ranks, strict=True))[1]  # the longest step; ties to the highest rank
     culprit_rank, basis, culprit_wait, median_wait = culprit(ranks)
     missing = sorted(set(range(expected)) - ranks.keys()) if expected else []
     # Largest skew first; PGs with missing ranks always make the cut.
@@ -219,7 +239,7 @@ def step_attributes(
         sc.RANKS_COUNT: len(ranks),
         sc.RANKS_EXPECTED: expected,
         sc.RANKS_MISSING: missing,
-        sc.RANKS_SPREAD_MS: _ms(max(durations.values()) - min(durations.values())),
+        sc.RANKS_SPREAD_MS: _ms(max(durations) - min(durations)),
         sc.RANKS_END_SPREAD_MS: _ms(max(ends) - min(ends)),
         sc.RANKS_SLOWEST: slowest,
         sc.RANKS_CULPRIT: culprit_rank,

@@ -33,6 +33,7 @@ root of the step's trace.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +49,8 @@ from flare.processors import options
 from flare.processors.base import Processor
 from flare.processors.correlation_windows import (
     ARRIVAL_ENTRY_BYTES,
+    PG_ENTRY_BYTES,
+    STEP_ENTRY_BYTES,
     CollectiveWindow,
     PgSummary,
     RankArrival,
@@ -117,6 +120,9 @@ class JobState:
 
 
 _STR_ONLY, _FLOAT_ONLY, _INT_ONLY = {str}, {float}, {int}
+_START_NS, _END_NS, _TRACE_ID = (
+    operator.attrgetter("start_ns"), operator.attrgetter("end_ns"), operator.attrgetter("trace_id")
+)
 
 
 def _pg_summary(
@@ -506,7 +512,7 @@ class RankCorrelation(Processor):
             win.cost -= previous.cost()
             self._state_bytes -= previous.cost()
         win.ranks[rank] = entry
-        cost = entry.cost()
+        cost = STEP_ENTRY_BYTES + PG_ENTRY_BYTES * len(names)  # entry.cost()
         win.cost += cost
         self._state_bytes += cost
         expected = self.expected_ranks or job.world_size
@@ -714,8 +720,8 @@ class RankCorrelation(Processor):
         fields = {
             "trace_id": trace_id, "span_id": step_span_id, "name": sc.SPAN_STEP_RANKS,
             "kind": Span.SPAN_KIND_INTERNAL,
-            "start_time_unix_nano": min(s.start_ns for s in win.ranks.values()),
-            "end_time_unix_nano": max(s.end_ns for s in win.ranks.values()),
+            "start_time_unix_nano": min(map(_START_NS, win.ranks.values())),
+            "end_time_unix_nano": max(map(_END_NS, win.ranks.values())),
         }
         span = _add_span(into, fields, attrs, win.ranks)
         for pg in pgs:
@@ -725,7 +731,7 @@ class RankCorrelation(Processor):
     def _step_trace_id(self, job: JobState, win: StepWindow) -> bytes:
         # The ranks' own trace id when they agree (it is derived from job and step);
         # otherwise the derivation, so the span still lands in the step's trace.
-        trace_ids = {s.trace_id for s in win.ranks.values()}
+        trace_ids = set(map(_TRACE_ID, win.ranks.values()))
         if len(trace_ids) == 1:
             return next(iter(trace_ids))
         return sc.step_trace_id(job.job, int(win.key)).to_bytes(16, "big")  # type: ignore[arg-type]
