@@ -1,9 +1,10 @@
 """Overhead of Flare's always-on instrumentation (issues 2 and 3).
 
 Macro: the same 4-rank gloo DDP job (examples/train_ddp.py), plain `torchrun` versus
-`opentelemetry-instrument torchrun` exporting real OTLP/gRPC to a loopback receiver,
-runs alternated (plain, instrumented, plain, ...), the instrumented arm exporting with
-`flare_otlp` as `flare run` does (`--exporter otlp` for the SDK's stock encoder). Prints the median step time of each
+`opentelemetry-instrument torchrun` exporting real OTLP to a loopback receiver, runs
+alternated (plain, instrumented, plain, ...), the instrumented arm with the environment
+`flare run` gives its ranks (`flare_otlp` over OTLP/HTTP, a 1 s batch delay; `--exporter
+otlp` for the SDK's stock encoder, `--protocol grpc` for gRPC). Prints the median step time of each
 run, the median of the per-pair ratios, the bytes on the wire per rank per step, and
 the detail-step cost on its own line. Both arms run through benchmarks/step_cpu_probe.py,
 which also gives the CPU the instrumentation adds per rank and step (training thread and
@@ -45,6 +46,26 @@ RANKS = 4
 
 
 # ---------------------------------------------------------------------------- macro
+PROTOCOL = "http/protobuf"  # set by main(): --protocol
+
+
+def rank_environment(sink: OtlpSink, exporter: str) -> dict[str, str]:
+    """What `flare run` gives its ranks (exporter, protocol, batch delay, metrics, ...),
+    pointed at `sink`; `--exporter`/`--protocol` may change the first two."""
+    from flare.diagnostics.run import child_environment
+
+    env = child_environment("bench", sink.endpoint, base={})
+    env["OTEL_TRACES_EXPORTER"] = exporter
+    env["OTEL_EXPORTER_OTLP_PROTOCOL"] = PROTOCOL
+    if PROTOCOL == "grpc":
+        env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+    return env
+
+
+def _sink(raw: bool = False) -> OtlpSink:
+    return OtlpSink(raw=raw, protocol="grpc" if PROTOCOL == "grpc" else "http")
+
+
 def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
             train_args: list[str], exporter: str = "flare_otlp") -> tuple[list[float], dict]:
     """One run; returns rank 0's step wall times and the ranks' mean per-step CPU
@@ -59,12 +80,7 @@ def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
                if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
         if instrumented:
             command = [str(BIN / "opentelemetry-instrument"), *command]
-            env.update({
-                "OTEL_TRACES_EXPORTER": exporter, "OTEL_METRICS_EXPORTER": "none",
-                "OTEL_LOGS_EXPORTER": "none", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
-            })
+            env.update(rank_environment(sink, exporter))
         result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
                                 timeout=900)
         if result.returncode != 0:
@@ -92,7 +108,7 @@ def macro(pairs: int, steps: int, train_args: list[str], exporter: str) -> dict:
         if pair % 2 == 0:
             plain_times, plain_cpu = run_job(steps, False, None, train_args)
         # raw: the sink stands for a remote collector; parsing happens after the run
-        with OtlpSink(raw=True) as sink:
+        with _sink(raw=True) as sink:
             times, cpu = run_job(steps, True, sink, train_args, exporter)
             time.sleep(1.0)  # the last batch export
             by_rank = sink.bytes_by_rank()
@@ -144,15 +160,14 @@ def macro(pairs: int, steps: int, train_args: list[str], exporter: str) -> dict:
 
 # ---------------------------------------------------------------------------- interleaved
 def interleaved(steps: int, block: int, train_args: list[str], exporter: str) -> dict:
-    with OtlpSink() as sink, tempfile.TemporaryDirectory() as tmp:
+    with _sink() as sink, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+        env.update(rank_environment(sink, exporter))
         # Always-on cost only: detail steps (and the GPU layer's kernel windows, whose
         # conversion runs on after the window) are measured apart, on their own line.
-        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                    "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
-                    "FLARE_HEARTBEAT_S": "10", "FLARE_DETAIL_EVERY": "0",
+        env.update({"FLARE_HEARTBEAT_S": "10", "FLARE_DETAIL_EVERY": "0",
                     "FLARE_BENCH_EXPORTER": exporter})
         result = subprocess.run(
             [str(BIN / "torchrun"), "--nproc_per_node", str(RANKS),
@@ -344,9 +359,17 @@ def main() -> None:
                         "'--hidden 1024 --batch-size 128' for a ~100 ms step")
     parser.add_argument("--exporter", default="flare_otlp", choices=("flare_otlp", "otlp"),
                         help="OTEL_TRACES_EXPORTER of the instrumented arm: flare_otlp (what "
-                        "`flare run` uses) or the SDK's stock otlp (gRPC)")
+                        "`flare run` uses) or the SDK's stock otlp")
+    parser.add_argument("--protocol", default="http/protobuf",
+                        choices=("http/protobuf", "grpc"),
+                        help="OTLP protocol of the instrumented arm (flare run: http/protobuf)")
     args = parser.parse_args()
-    print(f"instrumented arm exports with OTEL_TRACES_EXPORTER={args.exporter}", flush=True)
+    global PROTOCOL
+    PROTOCOL = args.protocol
+    shown = {k: v for k, v in rank_environment(_sink(), args.exporter).items()
+             if k.startswith("OTEL_") and k != "OTEL_EXPORTER_OTLP_ENDPOINT"}
+    print("instrumented arm: the environment `flare run` gives its ranks: "
+          + " ".join(f"{k}={v}" for k, v in sorted(shown.items())), flush=True)
     if args.interleaved_steps:
         figures = interleaved(args.interleaved_steps, args.block, args.train_args.split(),
                               args.exporter)

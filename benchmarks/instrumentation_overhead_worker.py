@@ -36,7 +36,6 @@ def main() -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "512")  # as the instrumentor would
     import torch
     import torch.distributed as dist
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -61,6 +60,10 @@ def main() -> None:
     provider = TracerProvider(resource=Resource.create())
     if os.environ.get("FLARE_BENCH_EXPORTER", "flare_otlp") == "flare_otlp":
         from flare.instrumentation.otlp_exporter import FlareOTLPSpanExporter as OTLPSpanExporter
+    elif os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     instrumentor = TorchTrainingInstrumentor()
 

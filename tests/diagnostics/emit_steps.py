@@ -1,6 +1,6 @@
 """A stand-in training job for `flare run` tests that need no torch: four "ranks"
 (one OTel TracerProvider each, as four processes would have) send `train.step` spans
-over real OTLP/gRPC to the endpoint `flare run` puts in the environment; rank 3's
+over real OTLP (the protocol and endpoint `flare run` puts in the environment); rank 3's
 compute is 40 ms slower from step 10, so the others wait for it."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import os
 import sys
 import time
 
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -19,6 +18,16 @@ from flare.instrumentation import semconv as sc
 WORLD, STEPS, SLOW_RANK, SLOW_FROM = 4, 40, 3, 10
 
 
+def _exporter(endpoint: str):
+    if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
+
+
 def main() -> int:
     job = os.environ[sc.ENV_JOB_ID]
     endpoint = os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
@@ -26,7 +35,7 @@ def main() -> int:
     for rank in range(WORLD):
         provider = TracerProvider(resource=Resource.create({
             sc.SERVICE_NAME: job, sc.JOB_ID: job, sc.RANK: rank, sc.WORLD_SIZE: WORLD}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
+        provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint)))
         providers.append(provider)
     t = time.time_ns()
     for step in range(STEPS):

@@ -1,13 +1,18 @@
-"""A tiny OTLP/gRPC receiver on loopback that keeps what it receives (test helper).
+"""A tiny OTLP receiver on loopback that keeps what it receives (test helper).
 
-It implements the OTLP TraceService and MetricsService, stores every request with its
-size on the wire, and flattens spans into dicts for assertions. Also runnable as a
-process: `python otlp_sink.py PORT_FILE` writes its port and serves until SIGTERM,
-printing a JSON summary of bytes per request to stdout at exit.
+Over gRPC it implements the OTLP TraceService and MetricsService; with
+`protocol="http"` it serves OTLP/HTTP protobuf (`/v1/traces`, `/v1/metrics`, gzip
+bodies). It stores every request with its size on the wire, and flattens spans into
+dicts for assertions. Also runnable as a process: `python otlp_sink.py PORT_FILE
+[grpc|http]` writes its port and serves until SIGTERM, printing a JSON summary of bytes
+per request to stdout at exit.
 """
 
 from __future__ import annotations
 
+import gzip
+import http.server
+import socket
 import threading
 import time
 from concurrent import futures
@@ -52,15 +57,67 @@ class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
+class _HttpHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as OTLP/HTTP clients expect
+    sink: OtlpSink
+
+    def setup(self):
+        super().setup()
+        with self.sink._lock:
+            self.sink._connections.add(self.connection)
+
+    def finish(self):
+        with self.sink._lock:
+            self.sink._connections.discard(self.connection)
+        super().finish()
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        wire = len(body)
+        if self.headers.get("Content-Encoding", "").lower() == "gzip":
+            body = gzip.decompress(body)
+        if self.path.rstrip("/").endswith("/v1/traces"):
+            with self.sink._lock:
+                self.sink.trace_requests.append((time.time_ns(), body, wire))
+        elif self.path.rstrip("/").endswith("/v1/metrics"):
+            request = metrics_service_pb2.ExportMetricsServiceRequest.FromString(body)
+            with self.sink._lock:
+                self.sink.metric_requests.append(request)
+        else:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")  # an empty Export*ServiceResponse
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 class OtlpSink:
-    def __init__(self, port: int = 0, raw: bool = False):
+    def __init__(self, port: int = 0, raw: bool = False, protocol: str = "grpc"):
         """`raw`: keep trace requests as the bytes received and parse them only when
         asked (spans(), bytes_by_rank()): a benchmark's sink then costs the machine it
-        shares with the job little more than gRPC's own receive."""
+        shares with the job little more than gRPC's own receive. Over HTTP requests
+        are always kept raw."""
         self._lock = threading.Lock()
-        self.raw = raw
+        self.protocol = protocol
+        self.raw = raw or protocol == "http"
         self.trace_requests: list = []  # (arrival time_ns, request or bytes, wire bytes)
         self.metric_requests: list = []
+        self._connections: set = set()  # HTTP: open client connections, closed at stop
+        if protocol == "http":
+            handler = type("Handler", (_HttpHandler,), {"sink": self})
+            self._http = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+            self._http.daemon_threads = True
+            self.port = self._http.server_address[1]
+            return
+        if protocol != "grpc":
+            raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
+        self._http = None
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                                    options=[("grpc.max_receive_message_length", 64 << 20)])
         if raw:
@@ -84,10 +141,24 @@ class OtlpSink:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> OtlpSink:
+        if self._http is not None:
+            threading.Thread(target=self._http.serve_forever, daemon=True).start()
+            return self
         self._server.start()
         return self
 
     def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            with self._lock:  # kept-alive connections too: the server is gone
+                connections, self._connections = list(self._connections), set()
+            for connection in connections:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return
         self._server.stop(grace=1).wait()
 
     def __enter__(self) -> OtlpSink:
@@ -165,7 +236,7 @@ if __name__ == "__main__":
     import signal
     import sys
 
-    sink = OtlpSink().start()
+    sink = OtlpSink(protocol=sys.argv[2] if len(sys.argv) > 2 else "grpc").start()
     with open(sys.argv[1], "w") as handle:
         handle.write(str(sink.port))
     stop = threading.Event()

@@ -81,10 +81,13 @@ def main(argv: list[str]) -> int:
         forward_protocol = args.otlp_forward_protocol or _guess_protocol(args.otlp_forward)
         _check_reachable(args.otlp_forward)
     collector = _start_collector(args.store, args.otlp_forward, forward_protocol)
-    endpoint = collector.grpc_endpoint or ""
-    if "://" not in endpoint:
-        endpoint = f"http://{endpoint}"
-    print(f"flare: job {job}: collecting into {args.store} (OTLP {endpoint})", file=sys.stderr)
+    # Ranks send over OTLP/HTTP: a gRPC channel would keep threads in every rank that
+    # cost CPU even between exports (docs/instrumentation.md). Written-back anomalies
+    # go over gRPC, from this process.
+    endpoint = _url(collector.http_endpoint or "")
+    writeback_endpoint = _url(collector.grpc_endpoint or "")
+    print(f"flare: job {job}: collecting into {args.store} (OTLP/HTTP {endpoint})",
+          file=sys.stderr)
     monitor = None if args.no_diagnose else LiveMonitor(args.store, job)
     child = None
     try:
@@ -102,12 +105,16 @@ def main(argv: list[str]) -> int:
             child.kill()
     collector.flush()
     if not args.no_diagnose:
-        _final_report(args, collector, job, endpoint,
+        _final_report(args, collector, job, writeback_endpoint,
                       stopped_by_user=status == INTERRUPTED_STATUS)
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
     return status
+
+
+def _url(endpoint: str) -> str:
+    return endpoint if "://" in endpoint else f"http://{endpoint}"
 
 
 def _guess_protocol(url: str) -> str:
@@ -153,9 +160,8 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
     env.update({
         "OTEL_SERVICE_NAME": env.get("OTEL_SERVICE_NAME") or job,
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_TRACES_EXPORTER": "flare_otlp",  # the SDK OTLP/gRPC exporter, cheaper encoding
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_EXPORTER": "flare_otlp",  # the SDK's OTLP exporter, cheaper encoding
         "OTEL_METRICS_EXPORTER": "otlp",
         "OTEL_LOGS_EXPORTER": "none",
         "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",

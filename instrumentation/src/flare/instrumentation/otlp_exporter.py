@@ -1,4 +1,7 @@
-"""`flare_otlp`: the OTLP/gRPC span exporter with Flare's direct protobuf writer.
+"""`flare_otlp`: the SDK's OTLP span exporter with Flare's direct protobuf writer, over
+gRPC or, when `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` (else `OTEL_EXPORTER_OTLP_PROTOCOL`)
+is `http/protobuf`, over HTTP (`otlp_http.FlareOTLPHttpSpanExporter`, which `flare run`
+uses: no gRPC threads in the rank). Like the SDK's `otlp`, the protocol defaults to gRPC.
 
 Everything but the encoding is the SDK's `OTLPSpanExporter` (endpoint and TLS
 settings, headers, compression, retries, timeouts, the environment variables it
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -41,8 +45,38 @@ def writer_matches_sdk() -> bool:
     return same
 
 
+def _protocol() -> str:
+    return (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    _log.warning(message)
+
+
 class FlareOTLPSpanExporter(OTLPSpanExporter):
-    """OTLP/gRPC span exporter; same settings and behaviour, cheaper encoding."""
+    """OTLP/gRPC span exporter; same settings and behaviour, cheaper encoding. Built
+    with the HTTP protocol configured, it is a `FlareOTLPHttpSpanExporter` instead."""
+
+    def __new__(cls, *args, **kwargs):
+        protocol = _protocol()
+        if cls is FlareOTLPSpanExporter and protocol != "grpc":
+            if protocol not in ("http/protobuf", "http/json"):
+                _warn_once(f"flare: unknown OTLP protocol {protocol!r} (grpc, "
+                           "http/protobuf); spans are sent over gRPC")
+                return super().__new__(cls)
+            if protocol == "http/json":  # every OTLP/HTTP receiver takes protobuf too
+                _warn_once("flare: flare_otlp sends OTLP/HTTP as protobuf, not JSON")
+            try:
+                from flare.instrumentation.otlp_http import FlareOTLPHttpSpanExporter
+            except ImportError as error:
+                _warn_once(f"flare: OTLP/HTTP needs opentelemetry-exporter-otlp-proto-http "
+                           f"({error}); spans are sent over gRPC")
+                return super().__new__(cls)
+            kwargs.pop("insecure", None)  # gRPC's; over HTTP the URL scheme decides
+            return FlareOTLPHttpSpanExporter(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,0 +1,170 @@
+"""`flare_otlp` over OTLP/HTTP: chosen by the protocol setting, it sends what the SDK's
+encoder would, on a kept-alive connection of its own transport, with the SDK's retry,
+compression and TLS behaviour."""
+
+from __future__ import annotations
+
+import http.server
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from otlp_sink import OtlpSink
+
+from flare.instrumentation import otlp_encoding, otlp_exporter, otlp_http
+
+pytestmark = pytest.mark.skipif(
+    not otlp_http._accepts_transport(),
+    reason="this opentelemetry-exporter-otlp-proto-http takes no transport: its own is used")
+
+
+@pytest.fixture
+def http_protocol(monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "2")
+
+
+def _received(sink: OtlpSink) -> list:
+    return [ExportTraceServiceRequest.FromString(body) for _, body, _ in sink.trace_requests]
+
+
+def test_the_protocol_setting_selects_http_and_the_sdk_encoding_arrives(http_protocol,
+                                                                        monkeypatch):
+    spans = otlp_encoding.probe_spans()
+    with OtlpSink(protocol="http") as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        exporter = otlp_exporter.FlareOTLPSpanExporter()  # as the SDK's configurator builds it
+        try:
+            assert isinstance(exporter, otlp_http.FlareOTLPHttpSpanExporter)
+            assert exporter._fast
+            assert isinstance(exporter._client._transport, otlp_http.HttpClientTransport)
+            for _ in range(3):
+                assert exporter.export(spans).name == "SUCCESS"
+            idle = list(exporter._client._transport._idle.values())
+            assert len(idle) == 1  # the three requests went over one kept-alive connection
+        finally:
+            exporter.shutdown()
+        assert _received(sink) == [encode_spans(spans)] * 3
+    assert not exporter._client._transport._idle  # closed at shutdown
+
+
+def test_grpc_stays_the_default_and_an_unknown_protocol_warns(monkeypatch, caplog):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint="http://127.0.0.1:9", insecure=True)
+    assert type(exporter) is otlp_exporter.FlareOTLPSpanExporter
+    exporter.shutdown()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
+    exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint="http://127.0.0.1:9", insecure=True)
+    assert type(exporter) is otlp_exporter.FlareOTLPSpanExporter
+    exporter.shutdown()
+    assert "unknown OTLP protocol 'carrier-pigeon'" in caplog.text
+
+
+def test_gzip_and_a_reconnection_after_the_server_went_away(http_protocol, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    spans = otlp_encoding.probe_spans()
+    with OtlpSink(protocol="http") as first:
+        port = first.port
+        exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint=f"{first.endpoint}/v1/traces")
+        assert exporter.export(spans).name == "SUCCESS"
+    # The kept-alive connection now points at a closed server; a new one listens on the
+    # same port: the export reconnects at once (no backoff) and succeeds.
+    with OtlpSink(port=port, protocol="http") as second:
+        started = time.monotonic()
+        assert exporter.export(spans).name == "SUCCESS"
+        assert time.monotonic() - started < 1.0
+    exporter.shutdown()
+    assert first.trace_requests[0][2] < len(encode_spans(spans).SerializeToString())  # gzip
+    assert _received(first) == _received(second) == [encode_spans(spans)]
+
+
+def test_an_unreachable_collector_fails_the_export_without_raising(http_protocol):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens once closed
+    exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}/v1/traces")
+    started = time.monotonic()
+    assert exporter.export(otlp_encoding.probe_spans()).name == "FAILURE"
+    assert time.monotonic() - started < 5  # within the 2 s timeout, plus one backoff
+    exporter.shutdown()
+
+
+class _BusyOnce(http.server.BaseHTTPRequestHandler):
+    """503 with Retry-After for the first request, then 200."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.seen.append(time.monotonic())
+        status = 503 if len(self.seen) == 1 else 200
+        self.send_response(status)
+        if status == 503:
+            self.send_header("Retry-After", "1")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_busy_collector_is_retried_after_its_retry_after(http_protocol, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "10")
+    handler = type("Handler", (_BusyOnce,), {"seen": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        exporter = otlp_exporter.FlareOTLPSpanExporter(
+            endpoint=f"http://127.0.0.1:{server.server_address[1]}/v1/traces")
+        assert exporter.export(otlp_encoding.probe_spans()).name == "SUCCESS"
+        exporter.shutdown()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(handler.seen) == 2
+    assert handler.seen[1] - handler.seen[0] >= 0.9  # the header's second, read by the SDK
+
+
+def test_https_to_a_real_collector_with_its_certificate(http_protocol, tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to generate a test certificate")
+    from flare.collector.config import embedded_config
+    from flare.collector.service import Collector
+    from flare.exporters import store
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-keyout", "server.key", "-out", "server.pem", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    config = embedded_config(str(tmp_path / "store.duckdb"))
+    for protocol in config["receivers"]["otlp"]["protocols"].values():
+        protocol["tls"] = {"cert_file": str(tmp_path / "server.pem"),
+                           "key_file": str(tmp_path / "server.key")}
+    collector = Collector(config)
+    collector.start()
+    try:
+        endpoint = f"https://{collector.http_endpoint}/v1/traces"
+        untrusted = otlp_exporter.FlareOTLPSpanExporter(endpoint=endpoint)
+        assert untrusted.export(otlp_encoding.probe_spans()).name == "FAILURE"
+        untrusted.shutdown()
+        exporter = otlp_exporter.FlareOTLPSpanExporter(
+            endpoint=endpoint, certificate_file=str(tmp_path / "server.pem"))
+        assert exporter.export(otlp_encoding.probe_spans()).name == "SUCCESS"
+        exporter.shutdown()
+        assert collector.flush()
+    finally:
+        collector.stop()
+    reader = store.open_reader(str(tmp_path / "store.duckdb"))
+    try:
+        names = {row[0] for row in reader.execute("SELECT name FROM spans").fetchall()}
+    finally:
+        reader.close()
+    assert {"probe.0", "probe.1", "probe.3"} <= names
