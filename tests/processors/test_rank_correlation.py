@@ -528,3 +528,36 @@ def test_compact_step_records_give_what_the_attribute_dicts_give(picker, monkeyp
     monkeypatch.setattr(rank_correlation._SELECTION, "step", None)  # dict records only
     assert run() == compact
     assert compact[1]["steps_emitted"] == 30 and compact[1]["duplicate_spans"] > 0
+
+
+def test_window_summaries_match_their_references():
+    """The shortcuts of a closing window (one least wait found without a key per rank,
+    no set when every member reported, the median inline) against the plain forms, on
+    windows with ties, -0.0, NaN and missing waits."""
+    import math
+    import statistics
+
+    from flare.processors import correlation_windows as cw
+
+    def reference_culprit(ranks):
+        with_wait = [(r, s) for r, s in ranks.items() if s.collective_wait_ms is not None]
+        if with_wait:
+            rank, step = min(with_wait, key=lambda rs: (rs[1].collective_wait_ms, -rs[1].end_ns, rs[0]))
+            median = statistics.median(s.collective_wait_ms for _, s in with_wait)
+            return rank, "collective_wait", step.collective_wait_ms, round(median, 3)
+        return cw.culprit(ranks)  # the duration fallback is unchanged
+
+    rng = random.Random(8)
+    pool = [0.0, -0.0, 1.5, 1.5, 2.25, 7.0, math.inf, math.nan, None]
+    for _ in range(3000):
+        n = rng.randint(1, 9)
+        names = ("0", "tp", "dp")
+        ranks = {}
+        for rank in rng.sample(range(12), n):
+            waits = tuple(rng.choice(pool[:-1]) for _ in names)
+            seqs = tuple(rng.choice([4, 4, 4, 3]) for _ in names)
+            ranks[rank] = cw.RankStep(b"s", b"t", 0, rng.randrange(3), rng.choice(pool), names, waits, seqs)
+        got, want = cw.culprit(ranks), reference_culprit(ranks)
+        assert repr(got) == repr(want), (ranks, got, want)
+        members = {name: set(rng.sample(range(12), rng.randint(0, 12))) for name in names}
+        assert repr(cw._uniform_pg_summaries(ranks, names, members)) == repr(cw._general_pg_summaries(ranks, members))

@@ -9,7 +9,6 @@ span. Everything here is plain data and arithmetic: no protobuf, no clocks.
 from __future__ import annotations
 
 import operator
-import statistics
 from dataclasses import dataclass, field
 
 from flare.instrumentation import semconv as sc
@@ -105,7 +104,9 @@ def culprit(ranks: dict[int, RankStep]) -> tuple[int, str, float | None, float |
                 with_wait = list(ranks.items())
             rank, step = min(with_wait, key=lambda rs: (rs[1].collective_wait_ms, -rs[1].end_ns, rs[0]))
             culprit_wait = step.collective_wait_ms
-        median = statistics.median(waits)
+        ordered = sorted(waits)  # statistics.median, without its overhead
+        half = len(ordered) // 2
+        median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
         return rank, "collective_wait", culprit_wait, round(median, 3)
     rank = max(ranks, key=lambda r: (ranks[r].end_ns - ranks[r].start_ns, r))
     return rank, "duration", None, None
@@ -135,6 +136,13 @@ def pg_summaries(
     shared = _shared_pg_names(ranks)
     if shared is not None:
         return _uniform_pg_summaries(ranks, shared, known_members)
+    return _general_pg_summaries(ranks, known_members)
+
+
+def _general_pg_summaries(
+    ranks: dict[int, RankStep], known_members: dict[str, set[int]]
+) -> list[PgSummary]:
+    """`pg_summaries` for any mix of PGs per rank (the reference of the uniform case)."""
     per_pg: dict[str, list[tuple[int, float, int]]] = {}
     for rank, step in ranks.items():
         for name, wait, seq in zip(step.pg_names, step.pg_wait_ms, step.pg_last_seq, strict=True):
@@ -202,15 +210,24 @@ def _uniform_pg_summaries(
             reporting = sorted(reached_ranks)
             behind = [r for r, q in zip(rank_ids, seqs, strict=True) if q < last_seq]
         members = known_members.get(name)
-        absent = members.difference(rank_ids) if members else set()
+        # (The usual case, every member reported: no set built.)
+        absent = members.difference(rank_ids) if members and not ranks.keys() >= members else ()
+        lowest = min(reached_waits)
+        total = sum(reached_waits)
+        if total == total and reached_waits.count(lowest) == 1:
+            # One least wait and no NaN: the rank that arrived last, without a
+            # (wait, rank) tuple per rank.
+            last_arrival = reached_ranks[reached_waits.index(lowest)]
+        else:
+            last_arrival = min(zip(reached_waits, reached_ranks, strict=True))[1]
         out.append(
             PgSummary(
                 name=name,
                 last_seq=last_seq,
-                arrival_skew_ms=round(max(reached_waits) - min(reached_waits), 3),
-                last_arrival=min(zip(reached_waits, reached_ranks, strict=True))[1],
+                arrival_skew_ms=round(max(reached_waits) - lowest, 3),
+                last_arrival=last_arrival,
                 reporting=reporting,
-                missing=sorted(absent.union(behind)),
+                missing=sorted(absent.union(behind)) if absent else sorted(behind),
             )
         )
     return out
