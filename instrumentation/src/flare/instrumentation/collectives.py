@@ -229,9 +229,10 @@ class CollectiveTracker:
 
     def sequences_before_backward(self) -> dict[str, int]:
         """The groups' sequence numbers as last read on the training thread: at this
-        step's start or at the end of its previous backward. A backward compares its
-        own end with these, which spares a native read per backward (~15-25 µs cold,
-        the step's largest single cost); collectives of the forward in between then
+        step's start or (with several groups) at the end of its previous backward. A
+        backward compares its own end with these, which spares a native read per
+        backward (~15-25 µs cold, the step's largest single cost); with one group its
+        end is the step's end (see `record_backward`). Collectives of the forward in between then
         count as the backward's, which only matters for the DDP gradient bytes, and
         those are added only while DDP synchronises (`DdpGradients.syncing`)."""
         seen = self._seqs_seen
@@ -430,13 +431,23 @@ class CollectiveTracker:
         if not seqs_before:
             return
         # Only the sequence numbers are read now; the rest waits for the step's span.
-        after = self._seqs_seen = self.groups.sequence_snapshot()
+        # With a single group there is nothing to choose between: whether it advanced
+        # is read from the step's end (`capture_step_summary`'s read, which the step
+        # pays anyway), sparing the training thread a native read per backward.
+        if self.groups.sequenced_groups() == 1:
+            after = self._step  # its seq_at_end, once the step's summary is captured
+        else:
+            after = self._seqs_seen = self.groups.sequence_snapshot()
         self.runtime.totals.pending.append(
             (self._add_backward, (graph_done, end, seqs_before, after,
                                   self.ddp_gradients.syncing())))
 
     def _add_backward(self, totals, graph_done: int, end: int, seqs_before: dict,
-                      after: dict, gradient_bytes: dict) -> None:
+                      after, gradient_bytes: dict) -> None:
+        if isinstance(after, _StepCollectives):
+            after = after.seq_at_end
+            if after is None:  # the step's end read failed: nothing to compare with
+                return
         advanced = {name: after[name] - seq for name, seq in seqs_before.items()
                     if after.get(name, seq) > seq}
         if not advanced:

@@ -82,6 +82,10 @@ class ProcessGroups:
         except Exception:
             return []
 
+    def sequenced_groups(self) -> int:
+        """How many groups the last `sequence_snapshot` read (0 before the first)."""
+        return len(self._snapshot_named)
+
     def sequence_snapshot(self) -> dict[str, int]:
         try:  # the module's registry itself (`_world.pg_map` returns it): one lookup
             groups = tuple(self._c10d._pg_map)
