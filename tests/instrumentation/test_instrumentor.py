@@ -635,3 +635,94 @@ def test_a_retained_graph_walked_twice_marks_each_backward_once(rank_env):
         assert torch.equal(x.grad, torch.full((3,), 4.0))
     finally:
         instrumentor.uninstrument()
+
+
+def _slow_comm_hook(seconds: float):
+    """A DDP comm hook that all-reduces its bucket as DDP does (from C++, on the
+    group) and completes `seconds` later, from another thread: the reducer's final
+    callback then waits that long after the graph is done."""
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        work = dist.distributed_c10d._get_default_group().allreduce([buffer])
+        future = torch.futures.Future()
+
+        def reduced(_):
+            threading.Timer(seconds, lambda: future.set_result(buffer)).start()
+
+        work.get_future().then(reduced)
+        return future
+
+    return hook
+
+
+def _step_hooks(instrumentor):
+    from flare.instrumentation.step_hooks import StepHooks
+
+    return next(p for p in instrumentor._parts if isinstance(p, StepHooks))
+
+
+def test_ddp_wait_after_the_graph_is_split_off_without_a_hook_per_backward(process_group):
+    """With a DDP wrapper, the time its reducer waits for its buckets after the graph is
+    done is the step's collective wait, marked by a gradient hook kept across steps
+    (none is registered per backward), also when a reentrant checkpoint runs a nested
+    backward inside the model's."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.checkpoint import checkpoint
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(8, 8)
+            self.inner = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return checkpoint(self.inner, self.first(x), use_reentrant=True)
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Model())
+    model.register_comm_hook(None, _slow_comm_hook(0.03))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = _step_hooks(TorchTrainingInstrumentor())  # the instrumentor is a singleton
+    assert hooks._marker.armed
+    for _ in range(4):
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+    assert hooks._marker_misses == 0 and not hooks._marker.active
+    steps = finished(process_group, semconv.SPAN_STEP)
+    assert len(steps) == 4
+    for step in steps:
+        wait = step.attributes[semconv.STEP_COLLECTIVE_WAIT_MS]
+        assert 25 <= wait <= step.attributes[semconv.STEP_BACKWARD_MS]
+        assert list(step.attributes[semconv.STEP_PG_WAIT_MS]) == [wait]
+
+
+def test_an_unused_watched_parameter_hands_over_to_a_hook_per_backward(process_group, caplog):
+    """The watched parameter (the wrapper's first trained one) gets no gradient when the
+    forward does not use it: after a few unmarked backwards each backward gets its own
+    hook, and the wait is measured again."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Linear(8, 8)
+            self.used = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Model(), find_unused_parameters=True)
+    model.register_comm_hook(None, _slow_comm_hook(0.03))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="flare.instrumentation.step_hooks"):
+        for _ in range(6):
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+    assert _step_hooks(TorchTrainingInstrumentor())._marker_misses == 3
+    assert "did not mark 3 backwards" in caplog.text
+    waits = [s.attributes[semconv.STEP_COLLECTIVE_WAIT_MS]
+             for s in finished(process_group, semconv.SPAN_STEP)]
+    assert waits[:3] == [0.0, 0.0, 0.0]  # not known while the marker was trusted
+    assert all(wait >= 25 for wait in waits[3:])

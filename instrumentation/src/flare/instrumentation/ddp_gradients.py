@@ -17,6 +17,7 @@ compression a user's comm hook applies.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 from flare.instrumentation.patching import Patches
@@ -42,11 +43,89 @@ def gradient_bytes(ddp) -> int:
     return total
 
 
+def _first_trained_parameter(ddp):
+    params = getattr(ddp, "_module_parameters", None)
+    if params is None:
+        params = ddp.module.parameters()
+    return next((p for p in params if p.requires_grad), None)
+
+
+class GraphDoneMarker:
+    """When a backward's gradient computation ended, in a job with DDP wrappers, for
+    the price of one hook call per backward instead of a hook registered per backward.
+
+    The tail of a backward after its graph is done is DDP waiting for its bucket
+    all-reduces (the reducer's wait runs as an autograd final callback, queued when
+    its last bucket is ready). To time it, a final callback queued earlier must note
+    the time: final callbacks run in the order they were queued, once the graph is
+    done. Registering a hook on each backward's root node costs ~36 µs of the training
+    thread per backward in situ (an OrderedDict, a RemovableHandle, two closures),
+    while a gradient hook on a parameter stays registered across steps: one per DDP
+    wrapper, on its first trained parameter, set when the wrapper is built. It queues
+    the marking callback when the parameter's gradient is accumulated, which happens
+    before the wrapper's last bucket is ready (that needs every parameter's gradient),
+    so the marking callback runs before DDP's wait. `StepHooks` uses it only for the
+    outermost backward in progress (a backward nested in another, e.g. a reentrant
+    checkpoint's, pauses it) and falls back to a per-backward hook after a few
+    backwards it did not mark (a parameter unused by the model's forward)."""
+
+    def __init__(self):
+        self.done_ns = 0
+        self.active = False  # an outermost, wrapped backward is in progress
+        self._queued = False
+        self._queue_callback = None
+        self._handles: dict[int, object] = {}
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def watch(self, key: int, ddp) -> None:
+        param = _first_trained_parameter(ddp)
+        register = getattr(param, "register_post_accumulate_grad_hook", None)
+        if register is None:  # no trained parameter (or torch < 2.1): per-backward hooks
+            return
+        if self._queue_callback is None:
+            import torch
+
+            self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+        self._handles[key] = register(self._on_gradient)
+
+    def forget(self, key: int) -> None:
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            handle.remove()
+
+    def clear(self) -> None:
+        for key in list(self._handles):
+            self.forget(key)
+
+    def start(self) -> None:
+        self.done_ns = 0
+        self._queued = False
+        self.active = True
+
+    def stop(self) -> int:
+        """End of the backward: when its graph was done (0 if never marked)."""
+        self.active = False
+        return self.done_ns
+
+    def _on_gradient(self, _param) -> None:  # during backward, on the autograd thread
+        if self.active and not self._queued:
+            self._queued = True
+            self._queue_callback(self._mark)
+
+    def _mark(self) -> None:
+        if not self.done_ns:
+            self.done_ns = time.time_ns()
+
+
 class DdpGradients:
     """Registry of live DDP wrappers: process group name -> gradient bytes per sync."""
 
     def __init__(self, groups: ProcessGroups):
         self.groups = groups
+        self.marker = GraphDoneMarker()
         self._patches = Patches()
         # id(ddp) -> (weak reference, group name, bytes); weak so a dropped model is forgotten
         self._wrappers: dict[int, tuple[weakref.ref, str, int]] = {}
@@ -68,6 +147,7 @@ class DdpGradients:
 
     def uninstall(self) -> None:
         self._patches.restore_all()
+        self.marker.clear()
         self._wrappers.clear()
         self._bytes_by_group = {}  # replaced, never mutated: see current()
 
@@ -86,8 +166,13 @@ class DdpGradients:
         self._wrappers[key] = (weakref.ref(ddp, lambda _ref: self._forget(key)), info.name,
                                nbytes)
         self._recompute()
+        try:
+            self.marker.watch(key, ddp)
+        except Exception as error:  # its backwards get a hook each instead
+            _log.info("flare: cannot watch the DDP wrapper's gradients (%r)", error)
 
     def _forget(self, key: int) -> None:
+        self.marker.forget(key)
         if self._wrappers.pop(key, None) is not None:
             self._recompute()
 

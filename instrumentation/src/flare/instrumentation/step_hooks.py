@@ -21,6 +21,7 @@ from flare.instrumentation.runtime import Runtime
 _log = logging.getLogger(__name__)
 
 OP_BACKWARD = "autograd.backward"
+_MARKER_MISSES = 3  # consecutive unmarked backwards before the per-backward hook takes over
 
 
 class StepHooks:
@@ -33,6 +34,10 @@ class StepHooks:
         self._handles: list = []
         self._patches = Patches()
         self._record_failed = False  # warned once
+        # DDP jobs: when a backward's graph is done, from a hook kept across steps
+        # (ddp_gradients.GraphDoneMarker); None without torch.distributed
+        self._marker = collectives.ddp_gradients.marker if collectives is not None else None
+        self._marker_misses = 0  # consecutive marked backwards it did not mark
 
     # -------------------------------------------------------------- install/uninstall
     def install(self) -> None:
@@ -91,24 +96,36 @@ class StepHooks:
     def _timed_backward(self, original, tensors, args, kwargs):
         """Time autograd backward, and split off the tail spent after the gradient
         computation finished: that tail is DDP/FSDP waiting for its bucket collectives
-        (the reducer's wait runs as an autograd final callback, queued after ours)."""
+        (the reducer's wait runs as an autograd final callback, queued after ours).
+        With DDP wrappers, the final callback that marks the graph done is queued by a
+        gradient hook kept across steps (`GraphDoneMarker`); otherwise by a hook on
+        this backward's root node."""
         runtime = self.runtime
-        graph_done = [0]
-        queue_callback = self._queue_callback
-
-        def mark_graph_done() -> None:
-            graph_done[0] = time.time_ns()
-
-        def queue_marker(*_):
-            queue_callback(mark_graph_done)
-
-        roots = (tensors,) if isinstance(tensors, self._tensor_type) else tuple(tensors or ())
+        marker = self._marker
+        nested = marker is not None and marker.active
+        if nested:  # inside another backward: its marker must not fire in this graph
+            marker.active = False
+        marked = (marker is not None and not nested and marker.armed
+                  and self._marker_misses < _MARKER_MISSES)
         handle = None
-        for root in roots:
-            grad_fn = getattr(root, "grad_fn", None)
-            if grad_fn is not None:
-                handle = grad_fn.register_prehook(queue_marker)
-                break
+        if marked:
+            marker.start()
+        else:
+            graph_done = [0]
+            queue_callback = self._queue_callback
+
+            def mark_graph_done() -> None:
+                graph_done[0] = time.time_ns()
+
+            def queue_marker(*_):
+                queue_callback(mark_graph_done)
+
+            roots = (tensors,) if isinstance(tensors, self._tensor_type) else tuple(tensors or ())
+            for root in roots:
+                grad_fn = getattr(root, "grad_fn", None)
+                if grad_fn is not None:
+                    handle = grad_fn.register_prehook(queue_marker)
+                    break
         seqs_before = self.collectives.sequences_before_backward() if self.collectives else None
         start = time.time_ns()
         op = runtime.push_op(OP_BACKWARD, start, {})
@@ -117,20 +134,37 @@ class StepHooks:
         finally:
             end = time.time_ns()
             runtime.pop_op(op)
-            # A graph that is not retained is freed with its hooks: removing ours would
-            # only cost the training thread (it runs cold here). A retained one may be
-            # walked again, so there it goes.
-            if handle is not None and _retains_graph(args, kwargs):
-                handle.remove()
+            if marked:
+                done_ns = marker.stop()
+                if done_ns:
+                    self._marker_misses = 0
+                else:
+                    self._missed_mark()
+            else:
+                done_ns = graph_done[0]
+                if nested:
+                    marker.active = True
+                # A graph that is not retained is freed with its hooks: removing ours
+                # would only cost the training thread (it runs cold here). A retained
+                # one may be walked again, so there it goes.
+                if handle is not None and _retains_graph(args, kwargs):
+                    handle.remove()
             runtime.totals.backward_ns += end - start
             if self.collectives is not None:
                 try:
-                    self.collectives.record_backward(start, graph_done[0], end, seqs_before)
+                    self.collectives.record_backward(start, done_ns, end, seqs_before)
                 except Exception as error:  # bookkeeping must never fail the user's backward
                     if not self._record_failed:
                         self._record_failed = True
                         _log.warning("flare: a backward's collective bookkeeping failed (%r); "
                                      "training continues", error)
+
+    def _missed_mark(self) -> None:
+        self._marker_misses += 1
+        if self._marker_misses == _MARKER_MISSES:
+            _log.info("flare: the DDP gradient hook did not mark %d backwards in a row (a "
+                      "parameter the forward does not use?); backwards get a hook each",
+                      _MARKER_MISSES)
 
 
 def _retains_graph(args: tuple, kwargs: dict) -> bool:
