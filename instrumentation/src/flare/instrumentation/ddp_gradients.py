@@ -70,9 +70,11 @@ class GraphDoneMarker:
     backwards it did not mark (a parameter unused by the model's forward)."""
 
     def __init__(self):
+        # Set by StepHooks around a backward (start: done_ns = 0, queued = False,
+        # active = True; end: active = False, then done_ns is read), inline there.
         self.done_ns = 0
         self.active = False  # an outermost, wrapped backward is in progress
-        self._queued = False
+        self.queued = False
         self._queue_callback = None
         self._handles: dict[int, object] = {}
 
@@ -100,19 +102,9 @@ class GraphDoneMarker:
         for key in list(self._handles):
             self.forget(key)
 
-    def start(self) -> None:
-        self.done_ns = 0
-        self._queued = False
-        self.active = True
-
-    def stop(self) -> int:
-        """End of the backward: when its graph was done (0 if never marked)."""
-        self.active = False
-        return self.done_ns
-
     def _on_gradient(self, _param) -> None:  # during backward, on the autograd thread
-        if self.active and not self._queued:
-            self._queued = True
+        if self.active and not self.queued:
+            self.queued = True
             self._queue_callback(self._mark)
 
     def _mark(self) -> None:

@@ -309,6 +309,30 @@ class Runtime:
         if not self.step_open:
             self.begin_step(now_ns)
             return
+        finished = self._finished
+        if (not self._on_end_ordinary and finished is not None and not self.step_detail
+                and not self._children and finished._asynchronous
+                and finished._processor._span_processors is finished._checked):
+            # _deferrable() and _boundary_without_stand_in(), with _capture(), inline:
+            # the common case, one pass with no calls of Flare's own but the summary
+            # captures and the advance
+            cpu = (time.process_time_ns(), time.thread_time_ns())
+            record = (self.step_number, self.step_start_ns, now_ns, self.totals,
+                      self.step_start_cpu_ns, cpu, False,
+                      [capture() for capture in self.summary_captures])
+            with self._lock:
+                deferred = self._step_span is None
+                if deferred:
+                    self._deferred.append((record, None))
+                    self._advance(now_ns, cpu)
+            if not deferred:
+                self.end_step(now_ns, record)
+                self.begin_step(now_ns)
+                return
+            if self._finisher is None:
+                self._start_finisher()
+            self._notify_start()
+            return
         if not self._on_end_ordinary and self._deferrable():
             self._boundary_without_stand_in(now_ns)
             return
@@ -578,6 +602,15 @@ class Runtime:
                 stack = self._ops.setdefault(ident, [])
         stack.append(op)
         return op
+
+    def thread_operations(self) -> list:
+        """The calling thread's stack of operations in flight, for a hook that pushes
+        and pops its own (append an Operation; pop it if it is still last, else pop_op)."""
+        stack = self._ops.get(threading.get_ident())
+        if stack is None:
+            with self._lock:
+                stack = self._ops.setdefault(threading.get_ident(), [])
+        return stack
 
     def pop_op(self, op: Operation) -> None:
         stack = self._ops.get(threading.get_ident())

@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from types import MappingProxyType
 
 from flare.instrumentation.patching import Patches
-from flare.instrumentation.runtime import Runtime
+from flare.instrumentation.runtime import Operation, Runtime
 
 _log = logging.getLogger(__name__)
 
 OP_BACKWARD = "autograd.backward"
+_NO_ATTRIBUTES = MappingProxyType({})  # a backward in flight has none
 _MARKER_MISSES = 3  # consecutive unmarked backwards before the per-backward hook takes over
 
 
@@ -108,8 +110,10 @@ class StepHooks:
         marked = (marker is not None and not nested and marker.armed
                   and self._marker_misses < _MARKER_MISSES)
         handle = None
-        if marked:
-            marker.start()
+        if marked:  # GraphDoneMarker.start(), inline: this runs cold, every backward
+            marker.done_ns = 0
+            marker.queued = False
+            marker.active = True
         else:
             graph_done = [0]
             queue_callback = self._queue_callback
@@ -126,16 +130,24 @@ class StepHooks:
                 if grad_fn is not None:
                     handle = grad_fn.register_prehook(queue_marker)
                     break
-        seqs_before = self.collectives.sequences_before_backward() if self.collectives else None
+        collectives = self.collectives
+        seqs_before = collectives.sequences_before_backward() if collectives else None
+        # Runtime.push_op, inline (the watchdog reads the thread's stack)
+        stack = runtime.thread_operations()
         start = time.time_ns()
-        op = runtime.push_op(OP_BACKWARD, start, {})
+        op = Operation(OP_BACKWARD, start, _NO_ATTRIBUTES)
+        stack.append(op)
         try:
             return original(tensors, *args, **kwargs)
         finally:
             end = time.time_ns()
-            runtime.pop_op(op)
+            if stack and stack[-1] is op:
+                stack.pop()
+            else:
+                runtime.pop_op(op)
             if marked:
-                done_ns = marker.stop()
+                marker.active = False
+                done_ns = marker.done_ns
                 if done_ns:
                     self._marker_misses = 0
                 else:
@@ -150,9 +162,9 @@ class StepHooks:
                 if handle is not None and _retains_graph(args, kwargs):
                     handle.remove()
             runtime.totals.backward_ns += end - start
-            if self.collectives is not None:
+            if collectives is not None:
                 try:
-                    self.collectives.record_backward(start, done_ns, end, seqs_before)
+                    collectives.record_backward(start, done_ns, end, seqs_before)
                 except Exception as error:  # bookkeeping must never fail the user's backward
                     if not self._record_failed:
                         self._record_failed = True
