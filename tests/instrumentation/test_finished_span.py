@@ -173,6 +173,54 @@ def test_deferred_step_spans_leave_without_any_flush(rank_env):  # noqa: F811
         provider.shutdown()
 
 
+class ThreadRecordingExporter(InMemorySpanExporter):
+    def __init__(self):
+        super().__init__()
+        self.threads = []
+
+    def export(self, spans):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        return super().export(spans)
+
+
+def test_the_finisher_exports_its_step_spans_once_per_batch_delay(rank_env):  # noqa: F811
+    """The finisher wakes once per batch delay (not less than 2 s), hands the deferred
+    step spans over and exports them at once, on its own thread: they leave within
+    one period, the batch processor's worker then finds nothing to send. Work handed
+    to run_later wakes it at once."""
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporter = ThreadRecordingExporter()
+    provider = TracerProvider(resource=Resource({"service.name": "t"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3000))
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        runtime = flare_instrumentation.active_runtime()
+        assert runtime._finished.batch_delay_s() == 3.0
+        train(4)
+        started = time.monotonic()
+        while len(finished(exporter, semconv.SPAN_STEP)) < 4 and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        elapsed = time.monotonic() - started
+        assert [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)
+                ] == [0, 1, 2, 3]
+        assert elapsed < 3.0 + 1.0  # one period (the 3 s delay), not a period plus the delay
+        assert "flare-step-finisher" in exporter.threads
+        ran = threading.Event()
+        started = time.monotonic()
+        runtime.run_later(ran.set)
+        assert ran.wait(0.5) and time.monotonic() - started < 0.5  # not a period later
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+
+
 def test_uninstrument_hands_over_what_is_deferred(rank_env):  # noqa: F811
     provider, exporter, instrumentor, runtime = run_batched()
     train(3)

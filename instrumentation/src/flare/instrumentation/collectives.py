@@ -487,8 +487,8 @@ class CollectiveTracker:
     def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:
             # The recorder's dump costs milliseconds (linear in its buffer): it is read
-            # off the training thread, within a second, while the entries of this step
-            # are still in the ring.
+            # off the training thread, by the finisher woken for it now, while the
+            # entries of this step are still in the ring.
             runtime = self.runtime
             self.runtime.run_later(functools.partial(
                 self._emit_flight_recorder, runtime.step_start_ns, time.time_ns(),

@@ -175,6 +175,41 @@ class FinishedSpans:
         self._checked = processors
         return True
 
+    def _batch_processors(self) -> list:
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        return [p for p in getattr(self._processor, "_span_processors", ())
+                if isinstance(p, BatchSpanProcessor)]
+
+    def batch_delay_s(self) -> float | None:
+        """The shortest schedule delay of the provider's batch processors, in seconds
+        (None if there is none or it cannot be read)."""
+        import os
+
+        delays = []
+        for processor in self._batch_processors():
+            inner = getattr(processor, "_batch_processor", None)  # SDK >= 1.33
+            delay = getattr(inner, "_schedule_delay", None)
+            if delay is None:  # older SDKs keep it on the processor, in milliseconds
+                millis = getattr(processor, "schedule_delay_millis", None)
+                delay = millis / 1e3 if isinstance(millis, (int, float)) else None
+            if delay is None:
+                try:
+                    delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1e3
+                except ValueError:
+                    delay = 5.0
+            delays.append(delay)
+        return min(delays) if delays else None
+
+    def flush_batches(self) -> None:
+        """Export what the batch processors hold now, on the calling thread (the
+        finisher's, right after it handed them the step spans): the spans leave within
+        one finisher period instead of a period plus the processors' own delay."""
+        if not self.asynchronous():
+            return
+        for processor in self._batch_processors():
+            processor.force_flush()
+
     def asynchronous(self) -> bool:
         """Usable, and every processor exports in batches from its own thread: handing
         a span over a fraction of a second later changes nothing an exporter sees."""

@@ -28,8 +28,13 @@ from flare.instrumentation.identity import ProcessIdentity
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
-_FINISH_EVERY_S = 1.0  # how often the finisher thread builds deferred step spans (each wake-up
-# runs cold: ~250 µs in situ before the first span, ~45 µs for each next one)
+# How often the finisher thread builds deferred step spans and hands them to the batch
+# processors, which it then flushes: the batch processor's own delay, and not less than
+# this (each wake-up runs cold: ~250 µs in situ before the first span, ~45 µs for each
+# next one, then the export request). Flushing right after, the step spans leave within
+# one period: with `flare run`'s 1 s batch delay, within 2 s (as with a 1 s wake and the
+# 1 s delay after it before), at half the wake-ups and export requests.
+_FINISH_MIN_PERIOD_S = 2.0
 
 
 @dataclass(slots=True)
@@ -121,7 +126,7 @@ class Runtime:
         # (finished_span.py); None when the tracer is not one this is safe for.
         self._finished = FinishedSpans.for_tracer(tracer)
         # Ordinary steps whose span goes to an asynchronous (batch) processor anyway are
-        # built and emitted by a finisher thread a few times a second, in a batch: the
+        # built and emitted by a finisher thread every few seconds, in a batch: the
         # training thread only captures the step's numbers (see end_step).
         self._deferred: deque = deque()
         # Other work a listener hands off the training thread (run_later): the finisher
@@ -129,7 +134,8 @@ class Runtime:
         self._later: deque = deque()
         self._drain_lock = threading.Lock()
         self._finisher: threading.Thread | None = None
-        self._finisher_stop = threading.Event()
+        self._finisher_wake = threading.Event()  # run_later() and stop_finisher() set it
+        self._finisher_stopping = False
         self._finisher_failed = False
 
     # ------------------------------------------------------------ identity (public API)
@@ -437,14 +443,29 @@ class Runtime:
 
     # ------------------------------------------------------------ deferred step spans
     def _start_finisher(self) -> None:
-        self._finisher_stop.clear()
+        self._finisher_stopping = False
+        self._finisher_wake.clear()
         self._finisher = threading.Thread(target=self._finisher_loop,
                                           name="flare-step-finisher", daemon=True)
         self._finisher.start()
 
     def _finisher_loop(self) -> None:
-        while not self._finisher_stop.wait(_FINISH_EVERY_S):
-            self.drain()
+        finished = self._finished
+        delay = finished.batch_delay_s() if finished is not None else None
+        period = max(_FINISH_MIN_PERIOD_S, delay or 0.0)
+        wake = self._finisher_wake
+        while True:
+            wake.wait(period)
+            wake.clear()
+            if self._finisher_stopping:
+                return
+            if self.drain() and finished is not None:
+                try:
+                    finished.flush_batches()
+                except Exception as error:  # the batch processor's own worker exports them
+                    if not self._finisher_failed:
+                        self._finisher_failed = True
+                        _log.warning("flare: flushing the step spans failed: %r", error)
 
     def drain(self, spans_only: bool = False) -> bool:
         """Build and hand over every deferred step span now (before any flush), then
@@ -471,16 +492,18 @@ class Runtime:
         return True
 
     def run_later(self, work) -> None:
-        """Run `work()` off the training thread: on the finisher thread within a
-        second, or at the next flush, whichever comes first."""
+        """Run `work()` off the training thread: on the finisher thread, woken for it
+        now, or at the next flush, whichever comes first."""
         self._later.append(work)
         if self._finisher is None:
             self._start_finisher()
+        self._finisher_wake.set()
 
     def stop_finisher(self) -> None:
         """Drain, then stop the finisher thread (uninstrument, exit)."""
         thread, self._finisher = self._finisher, None
-        self._finisher_stop.set()
+        self._finisher_stopping = True
+        self._finisher_wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2)
         self.drain()
