@@ -99,8 +99,19 @@ class Watchdog:
     # ------------------------------------------------------------------ hangs
     def check_hangs(self, now_ns: int) -> None:
         runtime = self.runtime
+        in_flight = runtime.operations_in_flight()
+        # Nearly every tick nothing is anywhere near the limit, which is at least the
+        # configured timeout or the floor: return before the median of recent steps
+        # (a sort, every second, on a cold thread) is taken.
+        configured = runtime.config.hang_timeout_s
+        lower_ns = int((configured if configured is not None else HANG_TIMEOUT_FLOOR_S) * 1e9)
+        oldest = runtime.step_start_ns if runtime.step_open else now_ns
+        for _, op in in_flight:
+            oldest = min(oldest, op.start_ns)
+        if now_ns - oldest <= lower_ns:
+            return
         limit_ns = int(self.hang_timeout_s() * 1e9)
-        stuck = [(ident, op) for ident, op in runtime.operations_in_flight()
+        stuck = [(ident, op) for ident, op in in_flight
                  if not op.reported and now_ns - op.start_ns > limit_ns]
         step_stuck = (runtime.step_open and runtime.step_number not in self._reported_steps
                       and now_ns - runtime.step_start_ns > limit_ns)
