@@ -167,8 +167,11 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
         sc.ENV_JOB_ID: job,
     })
-    # Alerts are only as fresh as the batches ranks send: a second, not the default five.
-    env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
+    # Alerts are only as fresh as the batches ranks send: each rank's finisher hands its
+    # step spans over and exports them every max(2 s, this delay), so they leave within
+    # 2 s, not the default five (and a shorter delay would only wake the batch
+    # processor's own thread more often, with nothing to send).
+    env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "2000")
     env.setdefault("OTEL_METRIC_EXPORT_INTERVAL", "5000")
     return env
 
