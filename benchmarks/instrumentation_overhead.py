@@ -3,7 +3,7 @@
 Macro: the same 4-rank gloo DDP job (examples/train_ddp.py), plain `torchrun` versus
 `opentelemetry-instrument torchrun` exporting real OTLP to a loopback receiver, runs
 alternated (plain, instrumented, plain, ...), the instrumented arm with the environment
-`flare run` gives its ranks (`flare_otlp` over OTLP/HTTP, a 1 s batch delay; `--exporter
+`flare run` gives its ranks (`flare_otlp` over OTLP/HTTP, a 2 s batch delay; `--exporter
 otlp` for the SDK's stock encoder, `--protocol grpc` for gRPC). Prints the median step time of each
 run, the median of the per-pair ratios, the bytes on the wire per rank per step, and
 the detail-step cost on its own line. Both arms run through benchmarks/step_cpu_probe.py,
