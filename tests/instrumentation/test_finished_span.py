@@ -413,3 +413,51 @@ def test_the_default_samplers_verdict_is_taken_without_asking_it_again():
     assert spans["default"] == spans["asked"]
     assert [ctx.trace_state.get("k") for ctx, _, _ in spans["default"]] == ["v", None] * 2
     assert AskedEveryTime.calls == 6
+
+
+def test_a_stuck_export_bounds_the_deferred_steps_and_training_goes_on(rank_env, caplog,  # noqa: F811
+                                                                       monkeypatch):
+    """The finisher exports on its own thread: were an export never to return, the
+    step records waiting for it stay bounded (the oldest dropped and counted, one
+    warning), and the training thread never waits."""
+    import logging
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from flare.instrumentation import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "DEFERRED_MAX", 8)
+    monkeypatch.setattr(runtime_module, "DEFERRED_WAKE", 4)
+    # no detail steps: each hands the deferred ones over on the training thread
+    monkeypatch.setenv("FLARE_DETAIL_EVERY", "0")
+    release = threading.Event()
+
+    class StuckExporter(InMemorySpanExporter):
+        def export(self, spans):
+            release.wait(30)
+            return super().export(spans)
+
+    exporter = StuckExporter()
+    provider = TracerProvider(resource=Resource({"service.name": "t"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = flare_instrumentation.active_runtime()
+    try:
+        # 4 waiting steps wake the finisher before its period is over: it hands them
+        # over, then blocks in the export; later steps pile up, at most 8
+        started = time.monotonic()
+        train(60)  # one optimizer: the step clock
+        assert time.monotonic() - started < 20
+        assert len(runtime._deferred) == 8
+        assert runtime.deferred_dropped > 0
+        with caplog.at_level(logging.WARNING, logger="flare.instrumentation.runtime"):
+            release.set()
+            instrumentor.uninstrument()
+    finally:
+        release.set()
+        provider.shutdown()
+    warnings = [r for r in caplog.records if "were dropped while the span export" in r.getMessage()]
+    assert len(warnings) == 1

@@ -35,6 +35,8 @@ _SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
 # one period: with `flare run`'s 1 s batch delay, within 2 s (as with a 1 s wake and the
 # 1 s delay after it before), at half the wake-ups and export requests.
 _FINISH_MIN_PERIOD_S = 2.0
+DEFERRED_MAX = 4096  # step records waiting for the finisher (~2 min of 30 ms steps)
+DEFERRED_WAKE = 512  # that many wake it before its period is over (a batch processor's batch)
 
 
 @dataclass(slots=True)
@@ -128,7 +130,12 @@ class Runtime:
         # Ordinary steps whose span goes to an asynchronous (batch) processor anyway are
         # built and emitted by a finisher thread every few seconds, in a batch: the
         # training thread only captures the step's numbers (see end_step).
-        self._deferred: deque = deque()
+        # Bounded: were the finisher stuck (an export that never returns), the oldest
+        # records go first, counted in deferred_dropped, as the batch processor's
+        # queue drops.
+        self._deferred: deque = deque(maxlen=DEFERRED_MAX)
+        self.deferred_dropped = 0
+        self._dropped_reported = False
         # Other work a listener hands off the training thread (run_later): the finisher
         # runs it after the deferred spans, and so does every flush.
         self._later: deque = deque()
@@ -329,7 +336,10 @@ class Runtime:
             with self._lock:
                 deferred = self._step_span is None
                 if deferred:
-                    self._deferred.append((record, None))
+                    queue = self._deferred
+                    if len(queue) >= DEFERRED_WAKE:
+                        self._deferred_full()
+                    queue.append((record, None))
                     self._advance(now_ns, cpu)
             if not deferred:
                 self.end_step(now_ns, record)
@@ -364,6 +374,8 @@ class Runtime:
         with self._lock:
             deferred = self._step_span is None
             if deferred:
+                if len(self._deferred) >= DEFERRED_WAKE:
+                    self._deferred_full()
                 self._deferred.append((record, None))
                 self._advance(now_ns, cpu)
         if not deferred:
@@ -399,9 +411,18 @@ class Runtime:
                 [capture() for capture in self.summary_captures])
 
     def _queue_deferred(self, record: tuple, pending: PendingStepSpan | None) -> None:
+        if len(self._deferred) >= DEFERRED_WAKE:
+            self._deferred_full()
         self._deferred.append((record, pending))
         if self._finisher is None:
             self._start_finisher()
+
+    def _deferred_full(self) -> None:
+        """Many steps wait for the finisher: wake it now; if the queue is full (its
+        export is stuck), the append that follows drops the oldest record."""
+        if len(self._deferred) >= self._deferred.maxlen:
+            self.deferred_dropped += 1
+        self._finisher_wake.set()
 
     def _notify_start(self) -> None:
         self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
@@ -473,6 +494,10 @@ class Runtime:
         if not self._deferred and (spans_only or not self._later):
             return False
         with self._drain_lock:
+            if self.deferred_dropped and not self._dropped_reported:
+                self._dropped_reported = True
+                _log.warning("flare: %d step spans were dropped while the span export was "
+                             "stuck (the oldest go first)", self.deferred_dropped)
             while self._deferred:
                 record, pending = self._deferred.popleft()
                 try:
