@@ -62,10 +62,15 @@ def step_spans(sink: OtlpSink) -> dict[int, dict]:
 
 
 @pytest.mark.e2e
-def test_rank_exits_within_the_deadline_when_the_collector_is_unreachable():
+@pytest.mark.parametrize("exporter, protocol", [("otlp", "grpc"),
+                                                ("flare_otlp", "http/protobuf")])
+def test_rank_exits_within_the_deadline_when_the_collector_is_unreachable(exporter, protocol):
     # enough steps to overflow the SDK's bounded queue (2,048 spans): memory stays
-    # bounded by dropping, and the exit flush has several batches to retry
-    process, _, stderr, linger_s = run_rank(dead_endpoint(), 2500, "exit")
+    # bounded by dropping, and the exit flush has several batches to retry; over HTTP
+    # with flare_otlp (what `flare run` uses) the finisher thread is the one exporting
+    process, _, stderr, linger_s = run_rank(dead_endpoint(), 2500, "exit",
+                                            OTEL_TRACES_EXPORTER=exporter,
+                                            OTEL_EXPORTER_OTLP_PROTOCOL=protocol)
     assert process.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     # without the deadline the SDK's retries held the process ~30 s after its last step
@@ -74,9 +79,13 @@ def test_rank_exits_within_the_deadline_when_the_collector_is_unreachable():
 
 
 @pytest.mark.e2e
-def test_a_healthy_exit_still_delivers_every_step():
-    with OtlpSink() as sink:
-        process, _, stderr, linger_s = run_rank(sink.endpoint, 300, "exit")
+@pytest.mark.parametrize("exporter, protocol", [("otlp", "grpc"),
+                                                ("flare_otlp", "http/protobuf")])
+def test_a_healthy_exit_still_delivers_every_step(exporter, protocol):
+    with OtlpSink(protocol="grpc" if protocol == "grpc" else "http") as sink:
+        process, _, stderr, linger_s = run_rank(sink.endpoint, 300, "exit",
+                                                OTEL_TRACES_EXPORTER=exporter,
+                                                OTEL_EXPORTER_OTLP_PROTOCOL=protocol)
         assert process.returncode == 0, stderr[-3000:]
         steps = step_spans(sink)
     assert sorted(steps) == list(range(300))
