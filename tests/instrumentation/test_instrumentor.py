@@ -726,3 +726,35 @@ def test_an_unused_watched_parameter_hands_over_to_a_hook_per_backward(process_g
              for s in finished(process_group, semconv.SPAN_STEP)]
     assert waits[:3] == [0.0, 0.0, 0.0]  # not known while the marker was trusted
     assert all(wait >= 25 for wait in waits[3:])
+
+
+def test_a_ddp_wrapper_built_before_instrument_is_sized_and_marked(rank_env):
+    """instrument() after the model was wrapped (as a notebook or a late manual call
+    does): the wrapper is found at install, so its gradient bytes and its wait after the
+    graph is done are in every step's summary, as for one built afterwards."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(16, 8))
+        model.register_comm_hook(None, _slow_comm_hook(0.03))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        provider, exporter = make_provider()
+        instrumentor = TorchTrainingInstrumentor()
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+        try:
+            assert _step_hooks(instrumentor)._marker.armed
+            for _ in range(3):
+                model(torch.randn(2, 16)).sum().backward()
+                optimizer.step()
+        finally:
+            instrumentor.uninstrument()
+    finally:
+        dist.destroy_process_group()
+    steps = finished(exporter, semconv.SPAN_STEP)
+    assert len(steps) == 3
+    for step in steps:
+        assert step.attributes[semconv.STEP_COLLECTIVE_BYTES] == (16 * 8 + 8) * 4
+        assert step.attributes[semconv.STEP_COLLECTIVE_WAIT_MS] >= 25
