@@ -121,11 +121,11 @@ def test_a_non_sdk_tracer_keeps_the_sdk_path():
     assert FinishedSpans.for_tracer(NotTheSdk()) is None
 
 
-def run_batched(steps=5, schedule_delay_millis=60_000):
+def run_batched(steps=5, schedule_delay_millis=60_000, exporter=None):
     """Like run(), with a batch processor: ordinary steps are deferred to the finisher."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    exporter = InMemorySpanExporter()
+    exporter = exporter or InMemorySpanExporter()
     provider = TracerProvider(resource=Resource({"service.name": "t"}))
     provider.add_span_processor(
         BatchSpanProcessor(exporter, schedule_delay_millis=schedule_delay_millis))
@@ -193,15 +193,9 @@ def test_the_finisher_exports_its_step_spans_once_per_batch_delay(rank_env):  # 
     import threading
     import time
 
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    exporter = ThreadRecordingExporter()
-    provider = TracerProvider(resource=Resource({"service.name": "t"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3000))
-    instrumentor = TorchTrainingInstrumentor()
-    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    provider, exporter, instrumentor, runtime = run_batched(
+        schedule_delay_millis=3000, exporter=ThreadRecordingExporter())
     try:
-        runtime = flare_instrumentation.active_runtime()
         assert runtime._finished.batch_delay_s() == 3.0
         train(4)
         started = time.monotonic()
@@ -424,8 +418,6 @@ def test_a_stuck_export_bounds_the_deferred_steps_and_training_goes_on(rank_env,
     import threading
     import time
 
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
     from flare.instrumentation import runtime as runtime_module
 
     monkeypatch.setattr(runtime_module, "DEFERRED_MAX", 8)
@@ -439,12 +431,8 @@ def test_a_stuck_export_bounds_the_deferred_steps_and_training_goes_on(rank_env,
             release.wait(30)
             return super().export(spans)
 
-    exporter = StuckExporter()
-    provider = TracerProvider(resource=Resource({"service.name": "t"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
-    instrumentor = TorchTrainingInstrumentor()
-    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
-    runtime = flare_instrumentation.active_runtime()
+    provider, _, instrumentor, runtime = run_batched(schedule_delay_millis=50,
+                                                     exporter=StuckExporter())
     try:
         # 4 waiting steps wake the finisher before its period is over: it hands them
         # over, then blocks in the export; later steps pile up, at most 8

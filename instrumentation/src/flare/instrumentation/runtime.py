@@ -322,33 +322,6 @@ class Runtime:
         if not self.step_open:
             self.begin_step(now_ns)
             return
-        finished = self._finished
-        if (not self._on_end_ordinary and finished is not None and not self.step_detail
-                and not self._children and finished._asynchronous
-                and finished._processor._span_processors is finished._checked):
-            # _deferrable() and _boundary_without_stand_in(), with _capture(), inline:
-            # the common case, one pass with no calls of Flare's own but the summary
-            # captures and the advance
-            cpu = (time.process_time_ns(), time.thread_time_ns())
-            record = (self.step_number, self.step_start_ns, now_ns, self.totals,
-                      self.step_start_cpu_ns, cpu, False,
-                      [capture() for capture in self.summary_captures])
-            with self._lock:
-                deferred = self._step_span is None
-                if deferred:
-                    queue = self._deferred
-                    if len(queue) >= DEFERRED_WAKE:
-                        self._deferred_full()
-                    queue.append((record, None))
-                    self._advance(now_ns, cpu)
-            if not deferred:
-                self.end_step(now_ns, record)
-                self.begin_step(now_ns)
-                return
-            if self._finisher is None:
-                self._start_finisher()
-            self._notify_start()
-            return
         if not self._on_end_ordinary and self._deferrable():
             self._boundary_without_stand_in(now_ns)
             return
