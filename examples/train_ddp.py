@@ -10,7 +10,9 @@ Faults (rank --fault-rank from step --fault-from on, costing about --fault-ms pe
   compute       extra matmuls in the forward pass
   input         the batch collate function sleeps (the dataloader is slow)
   gc            a large live object graph makes every gc.collect() pause the rank
-  cpu           a background thread holds the GIL in a pure-Python busy loop
+  cpu           a background thread holds the GIL in a pure-Python busy loop for
+                about --fault-ms at the start of every step (a metrics or logging
+                thread doing Python work beside the training loop)
   hang          the rank blocks forever in wait_for_shared_filesystem() before backward
   hang_subgroup ranks 0 and 1 all-reduce in a sub-group every step; the faulty rank
                 skips it and blocks in wait_for_shared_filesystem(), so its peer waits
@@ -150,11 +152,26 @@ class GcPressure:
         gc.collect()
 
 
-def hold_the_gil() -> None:
-    """Pure-Python busy loop: never releases the GIL voluntarily."""
-    counter = 0
-    while True:
-        counter += 1
+class GilHog:
+    """A background thread that, woken at each step, spins in pure Python for about
+    `seconds`: it never releases the GIL voluntarily, so the training thread gets it
+    back only at the interpreter's switch interval. It works per step rather than
+    spinning for ever so that it slows its own rank, not every process sharing the
+    host's cores (a forever-spinning thread costs a whole core)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.wake = threading.Event()
+        threading.Thread(target=self._run, name="gil-hog", daemon=True).start()
+
+    def _run(self) -> None:
+        counter = 0
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            deadline = time.perf_counter() + self.seconds
+            while time.perf_counter() < deadline:
+                counter += 1
 
 
 def wait_for_shared_filesystem() -> None:
@@ -193,6 +210,7 @@ def main(argv=None) -> None:
                         persistent_workers=args.num_workers > 0)
     extra_comm = torch.zeros(1024 * 1024) if args.fault == "extra_comm" else None
     gc_pressure = None
+    gil_hog = None
 
     started = time.perf_counter()
     step_times: list[float] = []
@@ -202,8 +220,9 @@ def main(argv=None) -> None:
         if fault.active("gc", step):
             gc_pressure = gc_pressure or GcPressure(fault.seconds)
             gc_pressure.pause()
-        if fault.active("cpu", step) and step == fault.first_step:
-            threading.Thread(target=hold_the_gil, name="gil-hog", daemon=True).start()
+        if fault.active("cpu", step):
+            gil_hog = gil_hog or GilHog(fault.seconds)
+            gil_hog.wake.set()
         if subgroup is not None and rank in (0, 1):
             if fault.active("hang_subgroup", step):
                 wait_for_shared_filesystem()

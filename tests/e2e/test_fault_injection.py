@@ -157,15 +157,15 @@ def test_rank_level_causes(store, fault, rank, cause, fault_ms):
     labels = _labels(report, rank)
     assert labels, json.dumps(report, indent=1)
     assert {a["cause"] for a in labels} == {cause}, json.dumps(labels, indent=1)
-    # A GIL-holding thread does not slow its rank evenly at first: measured per step
-    # (two runs, steps 20-31), the rank is the slowest on some steps and not on others
-    # until the hog settles (steps 27-31, every rank then at ~550 ms/step). A label can
-    # date from there: late onsets seen were 26 (1 of 8 runs) and, with the
-    # instrumentation from before the step-finisher change, 27, 27, 27 and 30 (4 of 8).
-    # Never early, and within the unsettled stretch.
-    late = 10 if fault == "cpu" else 3
+    # The cpu fault's hog spins for --fault-ms at the start of every step. In 14 runs
+    # both labels started at step 20, except one straggler at 25 (its fail-slow at 21).
+    late = 5 if fault == "cpu" else 3
     assert all(-3 <= a["first_step"] - ONSET <= late for a in labels), \
         [(a["kind"], a["first_step"], a.get("summary")) for a in labels]
+    if fault == "cpu":  # named from its direct sign: the hog's CPU, not the training thread's
+        straggler = next(a for a in labels if a["kind"] == "straggler")
+        assert straggler["evidence"]["other_threads_cpu_delta_ms"] >= 2.0, straggler
+        assert "other threads burn" in straggler["summary"], straggler["summary"]
     _record(fault, f"{sorted({a['kind'] for a in labels})} rank {rank} {cause}", None)
 
 

@@ -131,8 +131,10 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.
     peers = [r for r in range(len(frame.ranks)) if r != row]
     mine, my_work = medians(frame, [row], cols)
     theirs, their_work = medians(frame, peers, cols)
+    my_means, their_means = means(frame, [row], cols), means(frame, peers, cols)
     why = attribute(mine, theirs, config.cause_min_share, my_work, their_work,
-                    means(frame, [row], cols), means(frame, peers, cols))
+                    my_means, their_means)
+    other_cpu_delta = my_means["other_cpu"] - their_means["other_cpu"]
     density = float(mask[cols].mean())
     impact = float(np.mean(share[cols]))
     first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))
@@ -149,7 +151,9 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.
     cause_text = {
         "compute": "its compute is slower", "input": "its data loading is slower",
         "gc": "it pauses in garbage collection", "cpu": "its Python side is starved of CPU "
-        "(every part of its step is slower, as with a GIL-holding thread)",
+        + (f"(its other threads burn +{other_cpu_delta:.1f} ms of CPU per step, as a "
+           "GIL-holding thread does)" if math.isfinite(other_cpu_delta) and other_cpu_delta > 0
+           else "(every part of its step is slower, as with a GIL-holding thread)"),
         "communication": "its communication is slower", "unknown": "the cause is unclear",
     }.get(why.cause, why.cause)
     summary = (
@@ -167,6 +171,8 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.
             "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
             "component_ratio": {k: round(v, 3) for k, v in why.ratios.items()},
             "cause_share": round(why.share, 3),
+            "other_threads_cpu_delta_ms": (round(other_cpu_delta, 3)
+                                           if math.isfinite(other_cpu_delta) else None),
             "relative_score": None if relative is None else round(relative, 3),
             "individual_score": None if individual is None else round(individual, 3),
         },
