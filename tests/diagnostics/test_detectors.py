@@ -69,6 +69,20 @@ def test_fail_slow_has_onset_step():
     assert abs(found[0].first_step - 50) <= 1
 
 
+def test_fail_slow_waits_until_the_slowdown_persists_and_dates_it_exactly():
+    # Live following diagnoses the job as it grows and never rewrites a label. With
+    # two slow steps only, the best split took two normal steps into the later segment
+    # and dated the onset at 38; the label must wait, then start at 40.
+    table = job_spans("j", 4, 60, (Fault("compute", 2, 40),))
+    config = DiagnosisConfig()
+    seen = {}
+    for last in range(40, 46):
+        found = fail_slow.detect(_job(table.filter(pa.compute.less_equal(table["step"], last))), config)
+        seen[last] = [(a.ranks, a.first_step) for a in found]
+    assert all(labels in ([], [([2], 40)]) for labels in seen.values()), seen
+    assert seen[42] == [] and seen[45] == [([2], 40)], seen
+
+
 def test_hang_culprit_is_the_rank_outside_the_collective():
     base = job_spans("j", 4, 20)
     t = 1_800_000_000_000_000_000
