@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import flare.instrumentation as flare_instrumentation
 from flare.instrumentation import identity, semconv, torch_training
 from flare.instrumentation.config import SLOW_CHILD_MS
+from flare.instrumentation.step_hooks import OP_BACKWARD
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 
 JOB = "unit-job"
@@ -296,6 +297,28 @@ def test_watchdog_reports_a_hang_while_the_main_thread_waits_in_native_code(rank
     assert "test_watchdog_reports_a_hang" in hang.attributes[semconv.CODE_CALLSITE]
     step = finished(exporter, semconv.SPAN_STEP)[0]
     assert hang.context.trace_id == step.context.trace_id
+
+
+def test_a_stuck_step_is_reported_at_the_operation_it_waits_in_not_yet_past_the_limit(rank_env):
+    # The step passes the limit a forward's length before the backward it blocks in
+    # does; a watchdog tick in between must name the backward (where a DDP rank waits
+    # for its peers), not the step, which reads as stuck in the rank's own code.
+    rank_env.setenv("FLARE_HANG_TIMEOUT_S", "30")
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = flare_instrumentation.active_runtime()
+    try:
+        with flare_instrumentation.step():
+            started = runtime.step_start_ns
+            op = runtime.push_op(OP_BACKWARD, started + int(0.2e9), {})
+            instrumentor._watchdog.check_hangs(started + int(30.1e9))
+            runtime.pop_op(op)
+    finally:
+        instrumentor.uninstrument()
+    hangs = finished(exporter, semconv.SPAN_HANG)
+    assert [h.attributes[semconv.HANG_OPERATION] for h in hangs] == [OP_BACKWARD]
+    assert hangs[0].attributes[semconv.HANG_ELAPSED_S] == 29.9
 
 
 def test_detail_on_request_flag_file_and_sigusr2(rank_env, tmp_path):

@@ -122,6 +122,16 @@ class Watchdog:
                       and now_ns - runtime.step_start_ns > limit_ns)
         if not stuck and not step_stuck:
             return
+        if not stuck and in_flight:
+            # The step is past the limit and an operation it is blocked in started a
+            # little later (a backward after its forward), so it is not yet past the
+            # limit itself: report the operation, which says where the rank waits
+            # (inside the backward: a DDP collective from the flight recorder). The step
+            # itself would read as stuck in the rank's own code.
+            main = threading.main_thread().ident
+            waiting = [(ident, op) for ident, op in in_flight if not op.reported]
+            waiting.sort(key=lambda item: (item[0] != main, item[1].start_ns))
+            stuck = waiting[:1]
         stacks = all_thread_stacks(skip_ident=threading.get_ident())
         if stuck:
             for ident, op in stuck:
