@@ -168,3 +168,119 @@ def test_https_to_a_real_collector_with_its_certificate(http_protocol, tmp_path)
     finally:
         reader.close()
     assert {"probe.0", "probe.1", "probe.3"} <= names
+
+
+class _ScriptedServer:
+    """A raw TCP peer that answers each request with the next scripted reply (bytes,
+    sent as they are), then keeps or closes the connection as the script says."""
+
+    def __init__(self, replies: list[tuple[bytes, bool]]):
+        self.replies = list(replies)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while self.replies:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                while self.replies:
+                    request = self._read_request(conn)
+                    if request is None:
+                        break
+                    self.requests.append(request)
+                    reply, keep = self.replies.pop(0)
+                    conn.sendall(reply)
+                    if not keep:
+                        break
+
+    @staticmethod
+    def _read_request(conn) -> bytes | None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(65536)
+        return head + b"\r\n\r\n" + body
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _transport_request(port: int):
+    transport = otlp_http.HttpClientTransport()
+    return transport, transport.request("POST", f"http://127.0.0.1:{port}/v1/traces",
+                                        headers={"Content-Type": "x"}, timeout=2,
+                                        data=b"payload")
+
+
+@pytest.mark.parametrize("reply, keep, body", [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n"
+     b"Trailer: t\r\n\r\n", True, b"abcde"),
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True, b"ok"),
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", False, b""),
+    (b"HTTP/1.0 200 OK\r\n\r\nuntil-close", False, b"until-close"),
+])
+def test_replies_by_length_chunks_and_close_are_read_and_the_connection_kept_as_told(
+        reply, keep, body):
+    server = _ScriptedServer([(reply, keep)])
+    try:
+        transport, result = _transport_request(server.port)
+        assert result.error is None and result.status_code == 200
+        assert result.content() == body
+        assert bool(transport._idle) is keep
+        assert server.requests[0].startswith(b"POST /v1/traces HTTP/1.1\r\nHost: 127.0.0.1:")
+        assert server.requests[0].endswith(b"Content-Length: 7\r\n\r\npayload")
+        transport.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("reply", [
+    b"SSH-2.0-OpenSSH_9.6\r\n\r\n",  # not HTTP
+    b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",  # closed mid-body
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+])
+def test_a_malformed_or_truncated_reply_fails_the_export_without_a_retry(http_protocol, reply):
+    # One request only: a reply cut off after the request arrived is not retried at once
+    # (the collector may have taken the spans); the SDK's backoff decides, and the export
+    # still returns within its timeout.
+    server = _ScriptedServer([(reply, False)] * 3)
+    try:
+        exporter = otlp_exporter.FlareOTLPSpanExporter(
+            endpoint=f"http://127.0.0.1:{server.port}/v1/traces", timeout=1)
+        started = time.monotonic()
+        assert exporter.export(otlp_encoding.probe_spans()).name == "FAILURE"
+        assert time.monotonic() - started < 3
+        exporter.shutdown()
+    finally:
+        server.close()
+    assert len(server.requests) in (1, 2)  # the first, and at most one backoff retry
+    assert server.connections == len(server.requests)
+
+
+def test_header_values_with_line_breaks_are_refused():
+    server = _ScriptedServer([(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", True)])
+    try:
+        transport = otlp_http.HttpClientTransport()
+        result = transport.request("POST", f"http://127.0.0.1:{server.port}/v1/traces",
+                                   headers={"X-Evil": "a\r\nInjected: 1"}, timeout=2, data=b"x")
+        assert isinstance(result.error, ValueError) and "control characters" in str(result.error)
+    finally:
+        server.close()
+    assert server.requests == []
