@@ -7,7 +7,7 @@ processor's `OtelBatchSpanRecordProcessor`, gRPC's threads if any, gloo's, MainT
 Linux only. Used for the per-thread tables of docs/benchmarks.md, e.g.
 
     OTEL_TRACES_EXPORTER=flare_otlp OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf \\
-    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:PORT OTEL_BSP_SCHEDULE_DELAY=2000 \\
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:PORT OTEL_BSP_SCHEDULE_DELAY=5000 \\
     OTEL_METRICS_EXPORTER=none OTEL_LOGS_EXPORTER=none \\
     OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=otel,flare \\
       .venv/bin/opentelemetry-instrument .venv/bin/torchrun --nproc_per_node 4 \\

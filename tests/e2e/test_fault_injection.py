@@ -122,10 +122,11 @@ def test_healthy_run_has_no_anomalies(healthy):
 
 
 def test_compute_slowdown_is_a_straggler_and_fail_slow_with_onset(store):
-    # 90 steps: the live alert needs two passes (2 s apart) over steps every rank has
-    # sent, after the onset; with 60 the slowed phase (~4.5 s) left no margin for that on
-    # a loaded 2-core host, and the job could end before the second pass (seen once).
-    run = FlareRun(store, "compute", "compute", rank=2, steps=90)
+    # 120 steps: the live alert needs two passes (2 s apart) over steps every rank has
+    # sent, after the onset, and ranks send every 5 s (flare run's batch delay); with 60
+    # the slowed phase (~4.5 s) left no margin for that on a loaded 2-core host, and the
+    # job could end before the second pass (seen once, with 2 s batches).
+    run = FlareRun(store, "compute", "compute", rank=2, steps=120)
     report = run.finish()
     labels = _labels(report, 2)
     kinds = {a["kind"] for a in labels}

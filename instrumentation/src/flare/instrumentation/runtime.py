@@ -32,8 +32,7 @@ _SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
 # processors, which it then flushes: the batch processor's own delay, and not less than
 # this (each wake-up runs cold: ~250 µs in situ before the first span, ~45 µs for each
 # next one, then the export request). Flushing right after, the step spans leave within
-# one period: with `flare run`'s 1 s batch delay, within 2 s (as with a 1 s wake and the
-# 1 s delay after it before), at half the wake-ups and export requests.
+# one period: with `flare run`'s batch delay (the SDK's 5 s), within 5 s.
 _FINISH_MIN_PERIOD_S = 2.0
 DEFERRED_MAX = 4096  # step records waiting for the finisher (~2 min of 30 ms steps)
 DEFERRED_WAKE = 512  # that many wake it before its period is over (a batch processor's batch)
