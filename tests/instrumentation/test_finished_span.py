@@ -215,6 +215,40 @@ def test_the_finisher_exports_its_step_spans_once_per_batch_delay(rank_env):  # 
         provider.shutdown()
 
 
+def test_the_batch_worker_sleeps_while_the_finisher_flushes_and_wakes_when_steps_stop(
+        rank_env):  # noqa: F811
+    """While steps flow, the finisher's flush sends everything each period, and the batch
+    processor's own worker is held to a long schedule (no request of its own from a cold
+    thread). A period without steps gives the schedule back, and a span another thread
+    emits then (a heartbeat during a stall) leaves on the worker's own delay."""
+    import time
+
+    provider, exporter, instrumentor, runtime = run_batched(
+        schedule_delay_millis=2000, exporter=ThreadRecordingExporter())
+    inner = provider._active_span_processor._span_processors[-1]._batch_processor
+    try:
+        train(3)
+        deadline = time.monotonic() + 5
+        while len(finished(exporter, semconv.SPAN_STEP)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert inner._schedule_delay == 12 * 2.0  # held: the finisher flushed it
+        assert set(exporter.threads) == {"flare-step-finisher"}
+        deadline = time.monotonic() + 5  # the next period has no steps: released
+        while inner._schedule_delay != 2.0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert inner._schedule_delay == 2.0
+        runtime.tracer.start_span("flare.heartbeat").end()
+        started = time.monotonic()
+        while not finished(exporter, "flare.heartbeat") and time.monotonic() - started < 5:
+            time.sleep(0.02)
+        assert finished(exporter, "flare.heartbeat")
+        assert time.monotonic() - started < 2.0 + 0.5  # the worker's own 2 s, not 24 s
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
+    assert inner._schedule_delay == 2.0
+
+
 def test_uninstrument_hands_over_what_is_deferred(rank_env):  # noqa: F811
     provider, exporter, instrumentor, runtime = run_batched()
     train(3)

@@ -35,6 +35,10 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 
 
+# While the finisher flushes the batch processors every period, their workers wake on
+# their own only every this many periods (or when a batch is full).
+_HELD_FACTOR = 12
+
 def _noop_processor_hooks():
     """The `on_start` / `_on_ending` implementations known to do nothing."""
     from opentelemetry.sdk.trace import SpanProcessor
@@ -131,6 +135,7 @@ class FinishedSpans:
         self._tracer = tracer
         self._processor = tracer.span_processor
         self._checked: tuple | None = None
+        self._held: dict = {}  # batch processor -> its own schedule delay, while held
         self._asynchronous = False
         self._starts, self._endings = _noop_processor_hooks()
         # the tracer's sampler once it is known to keep every child of a sampled remote
@@ -201,14 +206,45 @@ class FinishedSpans:
             delays.append(delay)
         return min(delays) if delays else None
 
-    def flush_batches(self) -> None:
+    def flush_batches(self, period_s: float | None = None) -> None:
         """Export what the batch processors hold now, on the calling thread (the
         finisher's, right after it handed them the step spans): the spans leave within
-        one finisher period instead of a period plus the processors' own delay."""
+        one finisher period instead of a period plus the processors' own delay.
+
+        With `period_s` (the caller flushes that often), each processor's own worker
+        is told to wake only every `_HELD_FACTOR` periods: woken on its schedule as
+        well, it found what other threads had emitted since the last flush (a
+        heartbeat, a detail step's children) and sent it in a request of its own, from
+        a cold thread: 17 µs of CPU per rank-step on the 80 ms benchmark job. It still
+        wakes at once when its queue reaches a batch; `release_batch_schedules` gives
+        the schedule back."""
         if not self.asynchronous():
+            self.release_batch_schedules()
             return
         for processor in self._batch_processors():
             processor.force_flush()
+            if period_s:
+                self._hold_schedule(processor, period_s)
+
+    def _hold_schedule(self, processor, period_s: float) -> None:
+        inner = getattr(processor, "_batch_processor", None)  # SDK >= 1.33
+        if inner is None or inner in self._held:
+            return
+        delay = getattr(inner, "_schedule_delay", None)
+        if isinstance(delay, (int, float)) and 0 < delay <= period_s:
+            self._held[inner] = delay
+            inner._schedule_delay = _HELD_FACTOR * period_s
+
+    def release_batch_schedules(self) -> None:
+        """The batch processors' own schedules, as they were before `flush_batches`."""
+        if not self._held:
+            return
+        held, self._held = self._held, {}
+        for inner, delay in held.items():
+            inner._schedule_delay = delay
+            awaken = getattr(inner, "_worker_awaken", None)
+            if awaken is not None:  # its wait in progress is the long one: restart it
+                awaken.set()
 
     def asynchronous(self) -> bool:
         """Usable, and every processor exports in batches from its own thread: handing

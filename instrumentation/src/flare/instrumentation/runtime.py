@@ -447,18 +447,29 @@ class Runtime:
         delay = finished.batch_delay_s() if finished is not None else None
         period = max(_FINISH_MIN_PERIOD_S, delay or 0.0)
         wake = self._finisher_wake
-        while True:
-            wake.wait(period)
-            wake.clear()
-            if self._finisher_stopping:
-                return
-            if self.drain() and finished is not None:
-                try:
-                    finished.flush_batches()
-                except Exception as error:  # the batch processor's own worker exports them
-                    if not self._finisher_failed:
-                        self._finisher_failed = True
-                        _log.warning("flare: flushing the step spans failed: %r", error)
+        try:
+            while True:
+                wake.wait(period)
+                wake.clear()
+                if self._finisher_stopping:
+                    return
+                if finished is None:
+                    self.drain()
+                elif not self.drain():
+                    # No steps this period (a stall, a hang, the end): the processors'
+                    # workers export on their own schedule again (heartbeats must leave).
+                    finished.release_batch_schedules()
+                else:
+                    try:
+                        finished.flush_batches(period)
+                    except Exception as error:  # the batch processor's own worker exports them
+                        if not self._finisher_failed:
+                            self._finisher_failed = True
+                            _log.warning("flare: flushing the step spans failed: %r", error)
+                        finished.release_batch_schedules()
+        finally:
+            if finished is not None:  # the batch processors' workers export on their own again
+                finished.release_batch_schedules()
 
     def drain(self, spans_only: bool = False) -> bool:
         """Build and hand over every deferred step span now (before any flush), then
