@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import threading
@@ -303,56 +302,29 @@ def test_a_store_file_replaced_between_flushes_gets_its_schema_again(tmp_path):
     assert exporter.read_meta("k") == "2"
 
 
-def _watch_large_flush_settings(monkeypatch, setting):
-    """Record, around the real `_vacuum_off_if_large` of each flush, a DuckDB setting's
-    value while the flush writes and after it (the function itself runs unchanged)."""
+def _row_groups_after(tmp_path, monkeypatch, flush_sizes: list[int]) -> int:
+    """Row groups of the spans table in the store file after flushes of the given
+    numbers of 2-span requests, with a large flush being 6 spans or more."""
     from flare.exporters import flare_store
 
-    seen = []
-    real = flare_store._vacuum_off_if_large
-
-    def value(con):
-        return con.execute(f"SELECT current_setting('{setting}')").fetchone()[0]
-
-    @contextlib.contextmanager
-    def watched(con, rows):
-        before = value(con)
-        with real(con, rows):
-            seen.append((rows, value(con), before))
-            yield
-        seen.append((value(con), before))
-
-    monkeypatch.setattr(flare_store, "_vacuum_off_if_large", watched)
     monkeypatch.setattr(flare_store, "LARGE_FLUSH_ROWS", 6)
-    return seen
-
-
-def test_large_flushes_checkpoint_without_vacuum_and_small_ones_with_it(tmp_path, monkeypatch):
-    watched = _watch_large_flush_settings(monkeypatch, "max_vacuum_tasks")
-    path = tmp_path / "store.duckdb"
+    path = tmp_path / f"store-{'-'.join(map(str, flush_sizes))}.duckdb"
     exporter = FlareStoreExporter(path)
-    for flush in range(4):
-        for _ in range(3 if flush % 2 else 1):  # 2 spans (small), then 6 (large)
+    for number, requests in enumerate(flush_sizes):
+        for _ in range(requests):
             exporter.export_traces(step_request())
-        exporter.flush(commit_marker=("wal_lsn", str(flush)))
-    seen = [(item[0], item[1]) if len(item) == 3 else item[0] for item in watched]
-    # Off while a large flush writes; DuckDB's default before the file closes.
-    assert seen == [(2, 100), 100, (6, 0), 100, (2, 100), 100, (6, 0), 100]
-    assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 16}]
-    assert rows(path, "SELECT value FROM flare_meta WHERE key = 'wal_lsn'") == [{"value": "3"}]
+        exporter.flush(commit_marker=("wal_lsn", str(number)))
+    assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 2 * sum(flush_sizes)}]
+    assert rows(path, "SELECT value FROM flare_meta WHERE key = 'wal_lsn'") == [
+        {"value": str(len(flush_sizes) - 1)}]
+    return rows(path, "SELECT count(DISTINCT row_group_id) AS n "
+                      "FROM pragma_storage_info('spans')")[0]["n"]
 
 
-def test_large_flushes_checkpoint_at_commit(tmp_path, monkeypatch):
-    """A large flush writes its rows to the file at commit (no DuckDB WAL round trip);
-    the threshold is back to DuckDB's default before the file closes."""
-    watched = _watch_large_flush_settings(monkeypatch, "checkpoint_threshold")
-    path = tmp_path / "store.duckdb"
-    exporter = FlareStoreExporter(path)
-    for flush in range(2):
-        for _ in range(3 if flush else 1):  # 2 spans (small), then 6 (large)
-            exporter.export_traces(step_request())
-        exporter.flush(commit_marker=("wal_lsn", str(flush)))
-    seen = [(item[0], item[1] != item[2]) if len(item) == 3 else item[0] == item[1]
-            for item in watched]
-    assert seen == [(2, False), True, (6, True), True]
-    assert rows(path, "SELECT count(*) AS n FROM spans") == [{"n": 8}]
+def test_large_flushes_keep_their_row_groups_and_small_ones_are_merged(tmp_path, monkeypatch):
+    # Read in the store file itself: a large flush is checkpointed at its commit without
+    # DuckDB's vacuum, so each keeps its own row group (no rewrite of its neighbours);
+    # small flushes keep the vacuum, which merges them into one row group.
+    assert _row_groups_after(tmp_path, monkeypatch, [1, 1, 1, 1]) == 1
+    assert _row_groups_after(tmp_path, monkeypatch, [3, 3, 3, 3]) == 4
+    assert _row_groups_after(tmp_path, monkeypatch, [1, 3, 1, 3]) == 2
