@@ -3,29 +3,40 @@
 Reads `/proc/self/task/*/schedstat` (nanoseconds each thread ran) at the 100th optimizer
 step and at exit, and writes `threads<RANK>.json` into OUT_DIR: microseconds per step
 for each thread name (Flare's `flare-step-finisher`, `flare-watchdog`, the batch
-processor's `OtelBatchSpanRecordProcessor`, gRPC's threads if any, gloo's, MainThread).
-Linux only. Used for the per-thread tables of docs/benchmarks.md, e.g.
+processor's `OtelBatchSpanRecordProcessor`, the SDK's metric reader, gRPC's threads if
+any, gloo's, MainThread). Linux only. Used for the per-thread tables of
+docs/benchmarks.md. The usual way runs it under exactly the environment `flare run`
+gives its ranks (`child_environment()`), exporting to a loopback OTLP/HTTP receiver,
+and prints the 4 ranks' mean per thread:
 
-    OTEL_TRACES_EXPORTER=flare_otlp OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf \\
-    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:PORT OTEL_BSP_SCHEDULE_DELAY=5000 \\
-    OTEL_METRICS_EXPORTER=none OTEL_LOGS_EXPORTER=none \\
-    OTEL_EXPERIMENTAL_RESOURCE_DETECTORS=otel,flare \\
-      .venv/bin/opentelemetry-instrument .venv/bin/torchrun --nproc_per_node 4 \\
-      benchmarks/rank_thread_cpu.py OUT_DIR examples/train_ddp.py --steps 600
+    .venv/bin/python benchmarks/rank_thread_cpu.py --drive --steps 400 \
+        --hidden 1024 --batch-size 128
 
-with `python tests/instrumentation/otlp_sink.py PORT_FILE http` as the receiver
-(`grpc` and `OTEL_EXPORTER_OTLP_PROTOCOL=grpc` for gRPC; plain `torchrun` for the
-uninstrumented job).
+(arguments after `--drive` go to examples/train_ddp.py; `PYTHONPATH=<other tree>/
+instrumentation/src` measures another tree's instrumentation side by side). As a
+wrapper, by hand:
+
+    ... opentelemetry-instrument torchrun --nproc_per_node 4 \
+        benchmarks/rank_thread_cpu.py OUT_DIR examples/train_ddp.py --steps 600
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import runpy
+import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+# Threads that are the job's own, not the instrumentation's.
+JOB_THREADS = ("MainThread", "gloo_tcp_loop", "pt_gloo_runloop")
 
 FIRST_STEP = 100
 
@@ -74,5 +85,33 @@ def main() -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def drive(train_args: list[str]) -> None:
+    """Run the 4-rank job under `flare run`'s rank environment and print the ranks' mean
+    CPU per rank-step of each thread, and the instrumentation's threads together."""
+    sys.path.insert(0, str(REPO / "tests" / "instrumentation"))
+    from otlp_sink import OtlpSink
+
+    from flare.diagnostics.run import child_environment
+
+    with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
+        env = child_environment("rank-thread-cpu", sink.endpoint)
+        subprocess.run([str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"),
+                        "--nproc_per_node", "4", __file__, out,
+                        str(REPO / "examples" / "train_ddp.py"), *train_args],
+                       env=env, cwd=REPO, stdout=subprocess.DEVNULL, check=True)
+        ranks = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}/threads*.json"))]
+    if not ranks:
+        raise SystemExit("rank_thread_cpu: no rank wrote its figures (fewer than 100 steps?)")
+    names = sorted({name for rank in ranks for name in rank})
+    mean = {name: round(sum(r.get(name, 0.0) for r in ranks) / len(ranks), 1) for name in names}
+    for name in names:
+        print(f"{name:36s} {mean[name]:10.1f} us/rank-step")
+    background = sum(v for name, v in mean.items() if name not in JOB_THREADS)
+    print(f"{'instrumentation threads together':36s} {background:10.1f} us/rank-step")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--drive"]:
+        drive(sys.argv[2:])
+    else:
+        main()
