@@ -234,6 +234,7 @@ def _transport_request(port: int):
     (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True, b"ok"),
     (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", False, b""),
     (b"HTTP/1.0 200 OK\r\n\r\nuntil-close", False, b"until-close"),
+    (b"HTTP/1.1 200 OK\r\n\r\nuntil-close", False, b"until-close"),  # no length: not kept
 ])
 def test_replies_by_length_chunks_and_close_are_read_and_the_connection_kept_as_told(
         reply, keep, body):

@@ -134,9 +134,13 @@ class _Connection:
             status, reason, reply_headers, keep_alive = self._read_head()
             if 100 <= status < 200:  # an interim reply (100 Continue): the final one follows
                 continue
-            no_body = method == "HEAD" or status in (204, 304)
-            return status, reason, reply_headers, (b"" if no_body else
-                                                   self._read_body(reply_headers)), keep_alive
+            if method == "HEAD" or status in (204, 304):
+                return status, reason, reply_headers, b"", keep_alive
+            delimited = ("chunked" in (dict.get(reply_headers, "transfer-encoding") or "").lower()
+                         or dict.get(reply_headers, "content-length") is not None)
+            # a body delimited by the close leaves nothing to reuse
+            return (status, reason, reply_headers, self._read_body(reply_headers),
+                    keep_alive and delimited)
 
     def _recv(self) -> bytes:
         data = self.sock.recv(65536)

@@ -135,10 +135,11 @@ class Watchdog:
             # limit itself: report the operation, which says where the rank waits
             # (inside the backward: a DDP collective from the flight recorder). The step
             # itself would read as stuck in the rank's own code.
+            # Only the training (main) thread's: another thread's operation is not
+            # where the step waits.
             main = threading.main_thread().ident
-            waiting = [(ident, op) for ident, op in in_flight if not op.reported]
-            waiting.sort(key=lambda item: (item[0] != main, item[1].start_ns))
-            stuck = waiting[:1]
+            stuck = [(ident, op) for ident, op in in_flight
+                     if ident == main and not op.reported][:1]
         stacks = all_thread_stacks(skip_ident=threading.get_ident())
         if stuck:
             for ident, op in stuck:
