@@ -136,11 +136,9 @@ class _Connection:
                 continue
             if method == "HEAD" or status in (204, 304):
                 return status, reason, reply_headers, b"", keep_alive
-            delimited = ("chunked" in (dict.get(reply_headers, "transfer-encoding") or "").lower()
-                         or dict.get(reply_headers, "content-length") is not None)
+            body, to_the_close = self._read_body(reply_headers)
             # a body delimited by the close leaves nothing to reuse
-            return (status, reason, reply_headers, self._read_body(reply_headers),
-                    keep_alive and delimited)
+            return status, reason, reply_headers, body, keep_alive and not to_the_close
 
     def _recv(self) -> bytes:
         data = self.sock.recv(65536)
@@ -183,9 +181,10 @@ class _Connection:
                       else "keep-alive" in connection)
         return int(parts[1]), parts[2] if len(parts) > 2 else "", reply_headers, keep_alive
 
-    def _read_body(self, reply_headers: _Headers) -> bytes:
+    def _read_body(self, reply_headers: _Headers) -> tuple[bytes, bool]:
+        """(body, whether it ran to the connection's close)."""
         if "chunked" in (dict.get(reply_headers, "transfer-encoding") or "").lower():
-            return self._read_chunked()
+            return self._read_chunked(), False
         length = dict.get(reply_headers, "content-length")
         if length is None:  # delimited by the close (the connection is not kept)
             chunks = [self._buffer]
@@ -196,14 +195,14 @@ class _Connection:
                 total += len(data)
                 if total > _MAX_BODY:
                     raise _BadReply(f"reply body longer than {_MAX_BODY} bytes")
-            return b"".join(chunks)
+            return b"".join(chunks), True
         try:
             size = int(length.split(",")[0])
         except ValueError:
             raise _BadReply(f"bad Content-Length {length!r}") from None
         if not 0 <= size <= _MAX_BODY:
             raise _BadReply(f"bad Content-Length {length!r}")
-        return self._take(size)
+        return self._take(size), False
 
     def _take(self, size: int) -> bytes:
         buffer = self._buffer

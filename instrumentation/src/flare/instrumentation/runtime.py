@@ -626,21 +626,17 @@ class Runtime:
     # ------------------------------------------------------------ operations in flight
     def push_op(self, name: str, start_ns: int, attributes: dict, frame=None) -> Operation:
         op = Operation(name, start_ns, attributes, frame)
-        ident = threading.get_ident()
-        stack = self._ops.get(ident)
-        if stack is None:
-            with self._lock:
-                stack = self._ops.setdefault(ident, [])
-        stack.append(op)
+        self.thread_operations().append(op)
         return op
 
     def thread_operations(self) -> list:
         """The calling thread's stack of operations in flight, for a hook that pushes
         and pops its own (append an Operation; pop it if it is still last, else pop_op)."""
-        stack = self._ops.get(threading.get_ident())
+        ident = threading.get_ident()
+        stack = self._ops.get(ident)
         if stack is None:
             with self._lock:
-                stack = self._ops.setdefault(threading.get_ident(), [])
+                stack = self._ops.setdefault(ident, [])
         return stack
 
     def pop_op(self, op: Operation) -> None:
