@@ -1,24 +1,44 @@
-"""In-situ cost of Flare's two per-step training-thread hooks (torchrun wrapper).
+"""In-situ cost of Flare's two per-step training-thread hooks.
 
-Run under `opentelemetry-instrument torchrun` like benchmarks/rank_thread_cpu.py (same
-environment); it times, with `perf_counter_ns`, the optimizer post-hook that closes
-each step (Flare's step boundary) and Flare's backward wrapper minus the backward
-itself, inside the real job (cold caches, four ranks on the cores), and writes the
-medians in µs to `hooks<RANK>.json` in OUT_DIR:
+It times, with the training thread's CPU clock (`thread_time_ns`), the optimizer
+post-hook that closes each step (Flare's step boundary) and Flare's backward wrapper
+minus the backward itself, inside the real 4-rank job (cold caches, four ranks on the
+cores), and prints per hook the ranks' median, mean, 90th percentile and max in µs.
+The mean is what the training thread pays per step: it includes the detail steps
+(every FLARE_DETAIL_EVERY-th, which build and hand over the step spans waiting for the
+finisher) and the steps that find the caches colder still; the median is the usual
+step's cost. The first 20 steps are left out (warm-up).
 
-    ... torchrun --nproc_per_node 4 benchmarks/hook_cost_in_situ.py OUT_DIR \\
-        examples/train_ddp.py --steps 400
+    .venv/bin/python benchmarks/hook_cost_in_situ.py --drive --steps 300 \\
+        --hidden 1024 --batch-size 128
+
+(arguments after `--drive` go to examples/train_ddp.py, which runs under exactly the
+environment `flare run` gives its ranks, exporting to a loopback OTLP/HTTP sink;
+`PYTHONPATH=<other tree>/instrumentation/src` measures another tree side by side). As a
+wrapper, by hand:
+
+    ... opentelemetry-instrument torchrun --nproc_per_node 4 \\
+        benchmarks/hook_cost_in_situ.py OUT_DIR examples/train_ddp.py --steps 400
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import runpy
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+WARM_UP = 20
+HOOKS = ("step boundary", "backward wrapper")
 
 
 def main() -> None:
@@ -27,8 +47,8 @@ def main() -> None:
     from flare.instrumentation import step_hooks
 
     out_dir, script = sys.argv[1], sys.argv[2]
-    clock = time.perf_counter_ns
-    samples: dict[str, list[int]] = {"backward wrapper": [], "step boundary": []}
+    clock = time.thread_time_ns
+    samples: dict[str, list[int]] = {name: [] for name in HOOKS}
     wrapped = step_hooks.StepHooks._timed_backward
 
     def timed_backward(self, original, tensors, args, kwargs):
@@ -59,16 +79,57 @@ def main() -> None:
         hooks[key] = timed_hook
 
     def dump():
-        medians = {name: round(statistics.median(values) / 1e3, 1)
-                   for name, values in samples.items() if values}
+        figures = {}
+        for name, values in samples.items():
+            values = sorted(values[WARM_UP:])
+            if values:
+                figures[name] = {
+                    "median": statistics.median(values) / 1e3,
+                    "mean": statistics.fmean(values) / 1e3,
+                    "p90": values[int(0.9 * (len(values) - 1))] / 1e3,
+                    "max": values[-1] / 1e3,
+                }
         with open(os.path.join(out_dir, f"hooks{os.environ.get('RANK', '0')}.json"),
                   "w") as handle:
-            json.dump(medians, handle)
+            json.dump(figures, handle)
 
     atexit.register(dump)
     sys.argv = sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
 
 
+def drive(train_args: list[str]) -> None:
+    """Run the 4-rank job under `flare run`'s rank environment; print each hook's
+    figures, each the mean over the ranks."""
+    sys.path.insert(0, str(REPO / "tests" / "instrumentation"))
+    from otlp_sink import OtlpSink
+
+    from flare.diagnostics.run import child_environment
+
+    with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
+        env = child_environment("hook-cost", sink.endpoint)
+        subprocess.run([str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"),
+                        "--nproc_per_node", "4", __file__, out,
+                        str(REPO / "examples" / "train_ddp.py"), *train_args],
+                       env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True)
+        ranks = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}/hooks*.json"))]
+    if not ranks:
+        raise SystemExit(f"hook_cost_in_situ: no rank wrote its figures (fewer than "
+                         f"{WARM_UP + 1} steps?)")
+    print(f"{'us of training-thread CPU':24s} {'median':>8s} {'mean':>8s} {'p90':>8s} {'max':>9s}"
+          f"   ({len(ranks)} ranks)")
+    for name in HOOKS:
+        present = [rank[name] for rank in ranks if name in rank]
+        if present:
+            row = {k: sum(p[k] for p in present) / len(present)
+                   for k in ("median", "mean", "p90", "max")}
+            print(f"{name:24s} {row['median']:8.1f} {row['mean']:8.1f} {row['p90']:8.1f} "
+                  f"{row['max']:9.1f}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--drive"]:
+        drive(sys.argv[2:])
+    else:
+        main()
