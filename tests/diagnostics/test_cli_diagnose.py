@@ -98,8 +98,12 @@ def test_regression_against_baseline(tmp_path, capsys):
     (["--store", "{tmp}/two.duckdb", "--job", "zzz"], "job 'zzz' is not in"),
     (["--store", "{tmp}/empty.duckdb"], "holds no jobs"),
     (["--store", "{tmp}/newer.duckdb"], "newer Flare"),
-    (["--store", "{tmp}/junk.duckdb"], "store"),
+    (["--store", "{tmp}/junk.duckdb"], "is not a Flare store"),
+    (["--store", "{tmp}/half.duckdb"], "is damaged or unreadable"),
     (["--backend", "jaeger+http://127.0.0.1:9"], ""),
+    (["--backend", "jaeger+http://localhost:notaport"], "port"),
+    (["--backend", "tempo+http://localhost:99999"], "port"),
+    (["--backend", "jaeger+http://[::1"], "http://[::1"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
     _store(tmp_path / "two.duckdb", job_spans("a", 2, 8), job_spans("b", 2, 8))
@@ -108,6 +112,8 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     with flare_store.writer(tmp_path / "newer.duckdb") as con:
         con.execute("UPDATE flare_meta SET value = '99' WHERE key = 'schema_version'")
     (tmp_path / "junk.duckdb").write_bytes(b"garbage" * 1000)
+    whole = _store(tmp_path / "whole.duckdb", job_spans("a", 4, 200)).read_bytes()
+    (tmp_path / "half.duckdb").write_bytes(whole[:len(whole) // 2])  # a truncated copy
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", *argv],
                             capture_output=True, text=True, timeout=120)

@@ -54,11 +54,69 @@ def test_run_diagnoses_writes_back_and_forwards(tmp_path):
     assert all(s["links"] for s in local)
 
 
+def test_forwarding_to_an_otlp_http_port_that_is_not_4318_is_detected(tmp_path):
+    """No --otlp-forward-protocol and a port other than 4318: the target answers an
+    HTTP/1.1 request, so the spans go over OTLP/HTTP (gRPC would send nothing)."""
+    upstream_store = tmp_path / "upstream.duckdb"
+    upstream = Collector(embedded_config(upstream_store))
+    upstream.start()
+    try:
+        assert not upstream.http_endpoint.endswith(":4318")
+        result = _run(["--job", "emit", "--format", "json", "--otlp-forward",
+                       f"http://{upstream.http_endpoint}", "--", sys.executable, EMIT, "3"],
+                      cwd=tmp_path)
+        upstream.flush()
+    finally:
+        upstream.stop(10)
+    assert result.returncode == 3, result.stderr
+    assert "lost" not in result.stderr
+    assert len(_anomaly_spans(upstream_store)) == len(json.loads(result.stdout)["anomalies"]) > 0
+
+
+def test_a_forward_target_that_refuses_everything_is_reported(tmp_path):
+    """Forwarding is best effort, but spans the target did not take are said, in one
+    line, and the job's status and the local store are unaffected."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_404():
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            with connection:
+                try:
+                    connection.recv(65536)
+                    connection.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                                       b"Connection: close\r\n\r\n")
+                except OSError:
+                    pass
+
+    threading.Thread(target=answer_404, daemon=True).start()
+    try:
+        result = _run(["--job", "emit", "--format", "json", "--otlp-forward",
+                       f"http://127.0.0.1:{port}", "--", sys.executable, EMIT, "3"],
+                      cwd=tmp_path)
+    finally:
+        server.close()
+    assert result.returncode == 3, result.stderr
+    lost = [line for line in result.stderr.splitlines() if "lost" in line]
+    assert len(lost) == 1 and f"forwarding to http://127.0.0.1:{port} lost" in lost[0]
+    assert "404" in lost[0] and "the store has them all" in lost[0]
+    assert json.loads(result.stdout)["anomalies"]  # diagnosed from the local store
+
+
 @pytest.mark.parametrize("args, code, message", [
     (["--bogus", "--", "true"], 2, "unrecognized arguments: --bogus"),
     ([], 2, "no command to run"),
     (["--", "/no/such/command"], 1, "command not found: /no/such/command"),
     (["--otlp-forward", "http://127.0.0.1:9", "--", "true"], 1, "is unreachable"),
+    (["--otlp-forward", "http://localhost:notaport", "--", "true"], 1, "is not a URL"),
+    (["--otlp-forward", "http://localhost:99999", "--", "true"], 1, "is not a URL"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, args, code, message):
     result = _run(args, cwd=tmp_path, timeout=60)

@@ -69,6 +69,16 @@ def test_fail_slow_has_onset_step():
     assert abs(found[0].first_step - 50) <= 1
 
 
+def test_fail_slow_is_not_dated_by_a_rise_every_rank_shared():
+    # A loaded host slows every rank's compute a little from step 6; rank 0's own fault
+    # starts at 30. Read alone, rank 0's compute rose at 6 as well, and the label was
+    # dated there (seen in a live run); against its peers it rose at 30.
+    faults = (*(Fault("compute", r, 6, extra_ms=30) for r in range(4)),
+              Fault("compute", 0, 30, extra_ms=70))
+    found = fail_slow.detect(_job(job_spans("j", 4, 120, faults, base_ms=8)), DiagnosisConfig())
+    assert [(a.ranks, a.first_step, a.cause) for a in found] == [([0], 30, "compute")]
+
+
 def test_fail_slow_waits_until_the_slowdown_persists_and_dates_it_exactly():
     # Live following diagnoses the job as it grows and never rewrites a label. With
     # two slow steps only, the best split took two normal steps into the later segment

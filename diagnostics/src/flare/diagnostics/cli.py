@@ -37,6 +37,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `flare diagnose | head`
         return 0
+    except Exception as exc:
+        # A store damaged past its header fails only when a query reaches the bad
+        # block: one line, as for any other unreadable store.
+        if not type(exc).__module__.startswith(("duckdb", "_duckdb")):
+            raise
+        if "interrupt" in str(exc).lower():  # DuckDB's own form of Ctrl-C
+            print("flare: interrupted", file=sys.stderr)
+            return 130
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"flare: error: reading the store failed: {first}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-forward", metavar="URL",
                    help="also forward everything to this OTLP endpoint (Jaeger, Tempo, a collector)")
     p.add_argument("--otlp-forward-protocol", choices=("grpc", "http"),
-                   help="protocol of --otlp-forward (default: http for port 4318, else grpc)")
+                   help="protocol of --otlp-forward (default: http for port 4318 or a target that "
+                        "answers HTTP/1.1, else grpc)")
     p.add_argument("--no-diagnose", action="store_true", help="collect only; no alerts, no report")
     p.add_argument("--format", choices=("text", "json", "html"), default="text",
                    help="format of the final report (default text)")
@@ -78,8 +79,8 @@ def main(argv: list[str]) -> int:
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     forward_protocol = None
     if args.otlp_forward:
-        forward_protocol = args.otlp_forward_protocol or _guess_protocol(args.otlp_forward)
         _check_reachable(args.otlp_forward)
+        forward_protocol = args.otlp_forward_protocol or _guess_protocol(args.otlp_forward)
     collector = _start_collector(args.store, args.otlp_forward, forward_protocol)
     # Ranks send over OTLP/HTTP: a gRPC channel would keep threads in every rank that
     # cost CPU even between exports (docs/instrumentation.md). Written-back anomalies
@@ -110,23 +111,70 @@ def main(argv: list[str]) -> int:
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
+    _report_forwarding(collector, args.otlp_forward)
     return status
+
+
+def _report_forwarding(collector, target: str | None) -> None:
+    """One line when the forward target did not take everything (forwarding is best
+    effort and never stops the job, but a silent loss would look like success)."""
+    if not target:
+        return
+    for exporter in getattr(collector, "exporters", {}).values():
+        if not hasattr(exporter, "last_error"):
+            continue  # not the forwarding exporter
+        counters = exporter.metrics()
+        lost = int(counters.get("dropped_items", 0))
+        if lost:
+            failed = int(counters.get("failed_requests", 0))
+            reason = exporter.last_error or "the target did not take them"
+            print(f"flare: forwarding to {target} lost {lost} spans and points "
+                  f"({failed} requests failed; last error: {reason}); the store has them all",
+                  file=sys.stderr)
 
 
 def _url(endpoint: str) -> str:
     return endpoint if "://" in endpoint else f"http://{endpoint}"
 
 
+def _forward_target(url: str) -> tuple[object, int]:
+    """The parsed --otlp-forward URL and its port (4317, or 443 for https, when none)."""
+    try:
+        parsed = urlparse(url if "://" in url else f"http://{url}")
+        port = parsed.port  # raises on a port that is not a number in 0-65535
+    except ValueError as exc:
+        raise UserError(f"--otlp-forward {url!r} is not a URL ({str(exc).lower()})") from None
+    if not parsed.hostname:
+        raise UserError(f"--otlp-forward {url!r} is not a URL")
+    return parsed, port or (443 if parsed.scheme == "https" else 4317)
+
+
 def _guess_protocol(url: str) -> str:
-    parsed = urlparse(url if "://" in url else f"http://{url}")
-    return "http" if parsed.port == 4318 or parsed.path.rstrip("/").endswith("/v1/traces") else "grpc"
+    """OTLP/HTTP for port 4318 or a /v1/traces path; otherwise whatever the target
+    speaks: an OTLP/HTTP receiver answers an HTTP/1.1 request with an HTTP/1.1 status
+    line, a gRPC one with HTTP/2 frames (plain http:// only; https:// stays gRPC)."""
+    parsed, port = _forward_target(url)
+    if port == 4318 or parsed.path.rstrip("/").endswith("/v1/traces"):
+        return "http"
+    if parsed.scheme == "http" and _speaks_http1(parsed.hostname, port):
+        return "http"
+    return "grpc"
+
+
+def _speaks_http1(host: str, port: int) -> bool:
+    request = (f"POST /v1/traces HTTP/1.1\r\nHost: {host}:{port}\r\n"
+               "Content-Type: application/x-protobuf\r\nContent-Length: 0\r\n"
+               "Connection: close\r\n\r\n").encode()
+    try:  # an empty export request: an OTLP/HTTP receiver accepts it and stores nothing
+        with socket.create_connection((host, port), timeout=3) as probe:
+            probe.sendall(request)
+            return probe.recv(8).startswith(b"HTTP/1.")
+    except OSError:
+        return False
 
 
 def _check_reachable(url: str) -> None:
-    parsed = urlparse(url if "://" in url else f"http://{url}")
-    if not parsed.hostname:
-        raise UserError(f"--otlp-forward {url!r} is not a URL")
-    port = parsed.port or (443 if parsed.scheme == "https" else 4317)
+    parsed, port = _forward_target(url)
     try:
         socket.create_connection((parsed.hostname, port), timeout=3).close()
     except OSError as exc:

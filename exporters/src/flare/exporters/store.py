@@ -142,12 +142,30 @@ def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
         # other mode ("different configuration"): both clear once that flush ends.
         if "lock" in text.lower() or "different configuration" in text:
             raise StoreLocked(f"store {path} is held by another process") from exc
+        if "not a valid DuckDB database" in text:
+            raise StoreError(_unreadable(path, exc)) from exc
         raise StoreError(f"cannot open store {path}: {text.splitlines()[0]}") from exc
     except duckdb.Error as exc:
-        raise StoreError(f"{path} is not a Flare store: {str(exc).splitlines()[0]}") from exc
+        raise StoreError(_unreadable(path, exc)) from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    """One line for a file DuckDB cannot read: not a DuckDB file at all, or a damaged
+    one (truncated, overwritten blocks)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "not a valid DuckDB database" in text:
+        return f"{path} is not a Flare store: {text}"
+    return f"store {path} is damaged or unreadable: {text}"
 
 
 def _check_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    try:
+        _check_schema_version(con, path)
+    except duckdb.Error as exc:  # blocks are read lazily: a damaged file fails here
+        raise StoreError(_unreadable(path, exc)) from exc
+
+
+def _check_schema_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
     tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     if "spans" not in tables or "flare_meta" not in tables:
         raise StoreError(f"{path} is not a Flare store (no spans table)")

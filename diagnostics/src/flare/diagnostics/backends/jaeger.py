@@ -54,7 +54,12 @@ class HttpClient:
         key_file: str | None = None,
         bearer_token: str | None = None,
     ) -> None:
-        parsed = urllib.parse.urlsplit(base_url)
+        try:
+            parsed = urllib.parse.urlsplit(base_url)
+            port = parsed.port  # raises on a port that is not a number in 0-65535
+        except ValueError as exc:
+            raise BackendError(f"{product} URL {base_url!r} is not http(s)://HOST:PORT "
+                               f"({str(exc).lower()})") from None
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise BackendError(f"{product} URL {base_url!r} is not http(s)://HOST:PORT")
         # Unset options fall back to the FLARE_BACKEND_* environment variables, so a
@@ -69,7 +74,7 @@ class HttpClient:
         self.base_url = base_url.rstrip("/")
         self._scheme = parsed.scheme
         self._host = parsed.hostname
-        self._port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        self._port = port or (443 if parsed.scheme == "https" else 80)
         self._prefix = parsed.path.rstrip("/")
         self._timeout_s = timeout_s
         self._headers = {"Accept": "application/json", "User-Agent": "flare-diagnostics"}

@@ -128,11 +128,18 @@ def _settled(point: ChangePoint, series: np.ndarray, persist: int) -> ChangePoin
 def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.ndarray,
                  persist: int, onset: int) -> int:
     """Date the slowdown by the named cause's own component when it jumps nearby: it is
-    sharper than the step time, which noise can move a few steps early."""
+    sharper than the step time, which noise can move a few steps early. A fault that
+    worsens in stages is dated from its first, smaller rise, however early. When some
+    ranks drove it, their component is read as their excess over the other ranks': a
+    rise every rank shares (a loaded host) is not theirs to date."""
     matrix = frame.cause_series(cause)
     if matrix is None:
         return onset
-    series = nanmedian(matrix[rows][:, warm].astype(np.float64), axis=0)
+    values = matrix[:, warm].astype(np.float64)
+    series = nanmedian(values[rows], axis=0)
+    peers = [row for row in range(values.shape[0]) if row not in set(rows)]
+    if peers:
+        series = series - nanmedian(values[peers], axis=0)
     after = series[warm >= onset]
     level = float(np.nanmedian(after)) if np.isfinite(after).any() else 0.0
     if not level > 0:
