@@ -22,6 +22,12 @@ def test_services_and_operations_from_api_v3(recorded_server, jaeger_fixture):
     assert recorded_server.requests[-1][1]["service"] == ["foo"]
 
 
+def test_the_written_back_anomalies_service_is_not_a_job(recorded_server):
+    recorded_server.answer("/api/v3/services",
+                           {"services": ["train_ddp", "flare-diagnostics", "jaeger-all-in-one"]})
+    assert JaegerBackend(recorded_server.url).jobs() == ["train_ddp"]
+
+
 def test_find_traces_pushes_filters_down_and_reads_otlp_json(recorded_server, jaeger_fixture):
     recorded_server.answer("/api/v3/services", jaeger_fixture("apiv3_GetServices.json"))
     recorded_server.answer("/api/v3/traces", jaeger_fixture("apiv3_FindTraces.json"))

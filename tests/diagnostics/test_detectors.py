@@ -106,6 +106,25 @@ def test_hang_culprit_is_the_rank_outside_the_collective():
     assert found[0].ranks == [2]
     assert found[0].callsite == "/home/u/examples/train_ddp.py:182 in wait_for_shared_filesystem"
     assert found[0].evidence["victims"] == [0, 1, 3]
+    assert found[0].summary.endswith("ranks 0, 1, 3 wait for it in all_reduce (process group 0, seq 61)")
+
+
+def test_hang_names_each_collective_its_victims_wait_in():
+    """A rank stuck in its own code while one peer waits in their sub-group's all-reduce
+    and the rest in the world's: each collective is named with its own ranks."""
+    base = job_spans("j", 4, 20)
+    t = 1_800_000_000_000_000_000
+    where = {0: ("1", 21), 2: ("0", 64), 3: ("0", 64)}
+    dumps = [_span(sc.SPAN_HANG, r, 20, t + r, {
+        sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: pg, sc.HANG_SEQ: seq,
+        sc.HANG_STACKS: "Thread MainThread\n  File \"/x/torch/distributed/c10d.py\", line 1 in all_reduce"})
+        for r, (pg, seq) in where.items()]
+    dumps.append(_span(sc.SPAN_HANG, 1, 20, t + 9, {sc.HANG_OPERATION: "train.step", sc.HANG_STACKS: MAIN_STACK}))
+    found = hang.detect(_job(pa.concat_tables([base, _extra(dumps)])), DiagnosisConfig())
+    assert [a.ranks for a in found] == [[1]]
+    assert found[0].summary.endswith(
+        "ranks 2, 3 wait in all_reduce (process group 0, seq 64); "
+        "rank 0 waits in all_reduce (process group 1, seq 21)"), found[0].summary
 
 
 def test_hang_culprit_by_sequence_or_silence():
@@ -244,3 +263,37 @@ def test_a_two_rank_job_gets_its_straggler_and_a_healthy_one_none(seed):
 
     assert ("straggler", [1], "compute") in diagnose((Fault("compute", 1, 20, extra_ms=40),))
     assert diagnose(()) == []
+
+
+def test_a_failing_detector_is_reported_but_an_interrupted_query_stops_the_diagnosis():
+    """One broken detector must not hide the others' findings; but Ctrl-C during a
+    query reaches DuckDB first, which raises its own exception: that is an interrupt,
+    not a detector failure, and no partial report may follow it."""
+    import duckdb
+
+    job = _job(job_spans("j", 4, 60, (Fault("compute", 2, 20),)))
+    warnings = []
+
+    def broken(job, config):
+        raise ValueError("bug")
+
+    def interrupted(job, config):
+        raise duckdb.InterruptException("INTERRUPT Error: Query interrupted")
+
+    result = diagnose(job, detectors={"straggler": straggler.detect, "broken": broken},
+                      warn=warnings.append)
+    assert [a.kind for a in result.anomalies] == ["straggler"]
+    assert result.detector_errors == {"broken": "ValueError: bug"} and len(warnings) == 1
+    assert result.to_json()["detector_errors"] == {"broken": "ValueError: bug"}
+    assert "detector_errors" not in diagnose(job, detectors={"straggler": straggler.detect}).to_json()
+    with pytest.raises(KeyboardInterrupt):
+        diagnose(job, detectors={"straggler": straggler.detect, "stopped": interrupted},
+                 warn=warnings.append)
+    assert len(warnings) == 1
+
+
+def test_a_cpu_starved_fail_slow_says_so_in_its_summary():
+    found = fail_slow.detect(_job(job_spans("j", 4, 80, (Fault("busy_thread", 1, 30),))),
+                             DiagnosisConfig())
+    assert [(a.ranks, a.cause) for a in found] == [([1], "cpu")]
+    assert "starved of CPU (other threads burn +30.0 ms of CPU per step)" in found[0].summary

@@ -90,12 +90,15 @@ class Diagnosis:
     job_data: JobData | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "job": self.job,
             "backend": self.backend,
             "steps": None if self.steps is None else {"first": self.steps[0], "last": self.steps[1]},
             "anomalies": [a.to_json() for a in self.anomalies],
         }
+        if self.detector_errors:  # a partial report says so in itself, not only on stderr
+            out["detector_errors"] = dict(self.detector_errors)
+        return out
 
 
 def diagnose(
@@ -114,6 +117,8 @@ def diagnose(
         try:
             found.extend(detect(cached, config))
         except Exception as exc:  # one broken detector must not hide the others' findings
+            if _interrupted(exc):  # Ctrl-C inside a query: stop, no partial report
+                raise KeyboardInterrupt from exc
             errors[name] = f"{type(exc).__name__}: {exc}"
             (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
     anomalies = order(merge(found))
@@ -122,6 +127,13 @@ def diagnose(
         if not anomaly.trace_ids:
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
     return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached)
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """DuckDB turns a Ctrl-C that arrives during a query into its own exception."""
+    return type(exc).__name__ == "InterruptException" or (
+        type(exc).__module__.startswith(("duckdb", "_duckdb"))
+        and "interrupted" in str(exc).lower())
 
 
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:

@@ -23,7 +23,7 @@ from flare.diagnostics.model import Anomaly
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
-SERVICE = "flare-diagnostics"
+SERVICE = sc.DIAGNOSTICS_SERVICE
 EvidenceLinks = Mapping[str, Sequence[tuple[str, str]]]  # anomaly key → (trace_id, span_id) hex
 
 

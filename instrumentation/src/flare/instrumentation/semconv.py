@@ -40,6 +40,8 @@ SPAN_HEARTBEAT = "flare.heartbeat"
 SPAN_ERROR = "flare.error"  # an error outside any step (e.g. during init)
 SPAN_STEP_RANKS = "train.step.ranks"  # emitted by the correlator
 SPAN_COLLECTIVE_RANKS = "collective.ranks"  # emitted by the correlator per (pg, seq)
+# service.name of the anomaly spans `flare diagnose` writes back: not a job
+DIAGNOSTICS_SERVICE = "flare-diagnostics"
 SPAN_ANOMALY = "flare.anomaly"  # written back by diagnostics
 
 # ---------------------------------------------------------------- train.step

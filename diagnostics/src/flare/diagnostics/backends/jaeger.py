@@ -587,7 +587,9 @@ class JaegerBackend:
         else:
             _, doc = self.http.get_json("/api/services")
             services = _expect_list(doc, "data", "Jaeger /api/services")
-        return sorted(str(s) for s in services if s not in _JAEGER_OWN_SERVICES)
+        # Jaeger's own services, and the anomaly spans written back: not jobs
+        return sorted(str(s) for s in services
+                      if s not in _JAEGER_OWN_SERVICES and s != sc.DIAGNOSTICS_SERVICE)
 
     def operations(self, service: str) -> list[str]:
         if self.api_v3():

@@ -151,7 +151,8 @@ class TempoBackend:
         if not isinstance(doc, dict) or not isinstance(doc.get("tagValues", []), list):
             raise BackendError("Tempo answered tag values that are not a list")
         values = [v.get("value") if isinstance(v, dict) else v for v in doc.get("tagValues", [])]
-        return sorted({str(v) for v in values if v})
+        # the anomaly spans written back are not a job
+        return sorted({str(v) for v in values if v and v != sc.DIAGNOSTICS_SERVICE})
 
     # -- traces
 

@@ -61,8 +61,8 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         past["wait"] = _comm_ms(frame, before)
         now_work += now["wait"]
         past_work += past["wait"]
-    why = attribute(now, past, config.cause_min_share, now_work, past_work,
-                    means(frame, rows, after), means(frame, rows, before))
+    mean_now, mean_past = means(frame, rows, after), means(frame, rows, before)
+    why = attribute(now, past, config.cause_min_share, now_work, past_work, mean_now, mean_past)
     if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
         # Without byte counts a longer least wait may be a slower fabric or a busier
         # host (descheduled ranks): not enough to name communication.
@@ -77,6 +77,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         f"the job slowed down by {point.shift:.0%} from step {first} "
         f"({point.before:.1f} → {point.after:.1f} ms/step), driven by {who}"
         + (f": {grew} time grew by {why.deltas_ms[grew]:.1f} ms/step" if why.cause != "unknown" else "")
+        + _starved_text(why.cause, mean_now, mean_past)
     )
     confidence = min(0.99, (1 - math.exp(-point.score / config.fail_slow_min_score)) *
                      min(1.0, len(after) / (2 * persist)) * (1.0 if why.cause != "unknown" else 0.8))
@@ -149,6 +150,17 @@ def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.
         return onset
     candidate = int(warm[rise])
     return candidate if candidate - onset <= _ONSET_TOLERANCE else onset
+
+
+def _starved_text(cause: str, mean_now: dict[str, float], mean_past: dict[str, float]) -> str:
+    """The `cpu` cause's own sign: the Python side starved of CPU, and by what."""
+    if cause != "cpu":
+        return ""
+    other = mean_now.get("other_cpu", math.nan) - mean_past.get("other_cpu", math.nan)
+    if math.isfinite(other) and other > 0:
+        return (f", as its Python side is starved of CPU (other threads burn +{other:.1f} ms "
+                "of CPU per step)")
+    return ", as its Python side is starved of CPU"
 
 
 def significant(point: ChangePoint | None, config: DiagnosisConfig) -> bool:

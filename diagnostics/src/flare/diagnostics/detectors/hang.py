@@ -10,8 +10,6 @@ its own stack.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from flare.diagnostics.callsite import user_callsite, user_frames
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.instrumentation import semconv as sc
@@ -60,11 +58,12 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     first_step = (culprit_dump or {}).get("step")
     if first_step is None and steps:
         first_step = min(steps)
-    waiting_on = Counter(_collective_of(latest[r]) for r in victims if r in in_collective)
-    where = ""
-    if waiting_on:
-        (op, pg, seq), _ = waiting_on.most_common(1)[0]
-        where = f" in {op} (process group {pg}, seq {seq})"
+    # Victims may wait in different collectives (a sub-group's, the world's): each
+    # collective is named with its own ranks.
+    waiting_on: dict[tuple, list[int]] = {}
+    for rank in victims:
+        if rank in in_collective:
+            waiting_on.setdefault(_collective_of(latest[rank]), []).append(rank)
     function = callsite.rsplit(" in ", 1)[-1] if callsite else None
     culprit_text = ", ".join(map(str, culprits))
     if culprit_dump is not None and culprit_dump["rank"] in stuck_in_own_code:
@@ -75,7 +74,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     else:
         what = f"ranks {culprit_text} are all stuck in the same collective"
     if victims:
-        what += f"; rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} wait for it{where}"
+        what += "; " + _victims_text(victims, waiting_on)
     elapsed = max((d.get(sc.HANG_ELAPSED_S) or 0.0) for d in latest.values())
     return [Anomaly(
         kind="hang", ranks=culprits, cause=cause, first_step=first_step, last_step=None,
@@ -87,6 +86,24 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
             "culprit_frames": frames, "elapsed_s": elapsed,
         },
     )]
+
+
+def _victims_text(victims: list[int], waiting_on: dict[tuple, list[int]]) -> str:
+    def ranks(group: list[int]) -> str:
+        return f"rank{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}"
+
+    if len(waiting_on) <= 1:
+        where = ""
+        if waiting_on:
+            (op, pg, seq), _ = next(iter(waiting_on.items()))
+            where = f" in {op} (process group {pg}, seq {seq})"
+        return f"{ranks(victims)} wait for it{where}"
+    parts = [f"{ranks(group)} wait{'' if len(group) > 1 else 's'} in {op} (process group {pg}, seq {seq})"
+             for (op, pg, seq), group in sorted(waiting_on.items(), key=lambda kv: (-len(kv[1]), kv[1]))]
+    elsewhere = [r for r in victims if not any(r in group for group in waiting_on.values())]
+    if elsewhere:
+        parts.append(f"{ranks(elsewhere)} wait{'' if len(elsewhere) > 1 else 's'} too")
+    return "; ".join(parts)
 
 
 def _collective_of(dump: dict) -> tuple[str, str, int] | None:
