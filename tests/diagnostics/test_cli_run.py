@@ -141,6 +141,8 @@ def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):
         cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         assert "collecting into" in flare.stderr.readline()
+        # the store exists from the start: a diagnose before the first flush finds it
+        assert (tmp_path / ".flare" / "store.duckdb").exists()
         while "job running" not in flare.stderr.readline():
             pass
         flare.send_signal(signal.SIGINT)

@@ -382,3 +382,12 @@ def test_long_and_multibyte_rows_reach_the_store(tmp_path):
     finally:
         con.close()
     assert stored == [tuple(row[n] for n in names)] * 2
+
+
+def test_a_binary_file_is_named_with_escaped_bytes(tmp_path):
+    path = tmp_path / "rank0.json"
+    path.write_bytes(b"KVL\x03\xe9\x1el\x00\xff" * 8)
+    with pytest.raises(kineto.TraceError, match="not a Kineto trace") as caught:
+        kineto.read_trace(path, "j")
+    message = str(caught.value)
+    assert message.isascii() and message.isprintable(), message

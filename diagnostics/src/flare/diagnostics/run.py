@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
         _check_reachable(args.otlp_forward)
         forward_protocol = args.otlp_forward_protocol or _guess_protocol(args.otlp_forward)
     collector = _start_collector(args.store, args.otlp_forward, forward_protocol)
+    _create_store(collector, args.store)
     # Ranks send over OTLP/HTTP: a gRPC channel would keep threads in every rank that
     # cost CPU even between exports (docs/instrumentation.md). Written-back anomalies
     # go over gRPC, from this process.
@@ -193,6 +194,19 @@ def _start_collector(store_path: str, forward: str | None, protocol: str | None)
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot start the embedded collector: {text}") from None
     return collector
+
+
+def _create_store(collector, path: str) -> None:
+    """The store file exists from the start: `flare diagnose` on it during the job's
+    first seconds (before the first flush) then finds a store with no jobs yet."""
+    from flare.exporters import store as flare_store
+
+    try:
+        with flare_store.writer(path):
+            pass
+    except flare_store.StoreError as exc:
+        collector.stop(5.0)
+        raise UserError(str(exc)) from None
 
 
 def _instrument_command() -> list[str]:

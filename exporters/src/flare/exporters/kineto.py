@@ -140,7 +140,8 @@ class _StreamingTrace:
     def _expect(self, char: str) -> None:
         if self._peek() != char:
             found = self._buf[self._pos:self._pos + 20]
-            raise TraceError(f"{self._name}: not a Kineto trace (expected {char!r}, found {found!r})")
+            # !a: a binary file's bytes stay escapes on the terminal
+            raise TraceError(f"{self._name}: not a Kineto trace (expected {char!r}, found {found!a})")
         self._pos += 1
 
     def _value(self) -> Any:

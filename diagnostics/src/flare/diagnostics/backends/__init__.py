@@ -56,4 +56,6 @@ def open_backend(spec: str, **opts: Any) -> Backend:
     from flare.diagnostics.backends.store import StoreBackend
 
     path = spec[len("store:"):] if spec.startswith("store:") else spec
+    if not path:
+        raise BackendError(f"backend {spec!r} names no store file (use store:PATH)")
     return StoreBackend(path, **opts)
