@@ -24,19 +24,13 @@ wrapper, by hand:
 from __future__ import annotations
 
 import atexit
-import glob
 import json
 import os
 import runpy
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 WARM_UP = 20
 HOOKS = ("step boundary", "backward wrapper")
 
@@ -101,19 +95,9 @@ def main() -> None:
 def drive(train_args: list[str]) -> None:
     """Run the 4-rank job under `flare run`'s rank environment; print each hook's
     figures, each the mean over the ranks."""
-    sys.path.insert(0, str(REPO / "tests" / "instrumentation"))
-    from otlp_sink import OtlpSink
+    from rank_thread_cpu import run_ranks  # a sibling script: its directory is on sys.path
 
-    from flare.diagnostics.run import child_environment
-
-    with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
-        env = child_environment("hook-cost", sink.endpoint)
-        subprocess.run([str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"),
-                        "--nproc_per_node", "4", __file__, out,
-                        str(REPO / "examples" / "train_ddp.py"), *train_args],
-                       env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, check=True)
-        ranks = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}/hooks*.json"))]
+    ranks = run_ranks(__file__, "hook-cost", "hooks", train_args)
     if not ranks:
         raise SystemExit(f"hook_cost_in_situ: no rank wrote its figures (fewer than "
                          f"{WARM_UP + 1} steps?)")

@@ -85,21 +85,28 @@ def main() -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def drive(train_args: list[str]) -> None:
-    """Run the 4-rank job under `flare run`'s rank environment and print the ranks' mean
-    CPU per rank-step of each thread, and the instrumentation's threads together."""
+def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str]) -> list[dict]:
+    """Run examples/train_ddp.py on 4 ranks through `wrapper` (a script taking OUT_DIR
+    and the training script) under exactly `flare run`'s rank environment, exporting to
+    a loopback OTLP/HTTP sink; returns what each rank wrote to OUT_DIR/<prefix>*.json."""
     sys.path.insert(0, str(REPO / "tests" / "instrumentation"))
     from otlp_sink import OtlpSink
 
     from flare.diagnostics.run import child_environment
 
     with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
-        env = child_environment("rank-thread-cpu", sink.endpoint)
+        env = child_environment(job, sink.endpoint)
         subprocess.run([str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"),
-                        "--nproc_per_node", "4", __file__, out,
+                        "--nproc_per_node", "4", wrapper, out,
                         str(REPO / "examples" / "train_ddp.py"), *train_args],
                        env=env, cwd=REPO, stdout=subprocess.DEVNULL, check=True)
-        ranks = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}/threads*.json"))]
+        return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}/{prefix}*.json"))]
+
+
+def drive(train_args: list[str]) -> None:
+    """Run the 4-rank job under `flare run`'s rank environment and print the ranks' mean
+    CPU per rank-step of each thread, and the instrumentation's threads together."""
+    ranks = run_ranks(__file__, "rank-thread-cpu", "threads", train_args)
     if not ranks:
         raise SystemExit("rank_thread_cpu: no rank wrote its figures (fewer than 100 steps?)")
     names = sorted({name for rank in ranks for name in rank})
