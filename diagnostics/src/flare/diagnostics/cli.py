@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # A store damaged past its header fails only when a query reaches the bad
         # block: one line, as for any other unreadable store.
-        if not type(exc).__module__.startswith(("duckdb", "_duckdb")):
+        from flare.exporters import store as flare_store
+
+        if not flare_store.is_store_error(exc):
             raise
-        if "interrupt" in str(exc).lower():  # DuckDB's own form of Ctrl-C
+        if flare_store.is_interrupt(exc):
             print("flare: interrupted", file=sys.stderr)
             return 130
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from flare.diagnostics import registry
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, job_source
+from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
 # Labels that, on the same ranks and cause as a straggler, describe the same problem.
@@ -117,7 +118,7 @@ def diagnose(
         try:
             found.extend(detect(cached, config))
         except Exception as exc:  # one broken detector must not hide the others' findings
-            if _interrupted(exc):  # Ctrl-C inside a query: stop, no partial report
+            if flare_store.is_interrupt(exc):  # Ctrl-C inside a query: stop, no partial report
                 raise KeyboardInterrupt from exc
             errors[name] = f"{type(exc).__name__}: {exc}"
             (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
@@ -127,13 +128,6 @@ def diagnose(
         if not anomaly.trace_ids:
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
     return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached)
-
-
-def _interrupted(exc: BaseException) -> bool:
-    """DuckDB turns a Ctrl-C that arrives during a query into its own exception."""
-    return type(exc).__name__ == "InterruptException" or (
-        type(exc).__module__.startswith(("duckdb", "_duckdb"))
-        and "interrupted" in str(exc).lower())
 
 
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:

@@ -79,8 +79,7 @@ def main(argv: list[str]) -> int:
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     forward_protocol = None
     if args.otlp_forward:
-        _check_reachable(args.otlp_forward)
-        forward_protocol = args.otlp_forward_protocol or _guess_protocol(args.otlp_forward)
+        forward_protocol = _forward_protocol(args.otlp_forward, args.otlp_forward_protocol)
     collector = _start_collector(args.store, args.otlp_forward, forward_protocol)
     _create_store(collector, args.store)
     # Ranks send over OTLP/HTTP: a gRPC channel would keep threads in every rank that
@@ -121,9 +120,11 @@ def _report_forwarding(collector, target: str | None) -> None:
     effort and never stops the job, but a silent loss would look like success)."""
     if not target:
         return
-    for exporter in getattr(collector, "exporters", {}).values():
-        if not hasattr(exporter, "last_error"):
-            continue  # not the forwarding exporter
+    from flare.exporters.otlp import OtlpExporter
+
+    for exporter in collector.exporters.values():
+        if not isinstance(exporter, OtlpExporter):
+            continue  # the store
         counters = exporter.metrics()
         lost = int(counters.get("dropped_items", 0))
         if lost:
@@ -150,36 +151,34 @@ def _forward_target(url: str) -> tuple[object, int]:
     return parsed, port or (443 if parsed.scheme == "https" else 4317)
 
 
-def _guess_protocol(url: str) -> str:
-    """OTLP/HTTP for port 4318 or a /v1/traces path; otherwise whatever the target
-    speaks: an OTLP/HTTP receiver answers an HTTP/1.1 request with an HTTP/1.1 status
-    line, a gRPC one with HTTP/2 frames (plain http:// only; https:// stays gRPC)."""
+def _forward_protocol(url: str, chosen: str | None) -> str:
+    """Check that the forward target answers, and pick its protocol unless `chosen`:
+    OTLP/HTTP for port 4318 or a /v1/traces path; otherwise whatever the target
+    speaks, asked on the same connection: an OTLP/HTTP receiver answers an HTTP/1.1
+    request with an HTTP/1.1 status line, a gRPC one with HTTP/2 frames (plain http://
+    only; https:// stays gRPC)."""
     parsed, port = _forward_target(url)
-    if port == 4318 or parsed.path.rstrip("/").endswith("/v1/traces"):
-        return "http"
-    if parsed.scheme == "http" and _speaks_http1(parsed.hostname, port):
-        return "http"
-    return "grpc"
+    if chosen is None and (port == 4318 or parsed.path.rstrip("/").endswith("/v1/traces")):
+        chosen = "http"
+    ask = chosen is None and parsed.scheme == "http"
+    try:
+        with socket.create_connection((parsed.hostname, port), timeout=3) as connection:
+            if ask and _speaks_http1(connection, parsed.hostname, port):
+                chosen = "http"
+    except OSError as exc:
+        raise UserError(f"forward target {url} is unreachable: {exc.strerror or exc}") from None
+    return chosen or "grpc"
 
 
-def _speaks_http1(host: str, port: int) -> bool:
+def _speaks_http1(connection: socket.socket, host: str, port: int) -> bool:
     request = (f"POST /v1/traces HTTP/1.1\r\nHost: {host}:{port}\r\n"
                "Content-Type: application/x-protobuf\r\nContent-Length: 0\r\n"
                "Connection: close\r\n\r\n").encode()
     try:  # an empty export request: an OTLP/HTTP receiver accepts it and stores nothing
-        with socket.create_connection((host, port), timeout=3) as probe:
-            probe.sendall(request)
-            return probe.recv(8).startswith(b"HTTP/1.")
-    except OSError:
+        connection.sendall(request)
+        return connection.recv(8).startswith(b"HTTP/1.")
+    except OSError:  # reachable, but it did not answer that: not OTLP/HTTP
         return False
-
-
-def _check_reachable(url: str) -> None:
-    parsed, port = _forward_target(url)
-    try:
-        socket.create_connection((parsed.hostname, port), timeout=3).close()
-    except OSError as exc:
-        raise UserError(f"forward target {url} is unreachable: {exc.strerror or exc}") from None
 
 
 def _start_collector(store_path: str, forward: str | None, protocol: str | None):

@@ -149,6 +149,16 @@ def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
         raise StoreError(_unreadable(path, exc)) from exc
 
 
+def is_store_error(exc: BaseException) -> bool:
+    """An error DuckDB raised (a damaged file shows only when a query reaches it)."""
+    return isinstance(exc, duckdb.Error)
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """DuckDB's form of a Ctrl-C that arrived during a query."""
+    return isinstance(exc, duckdb.InterruptException)
+
+
 def _unreadable(path: Path, exc: Exception) -> str:
     """One line for a file DuckDB cannot read: not a DuckDB file at all, or a damaged
     one (truncated, overwritten blocks)."""

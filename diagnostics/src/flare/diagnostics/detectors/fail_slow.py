@@ -138,7 +138,8 @@ def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.
         return onset
     values = matrix[:, warm].astype(np.float64)
     series = nanmedian(values[rows], axis=0)
-    peers = [row for row in range(values.shape[0]) if row not in set(rows)]
+    chosen = set(rows)
+    peers = [row for row in range(values.shape[0]) if row not in chosen]
     if peers:
         series = series - nanmedian(values[peers], axis=0)
     after = series[warm >= onset]
