@@ -73,7 +73,7 @@ def test_device_time_reaches_the_span_and_the_step_summary():
     identity = ProcessIdentity(0, 0, 2, 0, 0, "job", "svc", "host", 1, None, None)
     runtime = Runtime(provider.get_tracer("t"), identity, FlareConfig(detail_every=1), {})
     tracker = CollectiveTracker(runtime)  # not installed: nothing patched
-    runtime.summary_captures.append(tracker.capture_step_summary)
+    runtime.summary_adders = (tracker.add_step_summary,)
     runtime.begin_step()
     record = CollectiveRecord("all_reduce", PgInfo("0", "default_pg", (0, 1), "nccl"), 7,
                               1 << 20, "float32", time.time_ns(), time.time_ns(), None, False)

@@ -711,7 +711,7 @@ def test_ddp_wait_after_the_graph_is_split_off_without_a_hook_per_backward(proce
     for _ in range(4):
         model(torch.randn(2, 8)).sum().backward()
         optimizer.step()
-    assert hooks._marker_misses == 0 and not hooks._marker.active
+    assert hooks._marker.misses == 0 and not hooks._marker.active
     steps = finished(process_group, semconv.SPAN_STEP)
     assert len(steps) == 4
     for step in steps:
@@ -743,7 +743,7 @@ def test_an_unused_watched_parameter_hands_over_to_a_hook_per_backward(process_g
         for _ in range(6):
             model(torch.randn(2, 8)).sum().backward()
             optimizer.step()
-    assert _step_hooks(TorchTrainingInstrumentor())._marker_misses == 3
+    assert _step_hooks(TorchTrainingInstrumentor())._marker.misses == 3
     assert "did not mark 3 backwards" in caplog.text
     waits = [s.attributes[semconv.STEP_COLLECTIVE_WAIT_MS]
              for s in finished(process_group, semconv.SPAN_STEP)]

@@ -22,7 +22,7 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -130,18 +130,6 @@ class CollectiveRecord:
         return self.pg.name if self.pg else "?"
 
 
-@dataclass(slots=True)
-class _StepCollectives:
-    seq_at_start: dict[str, int] = field(default_factory=dict)
-    seq_at_end: dict[str, int] | None = None  # set by capture_step_summary
-    # (pg name, call start, call end) of Python-issued collectives: a flight-recorder
-    # entry created inside one of these windows is that call (sequence numbers cannot
-    # join them: with point-to-point traffic the group counter and the recorder's
-    # collective counter differ)
-    python_windows: list = field(default_factory=list)
-    backward_windows: list = field(default_factory=list)  # (start, graph done, end)
-
-
 def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict) -> None:
     names = sorted(set(totals_pg) | {n for n, s in now_seqs.items()
                                      if s > started.get(n, s)})
@@ -170,7 +158,9 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
 class CollectiveTracker:
     """Wraps torch.distributed and summarises each step; a Runtime step listener."""
 
-    ordinary_steps = ("on_step_start",)  # at a step's end it acts on detail steps only
+    # The step's sequence numbers are read by the runtime (`sequence_reader`) and kept
+    # in its StepTotals: only a detail step's end needs the listener.
+    ordinary_steps = ()
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -178,9 +168,9 @@ class CollectiveTracker:
         self.ddp_gradients = DdpGradients(self.groups)
         self.recorder = FlightRecorder()
         self.recorder_truncated_steps = 0  # detail steps whose first entries were overwritten
-        self._seqs_seen: dict[str, int] | None = None  # last snapshot, training thread
+        # Several groups: the snapshot read after the step's last backward, and its step
+        self._seqs_seen: tuple[object, dict[str, int]] | None = None
         self._patches = Patches()
-        self._step = _StepCollectives()
         self._pending: dict[int, tuple[object, CollectiveRecord]] = {}
         self._local = threading.local()
         self._device_timer = None  # created at the first CUDA collective
@@ -214,31 +204,37 @@ class CollectiveTracker:
         except Exception as error:  # DDP buckets stay counted, just not sized every step
             _log.info("flare: DDP gradient bytes are not summarised per step (%r)", error)
         self.runtime.add_step_listener(self)
-        self.runtime.summary_captures.append(self.capture_step_summary)
+        self.runtime.sequence_reader = self.groups.sequence_snapshot
+        self.runtime.summary_adders = (*self.runtime.summary_adders, self.add_step_summary)
 
     def uninstall(self) -> None:
         if self._device_timer is not None:
             self._device_timer.stop()
             self._device_timer = None
         self.runtime.remove_step_listener(self)
-        if self.capture_step_summary in self.runtime.summary_captures:
-            self.runtime.summary_captures.remove(self.capture_step_summary)
+        if self.runtime.sequence_reader == self.groups.sequence_snapshot:
+            self.runtime.sequence_reader = None
+        self.runtime.summary_adders = tuple(
+            add for add in self.runtime.summary_adders if add != self.add_step_summary)
         self.ddp_gradients.uninstall()
         self._patches.restore_all()
         self._pending.clear()
 
-    def sequences_before_backward(self) -> dict[str, int]:
-        """The groups' sequence numbers as last read on the training thread: at this
-        step's start or (with several groups) at the end of its previous backward. A
-        backward compares its own end with these, which spares a native read per
-        backward (~15-25 µs cold, the step's largest single cost); with one group its
-        end is the step's end (see `record_backward`). Collectives of the forward in between then
-        count as the backward's, which only matters for the DDP gradient bytes, and
-        those are added only while DDP synchronises (`DdpGradients.syncing`)."""
+    def sequences_before_backward(self, totals) -> dict[str, int] | None:
+        """What a backward compares its end with, to know which groups it advanced:
+        with one group, None, meaning the step's start (the runtime's read, in
+        `totals`); with several, the groups' sequence numbers as last read on the
+        training thread (at this step's start or the end of its previous backward).
+        Either spares a native read before every backward (~15-25 µs cold, the step's
+        largest single cost). Collectives of the forward in between then count as the
+        backward's, which only matters for the DDP gradient bytes, and those are added
+        only while DDP synchronises (`DdpGradients.syncing`)."""
+        if self.groups.sequenced_groups() < 2:
+            return None
         seen = self._seqs_seen
-        if seen is None:
-            seen = self._seqs_seen = self.groups.sequence_snapshot()
-        return seen
+        if seen is not None and seen[0] is totals:
+            return seen[1]
+        return totals.seq_start
 
     # ------------------------------------------------------------------ wrappers
     def _wrap(self, original, spec: CallSpec):
@@ -327,7 +323,10 @@ class CollectiveTracker:
         totals.python_count += 1
         totals.bytes += record.nbytes
         if self.runtime.step_detail:
-            self._step.python_windows.append((record.pg_name, record.start_ns, record.end_ns))
+            step = self.runtime.totals
+            if step.python_windows is None:
+                step.python_windows = []
+            step.python_windows.append((record.pg_name, record.start_ns, record.end_ns))
         works = result if isinstance(result, list) else [result] if result is not None else []
         if record.is_async and works and len(self._pending) < MAX_PENDING_WORKS:
             record.pending_works = len(works)
@@ -419,34 +418,38 @@ class CollectiveTracker:
             if bandwidth is not None:
                 attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
 
-    def record_backward(self, start: int, graph_done: int, end: int,
+    def record_backward(self, totals, start: int, graph_done: int, end: int,
                         seqs_before: dict[str, int] | None) -> None:
-        """A backward ended. Every group whose sequence advanced during it ran the
-        gradient collectives of the DDP wrappers on it: add their gradient bytes. The
-        tail of backward after the gradients were computed (`graph_done`, 0 when unknown)
-        is the wait for those collectives; charge it to the group whose sequence
-        advanced most."""
-        if self.runtime.step_detail and graph_done:
-            self._step.backward_windows.append((start, graph_done, end))
-        if not seqs_before:
+        """A backward of the step `totals` ended. Every group whose sequence advanced
+        during it ran the gradient collectives of the DDP wrappers on it: add their
+        gradient bytes. The tail of backward after the gradients were computed
+        (`graph_done`, 0 when unknown) is the wait for those collectives; charge it to
+        the group whose sequence advanced most. Only what the comparison needs is noted
+        now; it is made when the step's span is built."""
+        if graph_done and self.runtime.step_detail:
+            if totals.backward_windows is None:
+                totals.backward_windows = []
+            totals.backward_windows.append((start, graph_done, end))
+        groups = self.groups.sequenced_groups()
+        if not groups:
             return
-        # Only the sequence numbers are read now; the rest waits for the step's span.
-        # With a single group there is nothing to choose between: whether it advanced
-        # is read from the step's end (`capture_step_summary`'s read, which the step
-        # pays anyway), sparing the training thread a native read per backward.
-        if self.groups.sequenced_groups() == 1:
-            after = self._step  # its seq_at_end, once the step's summary is captured
+        if groups == 1:
+            # Nothing to choose between: whether the group advanced is read from the
+            # step's start and end (the runtime's reads, which the step pays anyway),
+            # sparing the training thread a native read per backward.
+            after = None
         else:
-            after = self._seqs_seen = self.groups.sequence_snapshot()
-        self.runtime.totals.pending.append(
-            (self._add_backward, (graph_done, end, seqs_before, after,
-                                  self.ddp_gradients.syncing())))
+            after = self.groups.sequence_snapshot()
+            self._seqs_seen = (totals, after)
+        totals.pending.append((self._add_backward, (graph_done, end, seqs_before, after,
+                                                    self.ddp_gradients.syncing())))
 
-    def _add_backward(self, totals, graph_done: int, end: int, seqs_before: dict,
-                      after, gradient_bytes: dict) -> None:
-        if isinstance(after, _StepCollectives):
-            after = after.seq_at_end
-            if after is None:  # the step's end read failed: nothing to compare with
+    @staticmethod
+    def _add_backward(totals, graph_done: int, end: int, seqs_before: dict | None,
+                      after: dict | None, gradient_bytes: dict) -> None:
+        if after is None:  # one group: the step's own reads
+            seqs_before, after = totals.seq_start, totals.seq_end
+            if not seqs_before or after is None:  # a read failed: nothing to compare
                 return
         advanced = {name: after[name] - seq for name, seq in seqs_before.items()
                     if after.get(name, seq) > seq}
@@ -462,27 +465,14 @@ class CollectiveTracker:
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:
-        runtime = self.runtime
-        previous = self._step
-        if (step > 0 and previous.seq_at_end is not None
-                and runtime.step_start_ns == runtime.last_step_end_ns):
-            # This step began where the last one ended (the optimizer-hook boundary):
-            # the sequence numbers taken at that end are this step's start.
-            started = previous.seq_at_end
-        else:
-            started = self._seqs_seen = self.groups.sequence_snapshot()
-        self._step = _StepCollectives(seq_at_start=started)
+        pass  # the runtime reads the step's starting sequence numbers itself
 
-    def capture_step_summary(self):
-        """At the step's end, on the training thread: the group sequence numbers now.
-        Returns the function that turns them, with the step's totals, into the
-        always-on per-group arrays (a Runtime summary capture; it may run later, on the
-        finisher thread: everything it reads is no longer written)."""
-        totals_pg = self.runtime.totals.pg
-        now_seqs = self._seqs_seen = self.groups.sequence_snapshot()
-        self._step.seq_at_end = now_seqs
-        started = self._step.seq_at_start
-        return lambda summary: _add_pg_arrays(summary, totals_pg, started, now_seqs)
+    @staticmethod
+    def add_step_summary(summary: dict, totals) -> None:
+        """The always-on per-group arrays of a step's summary, from its totals and the
+        sequence numbers at its start and end (a Runtime summary adder: it runs when
+        the span is built, possibly on the finisher thread)."""
+        _add_pg_arrays(summary, totals.pg, totals.seq_start or {}, totals.seq_end or {})
 
     def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:
@@ -492,16 +482,15 @@ class CollectiveTracker:
             runtime = self.runtime
             self.runtime.run_later(functools.partial(
                 self._emit_flight_recorder, runtime.step_start_ns, time.time_ns(),
-                self._step, step, trace.set_span_in_context(span),
+                runtime.totals, step, trace.set_span_in_context(span),
                 dict(runtime.span_attributes)))
 
-    def _emit_flight_recorder(self, step_start_ns: int, step_end_ns: int,
-                              collectives: _StepCollectives, step: int, parent,
-                              labels: dict) -> None:
+    def _emit_flight_recorder(self, step_start_ns: int, step_end_ns: int, totals,
+                              step: int, parent, labels: dict) -> None:
         """Detail step: C++-issued collectives of this step, as spans."""
         entries = self.recorder.entries()
         if not entries:
-            now_seqs, started = collectives.seq_at_end or {}, collectives.seq_at_start or {}
+            now_seqs, started = totals.seq_end or {}, totals.seq_start or {}
             if self.recorder.available and any(s > started.get(n, s) for n, s in now_seqs.items()):
                 self.recorder.note_empty()
             return
@@ -512,14 +501,15 @@ class CollectiveTracker:
                           "recorder keeps (%s); its earliest C++-issued ones have no span",
                           step, semconv.ENV_FR_BUFFER_SIZE)
         infos = self.groups.infos_by_name()
-        windows = collectives.backward_windows
+        windows = totals.backward_windows or ()
+        python_windows = totals.python_windows or ()
         for entry in entries:
             created = entry.get("time_created_ns") or 0
             if created < step_start_ns or created > step_end_ns or entry.get("is_p2p"):
                 continue  # another step's (the dump runs up to a second later)
             pg_name, seq = entry_pg_name(entry), entry.get("collective_seq_id")
             if any(pg == pg_name and start <= created <= end
-                   for pg, start, end in collectives.python_windows):
+                   for pg, start, end in python_windows):
                 continue  # already a span from the Python wrapper
             self._emit_recorded(entry, pg_name, seq, created, infos.get(pg_name), windows,
                                 step, parent, labels)

@@ -88,12 +88,37 @@ class GraphDoneMarker:
     checkpoint's, pauses it) and falls back to a per-backward hook after a few
     backwards it did not mark (a parameter unused by the model's forward)."""
 
+    # Slots: the backward reads and writes several of these right after the forward,
+    # with cold caches; in one object's slots they share a cache line or two.
+    __slots__ = (
+        "_handles",
+        "_queue_callback",
+        "active",
+        "done_ns",
+        "misses",
+        "op",
+        "queued",
+        "stack",
+        "stack_owner",
+        "sync",
+    )
+
     def __init__(self):
         # Set by StepHooks around a backward (start: done_ns = 0, queued = False,
         # active = True; end: active = False, then done_ns is read), inline there.
         self.done_ns = 0
         self.active = False  # an outermost, wrapped backward is in progress
         self.queued = False
+        self.misses = 0  # consecutive marked backwards it did not mark (StepHooks)
+        # StepHooks' Operation for the marked backward (start_ns 0 while free), and the
+        # operation stack of the thread that ran the last one (its ident)
+        self.op = None
+        self.stack = None
+        self.stack_owner = None
+        # With one DDP wrapper: (its weak reference, {group: gradient bytes}), for the
+        # backward to read `require_backward_grad_sync` inline instead of calling
+        # DdpGradients.syncing; None otherwise.
+        self.sync = None
         self._queue_callback = None
         self._handles: dict[int, object] = {}
 
@@ -163,6 +188,7 @@ class DdpGradients:
         self.marker.clear()
         self._wrappers.clear()
         self._bytes_by_group = {}  # replaced, never mutated: see current()
+        self.marker.sync = None
 
     def register(self, ddp) -> None:
         """Note a DDP wrapper's group and gradient bytes (once, at construction)."""
@@ -194,12 +220,15 @@ class DdpGradients:
         for _ref, group, nbytes in self._wrappers.values():
             by_group[group] = by_group.get(group, 0) + nbytes
         self._bytes_by_group = by_group
+        self.marker.sync = (next(iter(self._wrappers.values()))[0], by_group) \
+            if len(self._wrappers) == 1 else None
 
     def syncing(self) -> dict[str, int]:
         """Group name -> gradient bytes of the wrappers that synchronise their gradients
         now (not inside `no_sync()`): one attribute read per wrapper. The mapping is
         replaced, never mutated, so a caller may keep it and read it later (after the
-        model is gone); it is the shared one when every wrapper synchronises."""
+        model is gone); it is the shared one when every wrapper synchronises. (With one
+        wrapper the backward reads `marker.sync` instead, inline.)"""
         # a snapshot: a dropped model's weakref callback may pop one from another thread
         paused = [(group, nbytes) for ref, group, nbytes in tuple(self._wrappers.values())
                   if not getattr(ref(), "require_backward_grad_sync", True)]

@@ -61,6 +61,15 @@ class StepTotals:
     # (function, args): bookkeeping a hook left for when the step's span is built, off
     # the training thread where possible; each runs as function(totals, *args) first.
     pending: list = field(default_factory=list)
+    # The process groups' sequence numbers (name -> number) at the step's start and
+    # end, read by the runtime (`Runtime.sequence_reader`); a step that begins where
+    # the last one ended shares that read.
+    seq_start: dict | None = None
+    seq_end: dict | None = None
+    # Detail steps only, created when first needed: (pg name, start, end) of the
+    # Python-issued collectives, and (start, graph done, end) of the backwards.
+    python_windows: list | None = None
+    backward_windows: list | None = None
 
     def pg_totals(self, pg_name: str) -> PgTotals:
         totals = self.pg.get(pg_name)
@@ -103,11 +112,13 @@ class Runtime:
         self._step_span = None
         self._step_context = None
         self.step_detail = False
-        # Always-on attributes of the step summary beyond the runtime's own: callables
-        # run at the step end on the training thread, each returning a function that
-        # adds its attributes to the summary dict when the span is built (possibly on
-        # the finisher thread). Cheaper than listeners setting attributes one by one.
-        self.summary_captures: list = []
+        # Always-on attributes of the step summary beyond the runtime's own: functions
+        # (summary, totals) that add theirs when the span is built (possibly on the
+        # finisher thread), from what the hooks left in the step's StepTotals.
+        self.summary_adders: tuple = ()
+        # () -> {process group name: sequence number}, read at every step boundary (one
+        # native call per group); None without torch.distributed.
+        self.sequence_reader = None
         self.step_start_ns = 0
         self.step_start_cpu_ns = (0, 0)
         self.totals = StepTotals()
@@ -215,7 +226,13 @@ class Runtime:
         self.step_detail = self._decide_detail(self.step_number)
         self.step_start_ns = start_ns or time.time_ns()
         self.step_start_cpu_ns = (time.process_time_ns(), time.thread_time_ns())
-        self.totals = StepTotals()
+        previous, reader = self.totals, self.sequence_reader
+        if (start_ns is not None and start_ns == self.last_step_end_ns
+                and previous.seq_end is not None):
+            seq_start = previous.seq_end  # it begins where the last one ended
+        else:
+            seq_start = reader() if reader is not None else None
+        self.totals = StepTotals(seq_start=seq_start)
         self._children = []
         self._step_span = None
         self._step_context = None
@@ -321,6 +338,53 @@ class Runtime:
         if not self.step_open:
             self.begin_step(now_ns)
             return
+        finished = self._finished
+        if (self._on_end_ordinary or finished is None or self.step_detail or self._children
+                or not finished._asynchronous
+                or finished._processor._span_processors is not finished._checked):
+            self._boundary_general(now_ns)
+            return
+        # The usual case: no listener wants the ending step (so no stand-in span), its
+        # span is deferred to the finisher. Written out in one frame (_capture and
+        # _advance inline). The switch to the next step happens under the lock: a
+        # thread asking for the step span (a hang report, an error) gets either this
+        # step's, made by the SDK (and the step is then finished now), or the next one's.
+        cpu = (time.process_time_ns(), time.thread_time_ns())
+        totals = self.totals
+        reader = self.sequence_reader
+        if reader is not None:
+            totals.seq_end = reader()
+        start_ns = self.step_start_ns
+        step = self.step_number
+        record = (step, start_ns, now_ns, totals, self.step_start_cpu_ns, cpu, False)
+        queue = self._deferred
+        with self._lock:
+            deferred = self._step_span is None
+            if deferred:
+                if len(queue) >= DEFERRED_WAKE:
+                    self._deferred_full()
+                queue.append((record, None))
+                self.recent_step_s.append((now_ns - start_ns) / 1e9)
+                self.last_step_end_ns = now_ns
+                step += 1
+                self.step_number = step
+                detail = self.step_detail = self._decide_detail(step)
+                self.step_start_ns = now_ns
+                self.step_start_cpu_ns = cpu
+                # the sequence numbers read at this end are the next step's start
+                self.totals = StepTotals(seq_start=totals.seq_end)
+                self._step_context = None
+        if not deferred:
+            self.end_step(now_ns, record)
+            self.begin_step(now_ns)
+            return
+        if self._finisher is None:
+            self._start_finisher()
+        methods = self._on_start if detail else self._on_start_ordinary
+        if methods:
+            self._notify(methods, step, detail)
+
+    def _boundary_general(self, now_ns: int) -> None:
         if not self._on_end_ordinary and self._deferrable():
             self._boundary_without_stand_in(now_ns)
             return
@@ -337,10 +401,8 @@ class Runtime:
         self._notify_start()
 
     def _boundary_without_stand_in(self, now_ns: int) -> None:
-        """No listener wants the ending step, so no stand-in span either. The switch to
-        the next step happens under the lock: a thread asking for the step span (a hang
-        report, an error) gets either this step's, made by the SDK (and the step is then
-        finished now), or the next one's."""
+        """No listener wants the ending step, so no stand-in span either (see
+        step_boundary, which does the same in its usual case)."""
         cpu = (time.process_time_ns(), time.thread_time_ns())
         record = self._capture(now_ns, cpu)
         with self._lock:
@@ -368,7 +430,8 @@ class Runtime:
         self.step_detail = self._decide_detail(step)
         self.step_start_ns = now_ns
         self.step_start_cpu_ns = cpu
-        self.totals = StepTotals()
+        # the sequence numbers read at this end are the next step's start
+        self.totals = StepTotals(seq_start=self.totals.seq_end)
         self._children = []
         self._step_span = None
         self._step_context = None
@@ -378,9 +441,12 @@ class Runtime:
         the process and thread CPU clocks read at `end_ns`, when already read)."""
         if cpu is None:
             cpu = (time.process_time_ns(), time.thread_time_ns())
-        return (self.step_number, self.step_start_ns, end_ns, self.totals,
-                self.step_start_cpu_ns, cpu, self.step_detail,
-                [capture() for capture in self.summary_captures])
+        totals = self.totals
+        reader = self.sequence_reader
+        if reader is not None:
+            totals.seq_end = reader()
+        return (self.step_number, self.step_start_ns, end_ns, totals,
+                self.step_start_cpu_ns, cpu, self.step_detail)
 
     def _queue_deferred(self, record: tuple, pending: PendingStepSpan | None) -> None:
         if len(self._deferred) >= DEFERRED_WAKE:
@@ -406,8 +472,8 @@ class Runtime:
             function(totals, *args)
         totals.pending = []
         summary = self._summary(record)
-        for add in record[7]:
-            add(summary)
+        for add in self.summary_adders:
+            add(summary, totals)
         return summary
 
     def _finish_now(self, record: tuple, end_ns: int) -> None:
@@ -578,7 +644,7 @@ class Runtime:
 
     @staticmethod
     def _summary(record: tuple) -> dict:
-        _, start_ns, end_ns, totals, cpu_start, cpu_end, detail = record[:7]
+        _, start_ns, end_ns, totals, cpu_start, cpu_end, detail = record
         wall_ms = (end_ns - start_ns) / 1e6
         dataloader_ms = totals.dataloader_ns / 1e6
         gc_ms = totals.gc_ns / 1e6

@@ -12,6 +12,7 @@ becomes the clock.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from types import MappingProxyType
@@ -24,6 +25,7 @@ _log = logging.getLogger(__name__)
 OP_BACKWARD = "autograd.backward"
 _NO_ATTRIBUTES = MappingProxyType({})  # a backward in flight has none
 _MARKER_MISSES = 3  # consecutive unmarked backwards before the per-backward hook takes over
+_NOTHING = MappingProxyType({})  # no gradient bytes (DDP inside no_sync())
 
 
 class StepHooks:
@@ -39,7 +41,8 @@ class StepHooks:
         # DDP jobs: when a backward's graph is done, from a hook kept across steps
         # (ddp_gradients.GraphDoneMarker); None without torch.distributed
         self._marker = collectives.ddp_gradients.marker if collectives is not None else None
-        self._marker_misses = 0  # consecutive marked backwards it did not mark
+        if self._marker is not None:  # the Operation a marked backward reuses
+            self._marker.op = Operation(OP_BACKWARD, 0, _NO_ATTRIBUTES)
 
     # -------------------------------------------------------------- install/uninstall
     def install(self) -> None:
@@ -81,99 +84,138 @@ class StepHooks:
 
     # -------------------------------------------------------------- backward
     def _make_backward(self, original):
+        """The wrapper of `torch.autograd.backward`: it times the backward and splits
+        off the tail spent after the gradient computation finished, which is DDP/FSDP
+        waiting for its bucket collectives (the reducer's wait runs as an autograd
+        final callback, queued after ours). With DDP wrappers, the final callback that
+        marks the graph done is queued by a gradient hook kept across steps
+        (`GraphDoneMarker`); otherwise by a hook on this backward's root node
+        (`_hooked_backward`). The usual case runs right after the forward, with cold
+        caches, where every object touched costs ~1 µs: it is written out here, in one
+        frame, touching as few objects as it can."""
         runtime = self.runtime
         hooks = self
+        marker = self._marker  # GraphDoneMarker (slots) or None
+        collectives = self.collectives
+        add_backward = collectives._add_backward if collectives is not None else None
+        time_ns = time.time_ns
+        get_ident = threading.get_ident
 
         def backward(tensors, *args, **kwargs):
             if not runtime.enabled:
                 return original(tensors, *args, **kwargs)
             if not runtime.step_open and not runtime.explicit_steps:
                 runtime.begin_step()
-            return hooks._timed_backward(original, tensors, args, kwargs)
+            totals = runtime.totals
+            m = marker
+            if (m is None or m.active or not m._handles or m.misses >= _MARKER_MISSES
+                    or m.op.start_ns):  # (the op in use: a backward on another thread)
+                return hooks._hooked_backward(original, tensors, args, kwargs, totals)
+            # GraphDoneMarker.start(), inline
+            m.done_ns = 0
+            m.queued = False
+            m.active = True
+            seq_start = totals.seq_start
+            several = seq_start is not None and len(seq_start) > 1
+            seqs_before = collectives.sequences_before_backward(totals) if several else None
+            # Runtime.push_op, inline (the watchdog reads the thread's stack)
+            stack = m.stack
+            if m.stack_owner != get_ident():
+                stack = m.stack = runtime.thread_operations()
+                m.stack_owner = get_ident()
+            op = m.op
+            start = op.start_ns = time_ns()
+            op.reported = False
+            stack.append(op)
+            try:
+                return original(tensors, *args, **kwargs)
+            finally:
+                end = time_ns()
+                if stack and stack[-1] is op:
+                    stack.pop()
+                else:
+                    runtime.pop_op(op)
+                op.start_ns = 0  # free for the next backward
+                m.active = False
+                done_ns = m.done_ns
+                if done_ns:
+                    m.misses = 0
+                else:
+                    hooks._missed_mark()
+                totals.backward_ns += end - start
+                sync = m.sync
+                if (sync is not None and seq_start and not several
+                        and not runtime.step_detail):
+                    # CollectiveTracker.record_backward's usual case, inline: one group,
+                    # one DDP wrapper (synchronising unless inside its no_sync())
+                    totals.pending.append((add_backward, (
+                        done_ns, end, None, None,
+                        sync[1] if getattr(sync[0](), "require_backward_grad_sync", True)
+                        else _NOTHING)))
+                elif collectives is not None:
+                    hooks._record(collectives, totals, start, done_ns, end, seqs_before)
 
         backward.__wrapped__ = original
         backward.__doc__ = original.__doc__
         return backward
 
-    def _timed_backward(self, original, tensors, args, kwargs):
-        """Time autograd backward, and split off the tail spent after the gradient
-        computation finished: that tail is DDP/FSDP waiting for its bucket collectives
-        (the reducer's wait runs as an autograd final callback, queued after ours).
-        With DDP wrappers, the final callback that marks the graph done is queued by a
-        gradient hook kept across steps (`GraphDoneMarker`); otherwise by a hook on
-        this backward's root node."""
-        runtime = self.runtime
-        marker = self._marker
+    def _hooked_backward(self, original, tensors, args, kwargs, totals):
+        """No armed DDP marker, or a backward nested in another (or running on another
+        thread meanwhile): a final callback queued by a pre-hook on this backward's root
+        node marks the graph done."""
+        runtime, marker = self.runtime, self._marker
         nested = marker is not None and marker.active
         if nested:  # inside another backward: its marker must not fire in this graph
             marker.active = False
-        marked = (marker is not None and not nested and marker.armed
-                  and self._marker_misses < _MARKER_MISSES)
+        graph_done = [0]
+        queue_callback = self._queue_callback
+
+        def mark_graph_done() -> None:
+            graph_done[0] = time.time_ns()
+
+        def queue_marker(*_):
+            queue_callback(mark_graph_done)
+
         handle = None
-        if marked:  # GraphDoneMarker.start(), inline: this runs cold, every backward
-            marker.done_ns = 0
-            marker.queued = False
-            marker.active = True
-        else:
-            graph_done = [0]
-            queue_callback = self._queue_callback
-
-            def mark_graph_done() -> None:
-                graph_done[0] = time.time_ns()
-
-            def queue_marker(*_):
-                queue_callback(mark_graph_done)
-
-            roots = (tensors,) if isinstance(tensors, self._tensor_type) else tuple(tensors or ())
-            for root in roots:
-                grad_fn = getattr(root, "grad_fn", None)
-                if grad_fn is not None:
-                    handle = grad_fn.register_prehook(queue_marker)
-                    break
+        roots = (tensors,) if isinstance(tensors, self._tensor_type) else tuple(tensors or ())
+        for root in roots:
+            grad_fn = getattr(root, "grad_fn", None)
+            if grad_fn is not None:
+                handle = grad_fn.register_prehook(queue_marker)
+                break
         collectives = self.collectives
-        seqs_before = collectives.sequences_before_backward() if collectives else None
-        # Runtime.push_op, inline (the watchdog reads the thread's stack)
-        stack = runtime.thread_operations()
+        seqs_before = (collectives.sequences_before_backward(totals)
+                       if collectives is not None else None)
         start = time.time_ns()
-        op = Operation(OP_BACKWARD, start, _NO_ATTRIBUTES)
-        stack.append(op)
+        op = runtime.push_op(OP_BACKWARD, start, _NO_ATTRIBUTES)
         try:
             return original(tensors, *args, **kwargs)
         finally:
             end = time.time_ns()
-            if stack and stack[-1] is op:
-                stack.pop()
-            else:
-                runtime.pop_op(op)
-            if marked:
-                marker.active = False
-                done_ns = marker.done_ns
-                if done_ns:
-                    self._marker_misses = 0
-                else:
-                    self._missed_mark()
-            else:
-                done_ns = graph_done[0]
-                if nested:
-                    marker.active = True
-                # A graph that is not retained is freed with its hooks: removing ours
-                # would only cost the training thread (it runs cold here). A retained
-                # one may be walked again, so there it goes.
-                if handle is not None and _retains_graph(args, kwargs):
-                    handle.remove()
-            runtime.totals.backward_ns += end - start
+            runtime.pop_op(op)
+            if nested:
+                marker.active = True
+            # A graph that is not retained is freed with its hooks: removing ours
+            # would only cost the training thread (it runs cold here). A retained
+            # one may be walked again, so there it goes.
+            if handle is not None and _retains_graph(args, kwargs):
+                handle.remove()
+            totals.backward_ns += end - start
             if collectives is not None:
-                try:
-                    collectives.record_backward(start, done_ns, end, seqs_before)
-                except Exception as error:  # bookkeeping must never fail the user's backward
-                    if not self._record_failed:
-                        self._record_failed = True
-                        _log.warning("flare: a backward's collective bookkeeping failed (%r); "
-                                     "training continues", error)
+                self._record(collectives, totals, start, graph_done[0], end, seqs_before)
+
+    def _record(self, collectives, totals, start, done_ns, end, seqs_before) -> None:
+        try:
+            collectives.record_backward(totals, start, done_ns, end, seqs_before)
+        except Exception as error:  # bookkeeping must never fail the user's backward
+            if not self._record_failed:
+                self._record_failed = True
+                _log.warning("flare: a backward's collective bookkeeping failed (%r); "
+                             "training continues", error)
 
     def _missed_mark(self) -> None:
-        self._marker_misses += 1
-        if self._marker_misses == _MARKER_MISSES:
+        self._marker.misses += 1
+        if self._marker.misses == _MARKER_MISSES:
             _log.info("flare: the DDP gradient hook did not mark %d backwards in a row (a "
                       "parameter the forward does not use?); backwards get a hook each",
                       _MARKER_MISSES)
