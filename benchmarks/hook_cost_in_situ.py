@@ -1,8 +1,9 @@
-"""In-situ cost of Flare's two per-step training-thread hooks.
+"""In-situ cost of Flare's per-step training-thread hooks.
 
 It times, with the training thread's CPU clock (`thread_time_ns`), the optimizer
-post-hook that closes each step (Flare's step boundary) and Flare's backward wrapper
-minus the backward itself, inside the real 4-rank job (cold caches, four ranks on the
+post-hook that closes each step (Flare's step boundary), the optimizer pre-hook, and
+Flare's backward and batch-fetch wrappers minus the backward and the fetch themselves,
+inside the real 4-rank job (cold caches, four ranks on the
 cores), and prints per hook the ranks' median, mean, 90th percentile and max in µs.
 The mean is what the training thread pays per step: it includes the detail steps
 (every FLARE_DETAIL_EVERY-th, which build and hand over the step spans waiting for the
@@ -32,7 +33,7 @@ import sys
 import time
 
 WARM_UP = 20
-HOOKS = ("step boundary", "backward wrapper")
+HOOKS = ("step boundary", "optimizer pre-hook", "backward wrapper", "batch wrapper")
 
 
 def main() -> None:
@@ -68,15 +69,48 @@ def main() -> None:
             samples["backward wrapper"].append(clock() - start - inner[0])
 
     torch.autograd.backward = timed_backward
-    hooks = torch_optimizer._global_optimizer_post_hooks  # Flare's, registered at startup
-    for key, hook in list(hooks.items()):
-        def timed_hook(*a, _hook=hook, **k):
-            start = clock()
-            try:
-                return _hook(*a, **k)
-            finally:
-                samples["step boundary"].append(clock() - start)
-        hooks[key] = timed_hook
+    # The batch fetch: Flare's wrapper of the base DataLoader iterator's __next__,
+    # rebuilt the same way from a DataLoaderHook on the same runtime.
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from flare.instrumentation.dataloader_hook import DataLoaderHook
+
+    flare_next = _BaseDataLoaderIter.__next__
+    original_next = flare_next.__wrapped__
+    next_cells = dict(zip(flare_next.__code__.co_freevars, flare_next.__closure__,
+                          strict=True))
+    inner_next = [0]
+
+    def timed_original_next(iterator):
+        start = clock()
+        try:
+            return original_next(iterator)
+        finally:
+            inner_next[0] = clock() - start
+
+    rebuilt_next = DataLoaderHook(next_cells["runtime"].cell_contents)._wrap(
+        timed_original_next)
+
+    def timed_next(iterator):
+        start = clock()
+        try:
+            return rebuilt_next(iterator)
+        finally:
+            samples["batch wrapper"].append(clock() - start - inner_next[0])
+
+    _BaseDataLoaderIter.__next__ = timed_next
+
+    # Flare's optimizer hooks, registered at startup
+    for registry, name in ((torch_optimizer._global_optimizer_post_hooks, "step boundary"),
+                           (torch_optimizer._global_optimizer_pre_hooks, "optimizer pre-hook")):
+        for key, hook in list(registry.items()):
+            def timed_hook(*a, _hook=hook, _samples=samples[name], **k):
+                start = clock()
+                try:
+                    return _hook(*a, **k)
+                finally:
+                    _samples.append(clock() - start)
+            registry[key] = timed_hook
 
     def dump():
         figures = {}

@@ -33,6 +33,7 @@ class ProcessGroups:
         # sequence_snapshot() runs a few times per step: the groups and their names are
         # resolved again only when the set of groups changes.
         self._snapshot_groups: tuple = ()
+        self._pg_registry: dict | None = None  # c10d's dict of live groups (see _registry)
         self._snapshot_named: list[tuple[object, str]] = []
 
     def resolve(self, group):
@@ -86,15 +87,42 @@ class ProcessGroups:
         """How many groups the last `sequence_snapshot` read (0 before the first)."""
         return len(self._snapshot_named)
 
-    def sequence_snapshot(self) -> dict[str, int]:
-        try:  # the module's registry itself (`_world.pg_map` returns it): one lookup
-            groups = tuple(self._c10d._pg_map)
+    def _registry(self) -> tuple[dict | None, bool]:
+        """c10d's registry of live groups, and whether it may be held across calls:
+        the module's `_pg_map` (which `_world.pg_map` returns; torch adds to it,
+        deletes from it and clears it, never rebinds it) may; another torch's
+        `_world.pg_map` is asked again each time."""
+        registry = getattr(self._c10d, "_pg_map", None)
+        if isinstance(registry, dict):
+            return registry, True
+        try:
+            registry = self._c10d._world.pg_map
         except Exception:
-            try:
-                groups = tuple(self._c10d._world.pg_map)
-            except Exception:
-                groups = ()
-        if groups != self._snapshot_groups:
+            return None, False
+        return (registry if isinstance(registry, dict) else None), False
+
+    def sequence_snapshot(self) -> dict[str, int]:
+        """{group name: sequence number} of every live group: one native call per
+        group. It runs at every step boundary, right after the optimizer step (cold
+        caches): whether the set of groups changed is checked on the registry dict
+        held since the first call (its size, and each known group still in it),
+        without building anything."""
+        registry = self._pg_registry
+        if registry is None:
+            registry, held = self._registry()
+            if held:
+                self._pg_registry = registry
+        groups = self._snapshot_groups
+        if registry is None:
+            changed = bool(groups)
+        elif len(registry) != len(groups):
+            changed = True
+        elif len(groups) == 1:
+            changed = groups[0] not in registry
+        else:
+            changed = not all(pg in registry for pg in groups)
+        if changed:
+            groups = tuple(registry) if registry is not None else ()
             named = []
             for pg in groups:
                 info = self.info(pg)
@@ -104,7 +132,7 @@ class ProcessGroups:
         snapshot = {}
         for sequence_of, name in self._snapshot_named:
             try:
-                snapshot[name] = int(sequence_of())
+                snapshot[name] = sequence_of()  # (an int: pybind converts the uint64)
             except Exception:  # a group being torn down; resolved again next change
                 self._snapshot_groups = ()
         return snapshot

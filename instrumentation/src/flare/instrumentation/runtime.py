@@ -27,7 +27,7 @@ from flare.instrumentation.identity import ProcessIdentity
 
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
+SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
 # How often the finisher thread builds deferred step spans and hands them to the batch
 # processors, which it then flushes: the batch processor's own delay, and not less than
 # this (each wake-up runs cold: ~250 µs in situ before the first span, ~45 µs for each
@@ -126,6 +126,7 @@ class Runtime:
         self.recent_step_s: deque[float] = deque(maxlen=101)
 
         self._detail_once = False  # request_detail(): the next step only
+        self._detail_every = config.detail_every
         self.detail_toggled = False  # SIGUSR2
         self.detail_flag_present = False  # FLARE_DETAIL_FLAG_FILE exists (polled)
 
@@ -211,7 +212,7 @@ class Runtime:
 
     # ------------------------------------------------------------ steps
     def _decide_detail(self, step: int) -> bool:
-        every = self.config.detail_every
+        every = self._detail_every
         periodic = every > 0 and step % every == 0
         detail = periodic or self._detail_once or self.detail_toggled or self.detail_flag_present
         self._detail_once = False
@@ -368,7 +369,12 @@ class Runtime:
                 self.last_step_end_ns = now_ns
                 step += 1
                 self.step_number = step
-                detail = self.step_detail = self._decide_detail(step)
+                # _decide_detail, inline (the usual answer: no)
+                every = self._detail_every
+                detail = ((every > 0 and step % every == 0) or self._detail_once
+                          or self.detail_toggled or self.detail_flag_present)
+                self.step_detail = detail
+                self._detail_once = False
                 self.step_start_ns = now_ns
                 self.step_start_cpu_ns = cpu
                 # the sequence numbers read at this end are the next step's start
@@ -676,7 +682,7 @@ class Runtime:
     def wants_child(self, start_ns: int, end_ns: int) -> bool:
         """Whether `emit_child` would keep a child spanning these times (hooks ask
         first, so that ordinary steps do not build attributes only to drop them)."""
-        return self.step_open and (self.step_detail or end_ns - start_ns >= _SLOW_CHILD_NS)
+        return self.step_open and (self.step_detail or end_ns - start_ns >= SLOW_CHILD_NS)
 
     def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
         """A child of the current step: always on detail steps, otherwise only when slow.
