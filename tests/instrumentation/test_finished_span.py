@@ -263,10 +263,10 @@ def test_a_step_span_that_cannot_be_built_costs_only_itself(rank_env, caplog):  
     provider, exporter, instrumentor, runtime = run_batched()
     original = runtime._emit_deferred
 
-    def emit(record, pending):
+    def emit(record, pending, children):
         if record[0] == 1:
             raise ValueError("boom")
-        original(record, pending)
+        original(record, pending, children)
 
     runtime._emit_deferred = emit
     try:
@@ -373,7 +373,8 @@ def test_listeners_skip_the_hooks_they_do_not_need_on_ordinary_steps(rank_env, b
 
 def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa: F811
     """With no listener wanting ordinary steps' ends (the CPU default), no stand-in is
-    made at the boundary: the finisher fixes the span id; the spans are the same."""
+    made at the boundary: the finisher fixes the span id; the spans are the same. Detail
+    steps are deferred as well, their children with them."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     reference_provider = TracerProvider(resource=Resource({"service.name": "t"}))
@@ -395,7 +396,12 @@ def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa
 
         runtime._deferred = Recording()
         train(5)
-        assert [(record[0], pending) for record, pending in appended] == [(1, None), (3, None)]
+        # ordinary steps (1, 3) without a stand-in or children; detail steps (0, 2, 4)
+        # deferred too, with the stand-in their step-end listeners saw
+        assert [(record[0], pending is None, bool(children))
+                for record, pending, children in appended] == [
+            (0, False, True), (1, True, False), (2, False, True), (3, True, False),
+            (4, False, True)]
         provider.force_flush()
         spans = finished(exporter, semconv.SPAN_STEP)
     finally:

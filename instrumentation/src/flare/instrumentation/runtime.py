@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from flare.instrumentation import semconv
@@ -286,8 +287,7 @@ class Runtime:
             record = self._capture(end_ns)
         deferred = self._defer_span()
         if deferred is not None:
-            self._notify(self._on_end_ordinary, self.step_number, False, deferred)
-            self._queue_deferred(record, deferred)
+            self._queue_deferred(record, deferred, self._notify_end(deferred))
         else:
             # earlier steps' spans first: the processors see steps in order (work
             # handed to run_later stays with the finisher)
@@ -301,11 +301,11 @@ class Runtime:
         self._step_context = None
 
     def _deferrable(self) -> bool:
-        """Whether the step in progress can have its span built later by the finisher:
-        an ordinary step without children, and processors that export in batches
+        """Whether the step in progress can have its span (and a detail step's
+        children) built later by the finisher: processors that export in batches
         anyway (handing a span over a second later changes nothing they see)."""
         finished = self._finished
-        if finished is None or self.step_detail or self._children:
+        if finished is None:
             return False
         # finished.asynchronous(), with its usual answer read inline (this runs cold)
         return ((finished._asynchronous
@@ -364,7 +364,7 @@ class Runtime:
             if deferred:
                 if len(queue) >= DEFERRED_WAKE:
                     self._deferred_full()
-                queue.append((record, None))
+                queue.append((record, None, ()))
                 self.recent_step_s.append((now_ns - start_ns) / 1e9)
                 self.last_step_end_ns = now_ns
                 step += 1
@@ -391,7 +391,8 @@ class Runtime:
             self._notify(methods, step, detail)
 
     def _boundary_general(self, now_ns: int) -> None:
-        if not self._on_end_ordinary and self._deferrable():
+        if (not (self._on_end if self.step_detail else self._on_end_ordinary)
+                and not self._children and self._deferrable()):
             self._boundary_without_stand_in(now_ns)
             return
         deferred = self._defer_span()
@@ -401,14 +402,22 @@ class Runtime:
             return
         cpu = (time.process_time_ns(), time.thread_time_ns())
         record = self._capture(now_ns, cpu)
-        self._notify(self._on_end_ordinary, self.step_number, False, deferred)
-        self._queue_deferred(record, deferred)
+        self._queue_deferred(record, deferred, self._notify_end(deferred))
         self._advance(now_ns, cpu)
         self._notify_start()
 
+    def _notify_end(self, deferred: PendingStepSpan) -> list:
+        """The step-end listeners, given the stand-in of the deferred span; returns the
+        step's children (those listeners may add some), for the finisher to emit."""
+        detail = self.step_detail
+        self._notify(self._on_end if detail else self._on_end_ordinary, self.step_number,
+                     detail, deferred)
+        children, self._children = self._children, []
+        return children
+
     def _boundary_without_stand_in(self, now_ns: int) -> None:
-        """No listener wants the ending step, so no stand-in span either (see
-        step_boundary, which does the same in its usual case)."""
+        """No listener wants the ending step and it has no children, so no stand-in
+        span either (see step_boundary, which does the same in its usual case)."""
         cpu = (time.process_time_ns(), time.thread_time_ns())
         record = self._capture(now_ns, cpu)
         with self._lock:
@@ -416,7 +425,7 @@ class Runtime:
             if deferred:
                 if len(self._deferred) >= DEFERRED_WAKE:
                     self._deferred_full()
-                self._deferred.append((record, None))
+                self._deferred.append((record, None, ()))
                 self._advance(now_ns, cpu)
         if not deferred:
             self.end_step(now_ns, record)
@@ -454,10 +463,11 @@ class Runtime:
         return (self.step_number, self.step_start_ns, end_ns, totals,
                 self.step_start_cpu_ns, cpu, self.step_detail)
 
-    def _queue_deferred(self, record: tuple, pending: PendingStepSpan | None) -> None:
+    def _queue_deferred(self, record: tuple, pending: PendingStepSpan | None,
+                        children: list) -> None:
         if len(self._deferred) >= DEFERRED_WAKE:
             self._deferred_full()
-        self._deferred.append((record, pending))
+        self._deferred.append((record, pending, children))
         if self._finisher is None:
             self._start_finisher()
 
@@ -554,9 +564,9 @@ class Runtime:
                 _log.warning("flare: %d step spans were dropped while the span export was "
                              "stuck (the oldest go first)", self.deferred_dropped)
             while self._deferred:
-                record, pending = self._deferred.popleft()
+                record, pending, children = self._deferred.popleft()
                 try:
-                    self._emit_deferred(record, pending)
+                    self._emit_deferred(record, pending, children)
                 except Exception as error:  # never lose the others over one
                     if not self._finisher_failed:
                         self._finisher_failed = True
@@ -588,7 +598,8 @@ class Runtime:
             thread.join(timeout=2)
         self.drain()
 
-    def _emit_deferred(self, record: tuple, pending: PendingStepSpan | None) -> None:
+    def _emit_deferred(self, record: tuple, pending: PendingStepSpan | None,
+                       children: list) -> None:
         step, start_ns, end_ns = record[0], record[1], record[2]
         summary = self._build_summary(record)
         self._label_step(summary, step)
@@ -599,9 +610,21 @@ class Runtime:
             summary.update(pending.pending_attributes)
             context = pending.get_span_context()  # the step's trace id: not hashed twice
             trace_id, span_id = context.trace_id, context.span_id
+        finished = self._finished
+        if children:  # a detail step's: ended before their parent, as with the SDK
+            context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+            for name, start, end, attributes in children:
+                # a collection can also run inside the step-end bookkeeping, after end_ns
+                # was taken; dict(): one atomic copy, as the CUDA event poller may still
+                # add keys; cleaned as the SDK cleans a span's attributes
+                attributes = dict(BoundedAttributes(attributes=dict(attributes),
+                                                    immutable=False))
+                attributes[semconv.STEP] = step  # queries filter children by step
+                finished.emit(name, context, finished.new_span_id(), attributes,
+                              min(start, end_ns), min(end, end_ns))
         parent = SpanContext(trace_id=trace_id, span_id=semconv.step_root_span_id(job, step),
                              is_remote=True, trace_flags=_SAMPLED)
-        self._finished.emit(semconv.SPAN_STEP, parent, span_id, summary, start_ns, end_ns)
+        finished.emit(semconv.SPAN_STEP, parent, span_id, summary, start_ns, end_ns)
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
