@@ -391,10 +391,8 @@ class Runtime:
             self._notify(methods, step, detail)
 
     def _boundary_general(self, now_ns: int) -> None:
-        if (not (self._on_end if self.step_detail else self._on_end_ordinary)
-                and not self._children and self._deferrable()):
-            self._boundary_without_stand_in(now_ns)
-            return
+        """Every boundary but step_boundary's usual case: a deferred step with a
+        stand-in for its listeners, or a step finished now."""
         deferred = self._defer_span()
         if deferred is None:
             self.end_step(now_ns)
@@ -414,26 +412,6 @@ class Runtime:
                      detail, deferred)
         children, self._children = self._children, []
         return children
-
-    def _boundary_without_stand_in(self, now_ns: int) -> None:
-        """No listener wants the ending step and it has no children, so no stand-in
-        span either (see step_boundary, which does the same in its usual case)."""
-        cpu = (time.process_time_ns(), time.thread_time_ns())
-        record = self._capture(now_ns, cpu)
-        with self._lock:
-            deferred = self._step_span is None
-            if deferred:
-                if len(self._deferred) >= DEFERRED_WAKE:
-                    self._deferred_full()
-                self._deferred.append((record, None, ()))
-                self._advance(now_ns, cpu)
-        if not deferred:
-            self.end_step(now_ns, record)
-            self.begin_step(now_ns)
-            return
-        if self._finisher is None:
-            self._start_finisher()
-        self._notify_start()
 
     def _advance(self, now_ns: int, cpu: tuple) -> None:
         """Close the step in progress at `now_ns` and open the next one there, with the
