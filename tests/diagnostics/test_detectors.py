@@ -57,6 +57,17 @@ def test_straggler_names_culprit_and_cause(kind, cause):
     assert found[0].evidence["relative_score"] < 1
 
 
+def test_a_patchy_cpu_starved_straggler_is_found_and_dated_from_its_thread():
+    # Seen on a loaded 2-core host: a GIL-holding thread starts at step 20, but for a
+    # dozen steps the training thread is slowed only now and then, so rank 1 arrives
+    # last in patches. It is one straggler from 20 (its thread's CPU jumps there), not
+    # none or one dated where the toll became steady.
+    missed = (22, 23, 24, 26, 28, 30, 31)
+    table = job_spans("j", 4, 60, (Fault("busy_thread", 1, 20, missed=missed),))
+    found = straggler.detect(_job(table), DiagnosisConfig())
+    assert [(a.ranks, a.cause, a.first_step) for a in found] == [([1], "cpu", 20)]
+
+
 def test_a_short_blip_does_not_flap():
     table = job_spans("j", 4, 60, (Fault("compute", 1, 30, extra_ms=30, to_step=32),))
     assert diagnose(_job(table)).anomalies == []

@@ -26,6 +26,9 @@ class Fault:
     from_step: int
     extra_ms: float = 30.0
     to_step: int | None = None
+    # busy_thread: steps where the thread burns its CPU but does not slow the training
+    # thread (a loaded host hands the GIL around patchily at first).
+    missed: tuple[int, ...] = ()
 
 
 def job_spans(
@@ -73,7 +76,8 @@ def job_spans(
                 elif f.kind == "busy_thread":
                     # A GIL-holding thread: the training thread's ops wait for the GIL
                     # (compute grows alone) while the other thread burns the CPU.
-                    part["compute"] += f.extra_ms
+                    if step not in f.missed:
+                        part["compute"] += f.extra_ms
                     other_cpu += f.extra_ms
             parts[rank] = part
             other_cpu_ms[rank] = other_cpu
