@@ -17,6 +17,8 @@ Faults (rank --fault-rank from step --fault-from on, costing about --fault-ms pe
   hang_subgroup ranks 0 and 1 all-reduce in a sub-group every step; the faulty rank
                 skips it and blocks in wait_for_shared_filesystem(), so its peer waits
   raise         the rank raises RuntimeError from load_shard()
+  kill          the rank is killed by SIGKILL in load_shard(), as the kernel's OOM
+                killer does: it dies without a word, and its peers fail after it
   extra_comm    every rank all-reduces an extra ~4 MB tensor every step
 """
 
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import signal
 import threading
 import time
 
@@ -35,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 FAULTS = ("none", "compute", "input", "gc", "cpu", "hang", "hang_subgroup", "raise",
-          "extra_comm")
+          "kill", "extra_comm")
 FEATURES = 256
 CLASSES = 16
 
@@ -184,6 +188,8 @@ def load_shard(step: int, fault: Fault) -> None:
     """Stands in for reading the next data shard; the `raise` fault corrupts it."""
     if fault.active("raise", step):
         raise RuntimeError(f"corrupt shard {step:05d}: checksum mismatch")
+    if fault.active("kill", step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv=None) -> None:

@@ -104,6 +104,10 @@ def test_regression_against_baseline(tmp_path, capsys):
     (["--backend", "jaeger+http://localhost:notaport"], "port"),
     (["--backend", "tempo+http://localhost:99999"], "port"),
     (["--backend", "jaeger+http://[::1"], "http://[::1"),
+    (["--store", "{tmp}/two.duckdb", "--job", "a", "--otlp-endpoint", "http://127.0.0.1:9"],
+     "--otlp-endpoint is where --write-back or --follow send anomaly spans"),
+    (["--backend", "jaeger+http://127.0.0.1:9", "--job", "a", "--write-back"],
+     "needs --otlp-endpoint"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
     _store(tmp_path / "two.duckdb", job_spans("a", 2, 8), job_spans("b", 2, 8))
@@ -140,3 +144,43 @@ def test_a_baseline_that_is_the_job_itself_is_one_line():
     assert result.returncode == 1
     assert result.stderr.strip() == ("flare: error: --baseline-job is the job being diagnosed; "
                                      "name an earlier job")
+
+
+def test_a_partial_report_says_so_and_fails(straggler_store, capsys, monkeypatch):
+    """A detector that fails (seen: a store damaged in a block only the hang detector's
+    query reads) leaves a partial report: it must not read "No anomalies found." nor
+    exit 0. The failure is injected into one detector; the others run for real."""
+    import duckdb
+
+    from flare.diagnostics.detectors import hang
+
+    def damaged(job, config):
+        raise duckdb.IOException("Corrupt database file: computed checksum does not match")
+
+    monkeypatch.setattr(hang, "detect", damaged)
+    assert main(["diagnose", "--store", str(straggler_store)]) == 1
+    captured = capsys.readouterr()
+    assert "PARTIAL REPORT" in captured.out and "hang (IOException: Corrupt" in captured.out
+    assert "straggler" in captured.out  # what the others found is still there
+    assert captured.err.strip().splitlines()[-1] == (
+        "flare: error: the report is partial: 1 detector(s) failed (hang)")
+    html = straggler_store.parent / "r.html"
+    assert main(["diagnose", "--store", str(straggler_store), "--format", "html", "-o", str(html)]) == 1
+    assert "Partial report" in html.read_text()
+    assert main(["diagnose", "--store", str(straggler_store), "--format", "json"]) == 1
+    assert json.loads(capsys.readouterr().out)["detector_errors"] == {
+        "hang": "IOException: Corrupt database file: computed checksum does not match"}
+
+
+def test_a_query_interrupted_while_streaming_is_an_interrupt(straggler_store, capsys, monkeypatch):
+    """Ctrl-C while DuckDB streams a result to Arrow surfaces as a RuntimeError("Query
+    interrupted"): that is exit 130 and no report, not a detector failure (seen)."""
+    from flare.diagnostics.detectors import gpu_idle
+
+    def interrupted(job, config):
+        raise RuntimeError("Query interrupted")
+
+    monkeypatch.setattr(gpu_idle, "detect", interrupted)
+    assert main(["diagnose", "--store", str(straggler_store)]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == "flare: interrupted"

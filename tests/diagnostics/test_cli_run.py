@@ -185,3 +185,41 @@ def test_a_job_that_ignores_the_interrupt_gets_the_next_signal(tmp_path):
     assert _wait(child, escalate_after_s=1.0) == INTERRUPTED_STATUS
     assert child.returncode == -signal.SIGTERM
     assert time.monotonic() - started < 10
+
+
+def test_a_job_name_already_in_the_store_is_refused_before_the_job_runs(tmp_path):
+    """Reusing --job would merge two runs' steps into one job (seen: a compute fault's
+    +60 ms read as +30 ms, averaged with an earlier healthy run of the same name)."""
+    store = tmp_path / "s.duckdb"
+    first = _run(["--store", str(store), "--job", "same", "--format", "json", "--",
+                  sys.executable, EMIT, "0"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    con = flare_store.open_reader(store)
+    try:
+        before = con.execute("SELECT count(*) FROM spans").fetchone()[0]
+    finally:
+        con.close()
+    marker = tmp_path / "ran"
+    second = _run(["--store", str(store), "--job", "same", "--", sys.executable, "-c",
+                   f"open({str(marker)!r}, 'w').close()"], cwd=tmp_path)
+    assert second.returncode == 1
+    assert second.stderr.strip() == (
+        f"flare: error: job 'same' is already in {store}; its steps would mix with this "
+        "run's: choose another --job (or another --store)")
+    assert not marker.exists()  # the command never ran
+    con = flare_store.open_reader(store)
+    try:
+        assert con.execute("SELECT count(*) FROM spans").fetchone()[0] == before
+    finally:
+        con.close()
+
+
+def test_an_unwritable_report_path_is_refused_before_the_job_runs(tmp_path):
+    marker = tmp_path / "ran"
+    result = _run(["--store", str(tmp_path / "s.duckdb"), "-o", str(tmp_path / "no" / "r.txt"),
+                   "--", sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+                  cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"flare: error: cannot write {tmp_path / 'no' / 'r.txt'}: no directory {tmp_path / 'no'}")
+    assert not marker.exists()

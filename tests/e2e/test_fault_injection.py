@@ -188,6 +188,21 @@ def test_hang_names_the_rank_and_line(store, fault, rank):
     assert run.process.returncode != 0
 
 
+def test_a_rank_killed_without_a_word_is_named_not_its_victims(store):
+    # SIGKILL (the OOM killer): the rank sends nothing as it dies, and its peers fail
+    # with lost connections; the first of them used to be named as the culprit.
+    run = FlareRun(store, "kill", "kill", rank=1)
+    report = run.finish()
+    assert run.process.returncode != 0
+    named = [(a["kind"], a["ranks"]) for a in report["anomalies"]
+             if a["kind"] in ("error", "rank_missing")]
+    assert named == [("rank_missing", [1])], json.dumps(report, indent=1)
+    label = next(a for a in report["anomalies"] if a["kind"] == "rank_missing")
+    assert "died without an error" in label["summary"]
+    assert label["first_step"] == ONSET, label
+    _record("kill", label["summary"][:80], None)
+
+
 def test_raise_is_an_error_on_the_first_rank_to_fail(store):
     run = FlareRun(store, "raise", "raise", rank=2)
     report = run.finish()

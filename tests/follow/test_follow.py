@@ -88,6 +88,17 @@ def test_unknown_backend_is_one_line_and_exit_2(capsys):
     assert err.startswith("flare: ") and err.count("\n") == 1
 
 
+def test_several_jobs_and_no_job_is_a_usage_error_not_an_outage(tmp_path, capsys):
+    # (it was reported as "backend unavailable ... retrying", every poll, for ever)
+    path = tmp_path / "two.duckdb"
+    for job in ("a", "b"):
+        write_steps(path, job_spans(job, 2, 8), 0, 7)
+    assert main(f"store:{path}", None, None, 0.05, None, io.StringIO(),
+                health_endpoint=None) == 2
+    err = capsys.readouterr().err
+    assert err == (f"flare: error: store:{path} holds 2 jobs (a, b); choose one with --job\n")
+
+
 # ---------------------------------------------------------------- end to end
 
 

@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         # block: one line, as for any other unreadable store.
         from flare.exporters import store as flare_store
 
-        if not flare_store.is_store_error(exc):
-            raise
         if flare_store.is_interrupt(exc):
             print("flare: interrupted", file=sys.stderr)
             return 130
+        if not flare_store.is_store_error(exc):
+            raise
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"flare: error: reading the store failed: {first}", file=sys.stderr)
         return EXIT_FAILURE
@@ -155,9 +155,16 @@ def diagnose_command(args: argparse.Namespace) -> int:
         raise UserError("--interval must be positive")
     if args.baseline_job and args.baseline_job == args.job:
         raise UserError("--baseline-job is the job being diagnosed; name an earlier job")
+    if args.otlp_endpoint and not (args.write_back or args.follow):
+        raise UserError("--otlp-endpoint is where --write-back or --follow send anomaly spans; "
+                        "add one of them")
     spec = backend_spec(args)
     backend = open_user_backend(spec)
     try:
+        if (args.write_back and not args.follow and not args.otlp_endpoint
+                and getattr(backend, "path", None) is None):
+            raise UserError(f"--write-back into {backend.name} needs --otlp-endpoint URL (a "
+                            "trace backend is written through its OTLP receiver)")
         config = DiagnosisConfig()
         if args.baseline_job:
             config.baseline = backend.job_data(pick_job(backend, args.baseline_job))
@@ -188,6 +195,11 @@ def diagnose_command(args: argparse.Namespace) -> int:
                         job, diagnosis.anomalies, diagnosis.evidence_links))
             except writeback.WritebackError as exc:
                 raise UserError(str(exc)) from None
+        if diagnosis.detector_errors:  # a partial report must not read as a clean one
+            print(f"flare: error: the report is partial: {len(diagnosis.detector_errors)} "
+                  f"detector(s) failed ({', '.join(sorted(diagnosis.detector_errors))})",
+                  file=sys.stderr)
+            return EXIT_FAILURE
         return 0
     finally:
         backend.close()

@@ -447,9 +447,10 @@ class FollowService:
             jobs = [j for j in jobs if j != writeback.SERVICE]
             if not jobs:
                 return False  # nothing reported yet: a follow service may start first
-            if len(jobs) > 1:
-                raise BackendError(
-                    f"the backend holds {len(jobs)} jobs ({', '.join(jobs[:5])}); choose one with --job"
+            if len(jobs) > 1:  # the user's to settle, not an outage to wait out
+                raise AmbiguousJob(
+                    f"{self.backend.name} holds {len(jobs)} jobs ({', '.join(jobs[:5])}); "
+                    "choose one with --job"
                 )
             self.job = jobs[0]
         inner = self.backend.job_data(self.job)
@@ -531,6 +532,10 @@ class FollowService:
         self.backend.close()
 
 
+class AmbiguousJob(Exception):
+    """No --job, and the backend holds several: a usage error (exit 2)."""
+
+
 def _alert_line(anomaly: Anomaly) -> str:
     ranks = ",".join(map(str, sorted(anomaly.ranks))) or "-"
     where = f" at {anomaly.callsite}" if anomaly.callsite else ""
@@ -577,6 +582,9 @@ def main(
             previous[signum] = signal.signal(signum, lambda *_: service.stop.set())
     try:
         service.run(interval_s)
+    except AmbiguousJob as exc:
+        print(f"flare: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -31,7 +31,7 @@ table{border-collapse:collapse}td,th{padding:4px 8px;border-bottom:1px solid #dd
 .k-hang,.k-error,.k-rank_missing{color:#b00020;font-weight:600}.k-straggler,.k-fail_slow{color:#a15c00;font-weight:600}
 .heat{image-rendering:pixelated;width:100%;height:260px;border:1px solid #ccc}
 .legend{font-size:12px;color:#555}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
-details{margin:4px 0}.ok{color:#1b7f3b;font-weight:600}
+details{margin:4px 0}.ok{color:#1b7f3b;font-weight:600}.bad{color:#b3261e}
 """
 
 
@@ -60,8 +60,19 @@ def _e(text: object) -> str:
 
 
 def _anomalies(diagnosis: Diagnosis) -> str:
+    partial = ""
+    if diagnosis.detector_errors:  # before any verdict: "no anomalies" would be false
+        partial = ("<p class='bad'><b>Partial report</b>: these detectors failed, their "
+                   "anomalies are missing: " + "; ".join(
+                       f"{_e(name)} ({_e(error)})"
+                       for name, error in sorted(diagnosis.detector_errors.items())) + "</p>")
     if not diagnosis.anomalies:
-        return "<p class='ok'>No anomalies found.</p>"
+        return partial + ("<p>No anomalies found by the detectors that ran.</p>"
+                          if partial else "<p class='ok'>No anomalies found.</p>")
+    return partial + _anomaly_table(diagnosis)
+
+
+def _anomaly_table(diagnosis: Diagnosis) -> str:
     rows = ["<table><tr><th>kind</th><th>ranks</th><th>cause</th><th>steps</th><th>impact</th>"
             "<th>confidence</th><th>what happened</th></tr>"]
     for a in diagnosis.anomalies:

@@ -28,8 +28,13 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     head = (f"Flare diagnosis of job {diagnosis.job} ({diagnosis.backend}), "
             + (f"steps {steps[0]}-{steps[1]}" if steps else "no steps recorded"))
     lines = [head]
+    if diagnosis.detector_errors:  # said before any verdict: "no anomalies" would be false
+        lines.append("PARTIAL REPORT: these detectors failed, their anomalies are missing: "
+                     + "; ".join(f"{name} ({error})"
+                                 for name, error in sorted(diagnosis.detector_errors.items())))
     if not diagnosis.anomalies:
-        lines.append("No anomalies found.")
+        lines.append("No anomalies found by the detectors that ran." if diagnosis.detector_errors
+                     else "No anomalies found.")
         return "\n".join(lines) + "\n"
     lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
     lines.append("")

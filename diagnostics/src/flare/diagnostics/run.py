@@ -76,6 +76,10 @@ def main(argv: list[str]) -> int:
         return _usage_error("no command to run (put it after --)")
     if shutil.which(command[0]) is None:
         raise UserError(f"command not found: {command[0]}")
+    if args.output:  # found out before the job runs, not after it (the report is lost)
+        _check_writable(args.output)
+    if args.job:
+        _refuse_existing_job(args.store, args.job)
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     forward_protocol = None
     if args.otlp_forward:
@@ -179,6 +183,41 @@ def _speaks_http1(connection: socket.socket, host: str, port: int) -> bool:
         return connection.recv(8).startswith(b"HTTP/1.")
     except OSError:  # reachable, but it did not answer that: not OTLP/HTTP
         return False
+
+
+def _check_writable(path: str) -> None:
+    """-o FILE can be written: its directory exists and is writable (and so is the
+    file, if it exists). Nothing is created before the report is."""
+    if os.path.isdir(path):
+        raise UserError(f"cannot write {path}: it is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UserError(f"cannot write {path}: no directory {directory}")
+    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
+        raise UserError(f"cannot write {path}: permission denied")
+
+
+def _refuse_existing_job(store_path: str, job: str) -> None:
+    """A second run under the name of a job already in the store would mix the two
+    runs' steps (step numbers start at 0 again) into one job: its diagnosis, and any
+    later --baseline-job against it, would read averages of both."""
+    if not os.path.exists(store_path):
+        return
+    from flare.exporters import store as flare_store
+
+    try:
+        con = flare_store.open_reader(store_path)
+    except Exception:  # not a store, locked, damaged: the collector's start says which
+        return
+    try:
+        found = con.execute("SELECT 1 FROM spans WHERE job = ? LIMIT 1", [job]).fetchone()
+    except Exception:
+        found = None
+    finally:
+        con.close()
+    if found:
+        raise UserError(f"job {job!r} is already in {store_path}; its steps would mix with "
+                        "this run's: choose another --job (or another --store)")
 
 
 def _start_collector(store_path: str, forward: str | None, protocol: str | None):

@@ -155,8 +155,10 @@ def is_store_error(exc: BaseException) -> bool:
 
 
 def is_interrupt(exc: BaseException) -> bool:
-    """DuckDB's form of a Ctrl-C that arrived during a query."""
-    return isinstance(exc, duckdb.InterruptException)
+    """DuckDB's form of a Ctrl-C that arrived during a query (an InterruptException, or
+    while its result streams to Arrow, a RuntimeError saying so)."""
+    return isinstance(exc, duckdb.InterruptException) or (
+        isinstance(exc, RuntimeError) and str(exc).startswith("Query interrupted"))
 
 
 def _unreadable(path: Path, exc: Exception) -> str:

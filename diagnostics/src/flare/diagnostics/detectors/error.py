@@ -35,6 +35,10 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     primary = [e for e in errors if not e["consequence"]]
     if not primary and config.stopped_by_user:
         return []  # the signals and interrupts of the user's own stop
+    if not primary:
+        vanished = _vanished(job, errors)
+        if vanished is not None:
+            return [vanished]
     primary = primary or errors
     root = primary[0]
     others = [e for e in errors if e["rank"] != root["rank"]]
@@ -59,6 +63,44 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     )]
 
 
+def _vanished(job: JobData, errors: list[dict]) -> Anomaly | None:
+    """Every error is an echo (lost connections, signals): the rank they echo is one
+    that reported no error at all and went quiet before the first of them. Killed by
+    SIGKILL (the OOM killer) or crashing below Python, it sends nothing as it dies;
+    naming the first peer to lose its connection to it would blame a victim."""
+    errored = {e["rank"] for e in errors}
+    activity = {row["rank"]: row for row in job.rank_activity(
+        [sc.SPAN_STEP, sc.SPAN_HEARTBEAT]).to_pylist() if row["rank"] is not None}
+    first_error_ns = errors[0]["time_ns"]
+    quiet = sorted((row["last_end_ns"], rank) for rank, row in activity.items()
+                   if rank not in errored and row["last_end_ns"] is not None
+                   and row["last_end_ns"] < first_error_ns)
+    if not quiet:
+        return None
+    ranks = sorted(rank for _, rank in quiet)
+    step = min((e["step"] for e in errors if e["step"] is not None), default=None)
+    last_steps = {rank: activity[rank]["last_step"] for rank in ranks}
+    victims = sorted(errored)
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return Anomaly(
+        kind="rank_missing", ranks=ranks, cause="unknown", first_step=step, last_step=step,
+        impact=1.0, confidence=0.85,
+        summary=f"{who} died without an error"
+                + (f" at step {step}" if step is not None else "")
+                + ": killed by a signal (SIGKILL, the OOM killer) or crashed below Python; "
+                f"rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} then "
+                f"failed, losing {'their' if len(victims) > 1 else 'its'} connection to it "
+                f"({errors[0]['type']}: {errors[0]['message'][:120]})",
+        evidence={
+            "last_reported_step": last_steps,
+            "quiet_before_first_error_s": round((first_error_ns - quiet[-1][0]) / 1e9, 3),
+            "consequences": [{"rank": e["rank"], "step": e["step"], "type": e["type"],
+                              "message": e["message"][:200]} for e in errors][:32],
+        },
+        trace_ids=[errors[0]["trace_id"]] if errors[0]["trace_id"] else [],
+    )
+
+
 def _describe(row: dict) -> dict:
     exception = {}
     try:
@@ -72,7 +114,9 @@ def _describe(row: dict) -> dict:
     message = exception.get(sc.ERROR_MESSAGE) or row.get(sc.ERROR_MESSAGE) or row.get("status_message") or ""
     stack = exception.get(sc.ERROR_STACKTRACE) or row.get(sc.ERROR_STACKTRACE)
     signal = row.get(sc.ERROR_SIGNAL)
-    callsite = row.get(sc.CODE_CALLSITE) or user_callsite(stack)
+    # the innermost frame of the user's code in the stack, where the span's own call
+    # site may be a library's (a transport error raised inside autograd's engine)
+    callsite = user_callsite(stack) or row.get(sc.CODE_CALLSITE)
     text = f"{exc_type}: {message}"
     return {
         "rank": int(row["rank"]), "step": row["step"], "time_ns": row["end_ns"] or row["start_ns"] or 0,
