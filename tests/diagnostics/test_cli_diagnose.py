@@ -108,6 +108,9 @@ def test_regression_against_baseline(tmp_path, capsys):
      "--otlp-endpoint is where --write-back or --follow send anomaly spans"),
     (["--backend", "jaeger+http://127.0.0.1:9", "--job", "a", "--write-back"],
      "needs --otlp-endpoint"),
+    (["--store", "{tmp}/two.duckdb", "--job", "a", "--write-back", "--otlp-endpoint",
+      "http://127.0.0.1:9/v1/traces"],
+     "cannot send anomalies to http://127.0.0.1:9/v1/traces: Connection refused"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
     _store(tmp_path / "two.duckdb", job_spans("a", 2, 8), job_spans("b", 2, 8))
@@ -184,3 +187,12 @@ def test_a_query_interrupted_while_streaming_is_an_interrupt(straggler_store, ca
     assert main(["diagnose", "--store", str(straggler_store)]) == 130
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip() == "flare: interrupted"
+
+
+def test_an_errors_call_site_is_said_once(tmp_path, capsys):
+    # The error's summary names its call site; a second "at …" line under it read as
+    # where the other ranks failed.
+    path = _store(tmp_path / "e.duckdb", job_spans("err", 4, 30, (Fault("error", 2, 20),)))
+    assert main(["diagnose", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "error" in out and out.count("train.py:42 in load_shard") == 1, out

@@ -129,7 +129,9 @@ def test_bad_input_is_one_clear_line(tmp_path, args, code, message):
 def test_a_command_that_sends_nothing_keeps_its_status(tmp_path):
     result = _run(["--", sys.executable, "-c", "raise SystemExit(5)"], cwd=tmp_path)
     assert result.returncode == 5
-    assert "sent no spans" in result.stderr
+    # the likelier cause, not a hint that the instrumentation is missing
+    assert "sent no spans; nothing to diagnose (the command exited with status 5 before " \
+        "sending any)" in result.stderr
 
 
 def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):

@@ -75,7 +75,7 @@ def test_polls_are_incremental_and_labels_are_written_once(tmp_path):
     assert max(culprit, key=lambda r: float(culprit[r])) == "2" and float(culprit["2"]) > 0.5
     assert len(re.findall(r"^flare_rank_step_seconds\{", metrics, re.M)) == 4
     assert 'flare_anomalies{job="jobF",kind="straggler",rank="2"} 1' in metrics
-    assert out.getvalue().count("flare: fail_slow ranks=2 cause=compute from step 40") == 1
+    assert out.getvalue().count("flare: [fail_slow] ranks 2 cause compute from step 40") == 1
     # A restarted service reads the labels back and does not repeat them.
     again = FollowService(f"store:{path}", "jobF", out=io.StringIO())
     assert again.poll_once() == []
@@ -210,7 +210,7 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         while "fail_slow" not in out.getvalue() and time.monotonic() < deadline:
             time.sleep(0.1)
         labelled_at = time.monotonic()
-        assert "flare: fail_slow ranks=2 cause=compute from step 40" in out.getvalue(), out.getvalue()
+        assert "flare: [fail_slow] ranks 2 cause compute from step 40" in out.getvalue(), out.getvalue()
         assert labelled_at - sent_at[ONSET] <= 30.0
         print(f"fail-slow labelled {labelled_at - sent_at[ONSET]:.1f} s after onset")
 
@@ -244,8 +244,8 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         collector.stop()
     assert follow_status == [0]
     text = out.getvalue()
-    assert text.count("flare: fail_slow ranks=2") == 1
-    assert text.count("flare: straggler ranks=2") == 1
+    assert text.count("flare: [fail_slow] ranks 2 ") == 1
+    assert text.count("flare: [straggler] ranks 2 ") == 1
     written = [json.loads(a)[sc.ANOMALY_KIND] for _, a in anomaly_rows(path)]
     assert sorted(written) == sorted(set(written))  # each label stored exactly once
     assert {"fail_slow", "straggler"} <= set(written)

@@ -38,7 +38,7 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flare.diagnostics import pipeline, writeback
+from flare.diagnostics import pipeline, report_text, writeback
 from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.columns import Table
@@ -491,7 +491,9 @@ class FollowService:
                 for rank in anomaly.ranks or ["none"]:
                     key = (self.job, anomaly.kind, str(rank))
                     self.metrics.anomalies_by_rank[key] = self.metrics.anomalies_by_rank.get(key, 0) + 1
-            print(_alert_line(anomaly), file=self.out, flush=True)
+            # the line `flare run` prints for a live alert, with the time
+            print(f"{time.strftime('%H:%M:%S')} {report_text.alert_line(self.job, anomaly)}",
+                  file=self.out, flush=True)
         self.pending = []
         with self.metrics.lock:
             self.metrics.pending = 0
@@ -534,13 +536,6 @@ class FollowService:
 
 class AmbiguousJob(Exception):
     """No --job, and the backend holds several: a usage error (exit 2)."""
-
-
-def _alert_line(anomaly: Anomaly) -> str:
-    ranks = ",".join(map(str, sorted(anomaly.ranks))) or "-"
-    where = f" at {anomaly.callsite}" if anomaly.callsite else ""
-    return (f"flare: {anomaly.kind} ranks={ranks} cause={anomaly.cause} "
-            f"from step {anomaly.first_step}{where}: {anomaly.summary}")
 
 
 def main(

@@ -48,7 +48,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
                      f"{_steps(a.first_step, a.last_step):<11} {a.impact:>6.0%} {a.confidence:>5.2f}")
         for line in textwrap.wrap(a.summary, width=width - 6):
             lines.append("      " + line)
-        if a.callsite:
+        if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      at {a.callsite}")
     lines.append("")
     lines.append("IMPACT: share of each affected step the problem costs; CONF: confidence (0-1). "
@@ -62,7 +62,8 @@ def _bold(text: str, colour: bool) -> str:
 
 def alert_line(job: str, anomaly) -> str:
     """One line for a live alert while the job runs."""
-    where = f" at {anomaly.callsite}" if anomaly.callsite else ""
+    where = (f" at {anomaly.callsite}"
+             if anomaly.callsite and anomaly.callsite not in anomaly.summary else "")
     since = f" from step {anomaly.first_step}" if anomaly.first_step is not None else ""
     return (f"flare: [{anomaly.kind}] ranks {_ranks(anomaly.ranks)} cause {anomaly.cause}"
             f"{since}{where}: {anomaly.summary}")

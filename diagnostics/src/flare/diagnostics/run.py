@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     collector.flush()
     if not args.no_diagnose:
         _final_report(args, collector, job, writeback_endpoint,
-                      stopped_by_user=status == INTERRUPTED_STATUS)
+                      stopped_by_user=status == INTERRUPTED_STATUS, status=status)
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
@@ -332,15 +332,19 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
 
 
 def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
-                  stopped_by_user: bool = False) -> None:
+                  stopped_by_user: bool = False, status: int = 0) -> None:
     from flare.diagnostics.backends.store import StoreBackend
 
     backend = None
     try:
         backend = StoreBackend(args.store) if os.path.exists(args.store) else None
         if backend is None or job not in backend.jobs():
-            print(f"flare: job {job} sent no spans; nothing to diagnose (is the instrumentation "
-                  "installed in the command's Python?)", file=sys.stderr)
+            # the likelier cause first: a command that failed before training started
+            why = (f"the command exited with status {status} before sending any"
+                   if status not in (0, INTERRUPTED_STATUS) else
+                   "is the instrumentation installed in the command's Python?")
+            print(f"flare: job {job} sent no spans; nothing to diagnose ({why})",
+                  file=sys.stderr)
             return
         job_data = backend.job_data(job)
         config = DiagnosisConfig(stopped_by_user=stopped_by_user)

@@ -185,8 +185,12 @@ def _send_http(url: str, request: trace_service_pb2.ExportTraceServiceRequest, t
     try:
         with urllib.request.urlopen(http_request, timeout=timeout_s) as response:
             response.read()
+    except urllib.error.HTTPError as exc:
+        raise WritebackError(f"cannot send anomalies to {url}: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise WritebackError(f"cannot send anomalies to {url}: {exc}") from None
+        reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
+        text = getattr(reason, "strerror", None) or str(reason)
+        raise WritebackError(f"cannot send anomalies to {url}: {text}") from None
 
 
 def _send_grpc(parsed, request: trace_service_pb2.ExportTraceServiceRequest, timeout_s: float) -> None:
