@@ -96,6 +96,8 @@ def test_regression_against_baseline(tmp_path, capsys):
     (["--store", "{tmp}/missing.duckdb"], "does not exist"),
     (["--store", "{tmp}/two.duckdb"], "holds 2 jobs; choose one with --job: a, b"),
     (["--store", "{tmp}/two.duckdb", "--job", "zzz"], "job 'zzz' is not in"),
+    (["--store", "{tmp}/two.duckdb", "--job", "a", "--baseline-job", "zz"],
+     "baseline job 'zz' is not in"),
     (["--store", "{tmp}/empty.duckdb"], "holds no jobs"),
     (["--store", "{tmp}/newer.duckdb"], "newer Flare"),
     (["--store", "{tmp}/junk.duckdb"], "is not a Flare store"),

@@ -127,7 +127,7 @@ def open_user_backend(spec: str) -> Backend:
         raise UserError(str(exc)) from None
 
 
-def pick_job(backend: Backend, job: str | None) -> str:
+def pick_job(backend: Backend, job: str | None, what: str = "job") -> str:
     from flare.diagnostics.backends import BackendError
 
     try:
@@ -137,7 +137,7 @@ def pick_job(backend: Backend, job: str | None) -> str:
     if job is not None:
         if job not in jobs:
             known = ", ".join(jobs[:20]) or "none"
-            raise UserError(f"job {job!r} is not in {backend.name} (jobs: {known})")
+            raise UserError(f"{what} {job!r} is not in {backend.name} (jobs: {known})")
         return job
     if not jobs:
         raise UserError(f"{backend.name} holds no jobs yet")
@@ -167,7 +167,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
                             "trace backend is written through its OTLP receiver)")
         config = DiagnosisConfig()
         if args.baseline_job:
-            config.baseline = backend.job_data(pick_job(backend, args.baseline_job))
+            config.baseline = backend.job_data(pick_job(backend, args.baseline_job, "baseline job"))
         if args.follow:  # the service waits for the job (or the only job) to appear
             from flare.diagnostics import follow
 

@@ -28,6 +28,9 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     head = (f"Flare diagnosis of job {diagnosis.job} ({diagnosis.backend}), "
             + (f"steps {steps[0]}-{steps[1]}" if steps else "no steps recorded"))
     lines = [head]
+    if not steps:
+        lines.append(f"(no train.step spans: is {diagnosis.job} a training job instrumented by "
+                     "Flare, and has it finished a step yet?)")
     if diagnosis.detector_errors:  # said before any verdict: "no anomalies" would be false
         lines.append("PARTIAL REPORT: these detectors failed, their anomalies are missing: "
                      + "; ".join(f"{name} ({error})"
