@@ -235,6 +235,16 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         errors = next(line for line in metrics.splitlines()
                       if line.startswith("flare_follow_poll_errors_total"))
         assert int(errors.split()[1]) >= 1
+        # A restarted service reads back the labels already written (on Jaeger they
+        # are the diagnostics service's spans) and does not repeat them.
+        stop_following.set()
+        follow.join(timeout=30)
+        again, stop_again = io.StringIO(), threading.Event()
+        threading.Timer(4.0, stop_again.set).start()
+        assert main(f"jaeger+http://127.0.0.1:{query_port}", "jobE", None, 1.0,
+                    f"127.0.0.1:{grpc_port}", again, health_endpoint=None, stop=stop_again) == 0
+        assert "following job jobE" in again.getvalue()
+        assert "fail_slow" not in again.getvalue(), again.getvalue()
     finally:
         stop_sending.set()
         paused.clear()

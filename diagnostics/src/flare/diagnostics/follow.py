@@ -456,6 +456,15 @@ class FollowService:
         inner = self.backend.job_data(self.job)
         try:
             self.labeller.remember_written(inner.spans([sc.SPAN_ANOMALY]))
+            if getattr(self.backend, "path", None) is None:
+                # On Jaeger and Tempo a job is a service, and written-back labels are
+                # the diagnostics service's spans, each naming its job.
+                written = _as_arrow(self.backend.job_data(writeback.SERVICE).spans(
+                    [sc.SPAN_ANOMALY]))
+                if written.num_rows:
+                    mine = [json.loads(text or "{}").get(sc.JOB_ID) == self.job
+                            for text in written.column("resource").to_pylist()]
+                    self.labeller.remember_written(written.filter(pa.array(mine)))
         except BackendError:
             pass  # best effort: without it a restart may repeat a label, never lose one
         self.data = IncrementalJobData(inner, self.max_steps)
