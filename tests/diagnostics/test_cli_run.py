@@ -134,9 +134,10 @@ def test_a_command_that_sends_nothing_keeps_its_status(tmp_path):
         "sending any)" in result.stderr
 
 
-def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):
-    import signal
-
+@pytest.mark.parametrize("signum, status, said", [
+    (2, 130, "interrupted; stopping the job"),
+    (15, 143, "terminated (SIGTERM); stopping the job")])  # a scheduler's stop
+def test_a_signal_stops_the_job_reports_and_exits_as_a_shell_would(tmp_path, signum, status, said):
     flare = subprocess.Popen(
         [FLARE, "run", "--", sys.executable, "-c",
          "import sys, time; print('job running', file=sys.stderr, flush=True); time.sleep(120)"],
@@ -147,15 +148,15 @@ def test_ctrl_c_stops_the_job_reports_and_exits_130(tmp_path):
         assert (tmp_path / ".flare" / "store.duckdb").exists()
         while "job running" not in flare.stderr.readline():
             pass
-        flare.send_signal(signal.SIGINT)
+        flare.send_signal(signum)
         _, stderr = flare.communicate(timeout=60)
     finally:
         if flare.poll() is None:
             flare.kill()
-    assert flare.returncode == 130
-    assert "interrupted; stopping the job" in stderr
-    assert "sent no spans" in stderr  # the report still runs after the job stopped
-    assert "Traceback" not in stderr.split("interrupted", 1)[0]
+    assert flare.returncode == status
+    assert said in stderr
+    assert "sent no spans; nothing to diagnose (is the instrumentation" in stderr  # reported
+    assert "Traceback" not in stderr.split("stopping the job", 1)[0]
 
 
 def test_a_json_report_on_stdout_stays_parseable_when_the_job_prints(tmp_path):

@@ -95,6 +95,7 @@ def main(argv: list[str]) -> int:
           file=sys.stderr)
     monitor = None if args.no_diagnose else LiveMonitor(args.store, job)
     child = None
+    stopped: list[int] = []  # the signal flare run got and passed on (Ctrl-C, SIGTERM)
     try:
         # A JSON or HTML report on stdout stays parseable: the job's own stdout goes to
         # stderr then.
@@ -102,7 +103,7 @@ def main(argv: list[str]) -> int:
         child = _launch(command, job, endpoint, stdout=sys.stderr if machine_report else None)
         if monitor:
             monitor.start()
-        status = _wait(child, on_interrupt=monitor.mute if monitor else None)
+        status = _wait(child, on_interrupt=monitor.mute if monitor else None, stopped=stopped)
     finally:
         if monitor:
             monitor.stop()
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
     collector.flush()
     if not args.no_diagnose:
         _final_report(args, collector, job, writeback_endpoint,
-                      stopped_by_user=status == INTERRUPTED_STATUS, status=status)
+                      stopped_by_user=bool(stopped), status=status)
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
@@ -288,13 +289,15 @@ def _launch(command: list[str], job: str, endpoint: str, stdout=None) -> subproc
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
 
 
-def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 15.0) -> int:
+def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 15.0,
+          stopped: list | None = None) -> int:
     """Wait for the job. Ctrl-C passes SIGINT to its process group, a second SIGTERM, a
     third SIGKILL; a job still running `escalate_after_s` after a signal gets the next
     one anyway (a SIGINT that reached a process between its Python handler and an exec,
     as `opentelemetry-instrument` does at start, is lost)."""
     interrupts = [0]
     last_signal = [0.0]
+    first = [signal.SIGINT]  # the signal that stopped the job: Ctrl-C, or a scheduler's SIGTERM
 
     def send_next() -> None:
         interrupts[0] += 1
@@ -307,7 +310,13 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
 
     def forward(signum: int, _frame) -> None:
         if interrupts[0] == 0:
-            print("\nflare: interrupted; stopping the job (Ctrl-C again to force)", file=sys.stderr)
+            first[0] = signum
+            if stopped is not None:  # the caller's to know: the job did not end on its own
+                stopped.append(signum)
+            what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+            # (a new line first on a terminal: the shell has echoed ^C on this one)
+            print(f"{chr(10) if sys.stderr.isatty() else ''}flare: {what}; stopping the job "
+                  "(Ctrl-C again to force)", file=sys.stderr)
             if on_interrupt is not None:
                 on_interrupt()
         send_next()
@@ -327,7 +336,7 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
         for s, handler in previous.items():
             signal.signal(s, handler)
     if interrupts[0]:
-        return INTERRUPTED_STATUS
+        return 128 + first[0]  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports
     return code if code >= 0 else 128 - code
 
 
@@ -341,7 +350,7 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
         if backend is None or job not in backend.jobs():
             # the likelier cause first: a command that failed before training started
             why = (f"the command exited with status {status} before sending any"
-                   if status not in (0, INTERRUPTED_STATUS) else
+                   if status != 0 and not stopped_by_user else
                    "is the instrumentation installed in the command's Python?")
             print(f"flare: job {job} sent no spans; nothing to diagnose ({why})",
                   file=sys.stderr)
