@@ -19,17 +19,13 @@ the four ranks' mean:
 
 from __future__ import annotations
 
-import atexit
 import collections
-import json
-import os
-import runpy
 import sys
 import threading
 import time
-from pathlib import Path
 
-FIRST_STEP = 100
+from rank_thread_cpu import run_ranks, run_wrapped  # (this script's folder is on the path)
+
 FINISHER = "flare-step-finisher"
 PHASES = ("drain", "emit_deferred", "build_summary", "emit", "flight_recorder_dump",
           "flush_batches", "export", "encode_request")
@@ -61,12 +57,9 @@ def _finisher_ns() -> int | None:
 
 
 def main() -> None:
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     from flare.instrumentation import finished_span, flight_recorder, otlp_encoding, otlp_http
     from flare.instrumentation import runtime as runtime_module
 
-    out_dir, script = sys.argv[1], sys.argv[2]
     totals: dict[str, int] = collections.defaultdict(int)
     for owner, name, key in (
             (runtime_module.Runtime, "drain", "drain"),
@@ -78,36 +71,23 @@ def main() -> None:
             (otlp_http.FlareOTLPHttpSpanExporter, "export", "export"),
             (otlp_encoding, "encode_request", "encode_request")):
         _timed(owner, name, key, totals)
-    state = {"steps": 0, "finisher0": None}
+    finisher0: list[int | None] = [None]
 
-    def count(*_):
-        state["steps"] += 1
-        if state["steps"] == FIRST_STEP:
-            totals.clear()
-            state["finisher0"] = _finisher_ns()
+    def start() -> None:
+        totals.clear()
+        finisher0[0] = _finisher_ns()
 
-    def dump():
-        steps = state["steps"] - FIRST_STEP
-        if steps <= 0:
-            return
+    def finish(steps: int) -> dict:
         out = {key: round(totals.get(key, 0) / 1e3 / steps, 1) for key in PHASES}
         now = _finisher_ns()
-        if now is not None and state["finisher0"] is not None:
-            out["finisher_thread"] = round((now - state["finisher0"]) / 1e3 / steps, 1)
-        with open(os.path.join(out_dir, f"phases{os.environ.get('RANK', '0')}.json"),
-                  "w") as handle:
-            json.dump(out, handle)
+        if now is not None and finisher0[0] is not None:
+            out["finisher_thread"] = round((now - finisher0[0]) / 1e3 / steps, 1)
+        return out
 
-    register_optimizer_step_post_hook(count)
-    atexit.register(dump)
-    sys.argv = sys.argv[2:]
-    runpy.run_path(script, run_name="__main__")
+    run_wrapped("phases", start, finish)
 
 
 def drive(train_args: list[str]) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rank_thread_cpu import run_ranks
-
     ranks = run_ranks(__file__, "finisher-phases", "phases", train_args)
     if not ranks:
         raise SystemExit("finisher_phases: no rank wrote its figures (fewer than 100 steps?)")

@@ -57,32 +57,43 @@ def _threads_ns() -> dict[str, int]:
     return totals
 
 
-def main() -> None:
+def run_wrapped(prefix: str, start, finish) -> None:
+    """The wrapper's side (argv: OUT_DIR, the training script and its arguments): run the
+    script, call `start()` at its FIRST_STEP-th optimizer step, and at exit write
+    `finish(steps since then)` to OUT_DIR/<prefix><RANK>.json (nothing before that step)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     out_dir, script = sys.argv[1], sys.argv[2]
-    state = {"steps": 0, "first": None}
+    state = {"steps": 0}
 
     def count(*_):
         state["steps"] += 1
         if state["steps"] == FIRST_STEP:
-            state["first"] = _threads_ns()
+            start()
 
     def dump():
         steps = state["steps"] - FIRST_STEP
-        if state["first"] is None or steps <= 0:
+        if steps <= 0:
             return
-        first, last = state["first"], _threads_ns()
-        per_step = {name: round((ns - first.get(name, 0)) / 1e3 / steps, 1)
-                    for name, ns in last.items()}
-        with open(os.path.join(out_dir, f"threads{os.environ.get('RANK', '0')}.json"),
+        with open(os.path.join(out_dir, f"{prefix}{os.environ.get('RANK', '0')}.json"),
                   "w") as handle:
-            json.dump(per_step, handle)
+            json.dump(finish(steps), handle)
 
     register_optimizer_step_post_hook(count)
     atexit.register(dump)
     sys.argv = sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    first: dict[str, int] = {}
+
+    def finish(steps: int) -> dict:
+        last = _threads_ns()
+        return {name: round((ns - first.get(name, 0)) / 1e3 / steps, 1)
+                for name, ns in last.items()}
+
+    run_wrapped("threads", lambda: first.update(_threads_ns()), finish)
 
 
 def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str]) -> list[dict]:
