@@ -611,6 +611,43 @@ def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread
     assert readers and "MainThread" not in readers
 
 
+def test_a_detail_step_whose_collectives_all_came_from_python_skips_the_recorder_dump(
+        process_group, monkeypatch):
+    """The dump costs milliseconds whatever the step did; when the group's sequence
+    number advanced only by collectives the Python wrappers saw (as FSDP and Megatron
+    issue them), it would add no span, so it is not read."""
+    import time
+
+    from flare.instrumentation import flight_recorder
+
+    readers = []
+    original = flight_recorder.FlightRecorder.entries
+
+    def entries(self):
+        readers.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(flight_recorder.FlightRecorder, "entries", entries)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):  # detail steps 0 and 2 (FLARE_DETAIL_EVERY=2)
+        dist.all_reduce(torch.ones(64))
+        dist.barrier()
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    deadline = time.monotonic() + 5
+    spans = []
+    while time.monotonic() < deadline and len(spans) < 2:
+        steps = {s.context.span_id for s in finished(process_group, semconv.SPAN_STEP)
+                 if s.attributes[semconv.STEP] == 2}
+        spans = [s for s in process_group.get_finished_spans()
+                 if s.name.startswith(semconv.SPAN_COLLECTIVE_PREFIX) and s.parent.span_id in steps]
+        time.sleep(0.05)
+    assert sorted(s.attributes[semconv.COLL_SOURCE] for s in spans) == ["python", "python"]
+    time.sleep(0.3)  # the finisher has had its wake for step 2's end
+    assert readers == []
+
+
 def test_uninstrument_restores_ddp_construction(rank_env):
     from torch.nn.parallel import DistributedDataParallel
 

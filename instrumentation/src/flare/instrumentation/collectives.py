@@ -155,6 +155,24 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
     summary[semconv.STEP_COLLECTIVE_BYTES] = sum(sizes)
 
 
+def _python_issued_all(totals) -> bool:
+    """Each group's sequence number advanced over the step exactly by the collectives
+    the Python wrappers saw (FSDP, Megatron and `dist.*` calls; not DDP's reducer, which
+    issues from C++). Then the flight recorder, whose dump costs milliseconds (linear in
+    its buffer, not in the step), holds nothing of this step that is not a span already."""
+    started, ended = totals.seq_start, totals.seq_end
+    if not started or ended is None:
+        return False  # a read failed: the recorder decides
+    for name, seq in ended.items():
+        issued = seq - started.get(name, seq)
+        if issued <= 0:
+            continue
+        pg = totals.pg.get(name)
+        if pg is None or pg.python_count != issued:
+            return False
+    return True
+
+
 class CollectiveTracker:
     """Wraps torch.distributed and summarises each step; a Runtime step listener."""
 
@@ -488,6 +506,8 @@ class CollectiveTracker:
     def _emit_flight_recorder(self, step_start_ns: int, step_end_ns: int, totals,
                               step: int, parent, labels: dict) -> None:
         """Detail step: C++-issued collectives of this step, as spans."""
+        if _python_issued_all(totals):
+            return  # every one is a span from the Python wrapper: the dump would add none
         entries = self.recorder.entries()
         if not entries:
             now_seqs, started = totals.seq_end or {}, totals.seq_start or {}
