@@ -97,9 +97,14 @@ def test_optimizer_steps_become_step_spans_with_a_shared_trace_id(instrumented):
         assert span.attributes[semconv.STEP_DETAIL] == (number % 2 == 0)
         assert span.attributes[semconv.STEP_DATALOADER_COUNT] == 1
         assert span.attributes[semconv.STEP_BACKWARD_MS] > 0
-        # the resource has no flare.rank, so the rank travels on the span
+        # the resource had no flare.rank (no Flare detector): the rank travels on the
+        # span, and Flare's attributes were merged into the provider's resource, so a
+        # collector files the spans under the job, not under service.name
         assert span.attributes[semconv.RANK] == 0
         assert span.attributes[semconv.JOB_ID] == JOB
+        assert span.resource.attributes[semconv.JOB_ID] == JOB
+        assert span.resource.attributes[semconv.RANK] == 0
+        assert span.resource.attributes["service.name"] == "t"
     for before, after in itertools.pairwise(steps):
         assert before.end_time == after.start_time  # a step ends where the next begins
     loader = finished(instrumented, semconv.SPAN_DATALOADER)

@@ -18,6 +18,7 @@ from collections.abc import Collection
 
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.sdk.resources import Resource
 
 import flare.instrumentation as flare_instrumentation
 from flare.instrumentation import flight_recorder, semconv
@@ -67,6 +68,22 @@ class _FirstStepListener:
         pass
 
 
+def _adopt_flare_resource(provider, identity) -> bool:
+    """The SDK ran without Flare's resource detector (`OTEL_EXPERIMENTAL_RESOURCE_DETECTORS`
+    lacks `flare`): the resource has no job, so a collector files every such process
+    under `service.name` (`unknown_service:python3` for all jobs alike) and derives the
+    step's trace id from it. Flare's attributes are merged into the SDK provider's
+    resource, which its tracers take when created (there is no public setter); tracers
+    made before keep the old one. The spans keep their own rank attributes too."""
+    current = getattr(provider, "_resource", None)
+    if not isinstance(current, Resource):
+        return False
+    provider._resource = current.merge(Resource(identity.resource_attributes()))
+    _log.info("flare: %s is not in OTEL_EXPERIMENTAL_RESOURCE_DETECTORS; Flare's resource "
+              "attributes were added to the tracer provider's resource", "flare")
+    return True
+
+
 class TorchTrainingInstrumentor(BaseInstrumentor):
     def instrumentation_dependencies(self) -> Collection[str]:
         return _INSTRUMENTS
@@ -83,10 +100,12 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             return
         add_plumbing_dir(torch.__file__)
         provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
-        tracer = trace.get_tracer(__name__, __version__, tracer_provider=provider)
         identity = current_identity()
         resource = getattr(provider, "resource", None)
         has_rank = resource is not None and semconv.RANK in (resource.attributes or {})
+        if not has_rank:
+            _adopt_flare_resource(provider, identity)
+        tracer = trace.get_tracer(__name__, __version__, tracer_provider=provider)
         config = FlareConfig.from_env()
         runtime = Runtime(tracer, identity, config,
                           {} if has_rank else identity.span_fallback_attributes())
