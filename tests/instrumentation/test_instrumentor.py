@@ -218,6 +218,43 @@ def test_traced_functions_and_malformed_entries(rank_env, caplog):
     assert step.attributes[semconv.STEP_PYCALL_COUNT] >= 2
 
 
+_MODEL = torch.nn.Linear(2, 1)
+_OPTIMIZER = torch.optim.SGD(_MODEL.parameters(), lr=0.1)
+
+
+def whole_training_step() -> None:
+    """What a user lists first in FLARE_TRACED_FUNCTIONS: a function that runs the
+    whole step, optimizer step included (so it returns in the next step)."""
+    import time
+
+    _MODEL(torch.randn(1, 2)).sum().backward()
+    time.sleep(0.02)
+    _OPTIMIZER.step()
+
+
+def test_a_traced_call_that_runs_the_optimizer_step_keeps_its_whole_duration(rank_env):
+    # It was cut at the step boundary inside it: a 20+ ms call read as a 0.04 ms one.
+    rank_env.setenv("FLARE_DETAIL_EVERY", "1")
+    rank_env.setenv("FLARE_TRACED_FUNCTIONS", f"{__name__}:whole_training_step")
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    try:
+        module = sys.modules[__name__]
+        for _ in range(3):
+            module.whole_training_step()  # (the patched module attribute)
+    finally:
+        instrumentor.uninstrument()
+    steps = {s.context.span_id: s for s in finished(exporter, semconv.SPAN_STEP)}
+    calls = [s for s in finished(exporter, semconv.SPAN_PYTHON_CALL)
+             if s.attributes[semconv.CODE_FUNCTION].endswith("whole_training_step")]
+    assert len(calls) == 2  # the calls that returned in steps 1 and 2
+    for call in calls:
+        parent = steps[call.parent.span_id]
+        assert call.end_time - call.start_time >= 20_000_000  # the whole call
+        assert call.start_time < parent.start_time  # it began in the step before
+
+
 def test_gc_collections_are_summed_and_detailed(instrumented):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

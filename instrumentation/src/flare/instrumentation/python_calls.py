@@ -139,7 +139,11 @@ class PythonCallHook:
                         attributes[semconv.CODE_FILEPATH] = site[0]
                         attributes[semconv.CODE_LINENO] = site[1]
                         attributes[semconv.CODE_CALLSITE] = format_site(site)
-                    runtime.emit_child(semconv.SPAN_PYTHON_CALL, start, end, attributes)
+                    # a function that runs the optimizer step (a whole `train_step`)
+                    # returns in the next step: its span keeps its whole duration,
+                    # starting before that step's (the summary counts it there too)
+                    runtime.emit_child(semconv.SPAN_PYTHON_CALL, start, end, attributes,
+                                       keep_start=True)
 
         traced._flare_traced = True
         return traced

@@ -685,15 +685,22 @@ class Runtime:
         first, so that ordinary steps do not build attributes only to drop them)."""
         return self.step_open and (self.step_detail or end_ns - start_ns >= SLOW_CHILD_NS)
 
-    def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict) -> None:
+    def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict,
+                   keep_start: bool = False) -> None:
         """A child of the current step: always on detail steps, otherwise only when slow.
-        Emitted when the step ends (children of a step that never ends are dropped)."""
-        if not self.wants_child(start_ns, end_ns):
+        Emitted when the step ends (children of a step that never ends are dropped).
+        `keep_start`: a call that began in an earlier step (it ran the optimizer step
+        itself) keeps its real start instead of being cut to this step's; whether it is
+        slow is still judged by its part in this step (a function that is the whole
+        step is not a slow call of every step)."""
+        inside = max(start_ns, self.step_start_ns)
+        if not self.wants_child(inside, end_ns):
             return
         if self.span_attributes:
             attributes.update(self.span_attributes)
         # A collection can start while begin_step itself allocates: keep children inside.
-        start_ns = max(start_ns, self.step_start_ns)
+        if not keep_start:
+            start_ns = inside
         self._children.append((name, start_ns, max(start_ns, end_ns), attributes))
 
     # ------------------------------------------------------------ operations in flight
