@@ -285,3 +285,35 @@ def test_header_values_with_line_breaks_are_refused():
     finally:
         server.close()
     assert server.requests == []
+
+
+def test_stopping_the_exporter_ends_a_request_a_silent_collector_holds(http_protocol):
+    """A collector that accepts the connection and never answers: Flare's exit deadline
+    stops the exporter, and the request in flight ends then, not at its 10 s timeout
+    (a rank took ~11 s to exit instead of ~5)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    try:
+        exporter = otlp_exporter.FlareOTLPSpanExporter(
+            endpoint=f"http://127.0.0.1:{server.getsockname()[1]}/v1/traces", timeout=10)
+        results = []
+        exporting = threading.Thread(
+            target=lambda: results.append(exporter.export(otlp_encoding.probe_spans())))
+        exporting.start()
+        deadline = time.monotonic() + 5
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the request is sent; its reply never comes
+        stopped = time.monotonic()
+        exporter.shutdown()
+        exporting.join(timeout=5)
+        assert not exporting.is_alive()
+        assert time.monotonic() - stopped < 2
+        assert results and results[0].name == "FAILURE"
+    finally:
+        server.close()
+        for conn, _ in held:
+            conn.close()

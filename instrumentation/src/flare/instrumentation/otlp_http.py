@@ -112,6 +112,14 @@ class _Connection:
         except OSError:
             pass
 
+    def abort(self) -> None:
+        """End a request in flight from another thread: its send or its wait for the
+        reply returns at once with an error (closing alone would not wake it)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def request(self, method: str, path: str, headers: dict, body: bytes | None,
                 timeout: float | None) -> tuple[int, str, _Headers, bytes, bool]:
         """(status, reason, headers, body, keep_alive)."""
@@ -265,6 +273,8 @@ if BaseHTTPTransport is not None:
             self._cert = cert
             self._ssl_context: ssl.SSLContext | None = None
             self._idle: dict[tuple, _Connection] = {}
+            self._busy: set[_Connection] = set()  # requests in flight, for close()
+            self._closed = False
             self._lock = threading.Lock()
 
         def _context(self) -> ssl.SSLContext:
@@ -302,6 +312,8 @@ if BaseHTTPTransport is not None:
         def request(self, method: str, url: str, *, headers=None, timeout=None, data=None):
             parts = urlsplit(url)
             key = (parts.scheme, parts.hostname, parts.port)
+            if self._closed:  # (the SDK retries a connection error at once, stopped or not)
+                return _Result(error=RuntimeError("the exporter was stopped"))
             with self._lock:
                 connection = self._idle.pop(key, None)
             if connection is None:
@@ -312,12 +324,17 @@ if BaseHTTPTransport is not None:
                     failure = _ConnectFailed(f"cannot connect to {url}: {error}")
                     return _Result(error=failure if isinstance(error, OSError) else error)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            with self._lock:
+                self._busy.add(connection)
             try:
                 status, reason, reply_headers, body, keep_alive = connection.request(
                     method, path, headers or {}, data, timeout)
             except Exception as error:  # reset, timeout, a malformed reply: no result
                 connection.close()
                 return _Result(error=error)
+            finally:
+                with self._lock:
+                    self._busy.discard(connection)
             if not keep_alive:
                 connection.close()
             else:
@@ -337,10 +354,17 @@ if BaseHTTPTransport is not None:
                                           ConnectionResetError, BrokenPipeError))
 
         def close(self) -> None:
+            """Close the idle connections and end the requests in flight: the exporter's
+            shutdown (Flare's exit deadline) must not wait out a request timeout on a
+            collector that accepted the connection and never answers."""
             with self._lock:
+                self._closed = True
                 idle, self._idle = list(self._idle.values()), {}
+                busy = list(self._busy)
             for connection in idle:
                 connection.close()
+            for connection in busy:
+                connection.abort()
 
 
 def _tls_settings(certificate_file, client_key_file, client_certificate_file):
