@@ -860,3 +860,16 @@ def test_a_ddp_wrapper_built_before_instrument_is_sized_and_marked(rank_env):
     for step in steps:
         assert step.attributes[semconv.STEP_COLLECTIVE_BYTES] == (16 * 8 + 8) * 4
         assert step.attributes[semconv.STEP_COLLECTIVE_WAIT_MS] >= 25
+
+
+@pytest.mark.parametrize("raw, every, warned", [
+    ("7", 7, None), ("0", 0, None), ("2.5", 100, "not a whole number"),
+    ("abc", 100, "not a number"), ("-3", 100, "must be >= 0")])
+def test_a_bad_detail_rate_is_said_and_the_default_kept(monkeypatch, caplog, raw, every, warned):
+    from flare.instrumentation.config import FlareConfig
+
+    monkeypatch.setenv("FLARE_DETAIL_EVERY", raw)
+    with caplog.at_level(logging.WARNING):
+        assert FlareConfig.from_env().detail_every == every
+    said = [r.getMessage() for r in caplog.records if "FLARE_DETAIL_EVERY" in r.getMessage()]
+    assert said == ([] if warned is None else [f"flare: ignoring FLARE_DETAIL_EVERY={raw!r} ({warned})"])

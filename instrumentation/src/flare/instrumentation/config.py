@@ -33,7 +33,8 @@ SLOW_CHILD_MS = 100.0
 FLIGHT_RECORDER_BUFFER = 256
 
 
-def _number(name: str, default: float | None, minimum: float) -> float | None:
+def _number(name: str, default: float | None, minimum: float,
+            integer: bool = False) -> float | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -41,6 +42,9 @@ def _number(name: str, default: float | None, minimum: float) -> float | None:
         value = float(raw)
     except ValueError:
         _log.warning("flare: ignoring %s=%r (not a number)", name, raw)
+        return default
+    if integer and not value.is_integer():  # 2.5 steps: said, not silently cut to 2
+        _log.warning("flare: ignoring %s=%r (not a whole number)", name, raw)
         return default
     if value < minimum:
         _log.warning("flare: ignoring %s=%r (must be >= %s)", name, raw, minimum)
@@ -59,7 +63,7 @@ class FlareConfig:
 
     @classmethod
     def from_env(cls) -> FlareConfig:
-        detail = _number(semconv.ENV_DETAIL_EVERY, semconv.DEFAULT_DETAIL_EVERY, 0)
+        detail = _number(semconv.ENV_DETAIL_EVERY, semconv.DEFAULT_DETAIL_EVERY, 0, integer=True)
         traced = os.environ.get(semconv.ENV_TRACED_FUNCTIONS, "")
         return cls(
             detail_every=int(detail),
