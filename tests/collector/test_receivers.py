@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import urllib.error
+import urllib.request
 import zlib
 
 import grpc
@@ -137,7 +139,10 @@ def test_partial_success_rejects_only_unusable_spans(shared_collector, helpers):
 def test_malformed_and_garbage_payloads_are_400_and_store_nothing(shared_collector, helpers):
     proc = shared_collector
     url = f"http://{proc.http}/v1/traces"
-    before = proc.scrape()["flare_collector_wal_last_lsn"]
+    scraped = proc.scrape()
+    before = scraped["flare_collector_wal_last_lsn"]
+    malformed = scraped.get("flare_collector_malformed_requests_total", 0)
+    unsupported = scraped.get("flare_collector_unsupported_requests_total", 0)
     status, headers, reply = helpers.post(url, b"\xff\xff\xff garbage")
     assert status == 400 and headers["Content-Type"] == "application/x-protobuf"
     assert status_pb2.Status.FromString(reply).message  # a google.rpc.Status saying why
@@ -148,10 +153,21 @@ def test_malformed_and_garbage_payloads_are_400_and_store_nothing(shared_collect
         assert json.loads(reply)["message"]
     status, _, _ = helpers.post(url, gzip.compress(b"x")[:-4], headers={"Content-Encoding": "gzip"})
     assert status == 400  # truncated gzip
+    status, _, _ = helpers.post(url, b"plain", headers={"Content-Encoding": "gzip"})
+    assert status == 400  # not gzip at all
+    status, _, _ = helpers.post(url, b"x", headers={"Content-Encoding": "br"})
+    assert status == 400  # an encoding the collector does not take
     status, _, _ = helpers.post(url, b"{}", "text/plain")
     assert status == 415
     status, _, _ = helpers.post(f"http://{proc.http}/v1/logs", b"")
     assert status == 404
+    with pytest.raises(urllib.error.HTTPError) as not_post:
+        urllib.request.urlopen(url, timeout=10)
+    assert not_post.value.code == 405
+    # every refusal is counted, so an operator sees a misconfigured sender on /metrics
+    scraped = proc.scrape()
+    assert scraped["flare_collector_malformed_requests_total"] - malformed == 1 + 4 + 3
+    assert scraped["flare_collector_unsupported_requests_total"] - unsupported == 3
     with grpc.insecure_channel(proc.grpc) as channel, pytest.raises(grpc.RpcError) as err:
         channel.unary_unary(TRACE_METHOD)(b"\xff\xff\xff garbage", timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -107,6 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
         receiver = self.server.receiver
         kind = _PATHS.get(self.path.split("?", 1)[0])
         if kind is None:
+            receiver.counters.add("unsupported_requests", transport="http")
             self._discard_body()
             self._plain(404, f"no OTLP endpoint at {self.path}; use /v1/traces or /v1/metrics")
             return
@@ -117,14 +118,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         content_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         if content_type not in (_PROTOBUF, _JSON):
+            receiver.counters.add("unsupported_requests", transport="http")
             self._discard_body()
             self._plain(415, f"unsupported Content-Type {content_type or '(none)'!r}; use {_PROTOBUF} or {_JSON}")
             return
         is_json = content_type == _JSON
         limit = receiver.options.max_body_bytes
         try:
-            body = self._read_body(limit)
-            body = decompress(body, self.headers.get("Content-Encoding") or "", limit)
+            try:
+                body = self._read_body(limit)
+                body = decompress(body, self.headers.get("Content-Encoding") or "", limit)
+            except MalformedPayload:  # a body that is not one (framing, encoding): counted
+                receiver.counters.add("malformed_requests", transport="http")  # here, as the
+                raise  # acceptor counts what does not decode as OTLP
             response = receiver.acceptor.accept(kind, body, "http", is_json=is_json)
         except PayloadTooLarge as exc:
             receiver.counters.add("too_large_requests", transport="http")
@@ -150,6 +156,7 @@ class _Handler(BaseHTTPRequestHandler):
                    _JSON if is_json else _PROTOBUF)
 
     def do_GET(self) -> None:
+        self.server.receiver.counters.add("unsupported_requests", transport="http")
         self._plain(405, "OTLP/HTTP takes POST requests")
 
     do_PUT = do_DELETE = do_PATCH = do_GET

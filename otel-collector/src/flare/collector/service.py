@@ -53,7 +53,10 @@ _COUNTER_HELP = {
     "refused_metric_points": "metric data points in refused requests",
     "rejected_spans": "spans rejected as invalid (partial success)",
     "rejected_metric_points": "metric data points rejected as invalid (partial success)",
-    "malformed_requests": "requests that did not decode as OTLP (400 / INVALID_ARGUMENT)",
+    "malformed_requests": "requests whose body is not OTLP: bad framing, bad or unsupported "
+                          "Content-Encoding, or not decodable (400 / INVALID_ARGUMENT)",
+    "unsupported_requests": "OTLP/HTTP requests to no endpoint (404), not a POST (405), or "
+                            "of an unsupported Content-Type (415): a misconfigured sender",
     "too_large_requests": "requests over the body size cap (413)",
     "unauthenticated_requests": "requests without a valid bearer token",
     "flush_errors": "exporter flushes that failed (data stays in the write-ahead log)",
