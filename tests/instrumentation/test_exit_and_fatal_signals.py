@@ -90,7 +90,19 @@ def test_a_healthy_exit_still_delivers_every_step(exporter, protocol):
         steps = step_spans(sink)
     assert sorted(steps) == list(range(300))
     assert "exit flush did not finish" not in stderr
+    assert "no training step ended" not in stderr
     assert linger_s < DEFAULT_EXIT_FLUSH_TIMEOUT_S
+
+
+def test_a_process_that_never_ends_a_step_says_so_at_exit():
+    # An inference loop (no optimizer, no step()) sends no step at all: from the
+    # outside that looked the same as instrumentation that never loaded.
+    with OtlpSink(protocol="http") as sink:
+        process, _, stderr, _ = run_rank(sink.endpoint, 0, "exit",
+                                         OTEL_TRACES_EXPORTER="flare_otlp",
+                                         OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf")
+    assert process.returncode == 0, stderr[-3000:]
+    assert stderr.count("flare: no training step ended in this process") == 1, stderr[-3000:]
 
 
 @pytest.mark.e2e

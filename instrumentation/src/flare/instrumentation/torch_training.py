@@ -203,6 +203,13 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         let the GPU layer close any capture window it opened for it (a profiler left
         running into interpreter teardown crashes the process). The SDK's exit flush runs
         after this handler: bound it, so an unreachable collector cannot hold the rank."""
+        runtime = getattr(self, "_runtime", None)
+        if runtime is not None and not runtime.recent_step_s and runtime.rank == 0:
+            # (an inference loop, or a loop whose optimizer Flare does not see: from the
+            # outside it looks the same as instrumentation that never loaded)
+            _log.warning("flare: no training step ended in this process, so no step was "
+                         "traced: steps end at an optimizer's step() or a "
+                         "flare.instrumentation.step() block")
         deadline = getattr(self, "_flush_deadline", None)
         if deadline is not None and self._runtime is not None:
             deadline.meter_provider = metrics.get_meter_provider()
@@ -210,7 +217,6 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         watchdog = getattr(self, "_watchdog", None)
         if watchdog is not None:
             watchdog.stop()
-        runtime = getattr(self, "_runtime", None)
         if runtime is not None:
             runtime.stop_finisher()  # deferred step spans reach the SDK before its flush
         for module in reversed(getattr(self, "_gpu_modules", [])):
