@@ -68,6 +68,21 @@ def test_a_patchy_cpu_starved_straggler_is_found_and_dated_from_its_thread():
     assert [(a.ranks, a.cause, a.first_step) for a in found] == [([1], "cpu", 20)]
 
 
+def test_a_rank_slow_in_two_of_three_steps_is_a_straggler_from_its_onset():
+    # Seen on a quiet 2-core host: a GIL-holding thread in rank 1 slowed about two steps
+    # in three (the others let another rank arrive last); 0.7 culprit density missed it.
+    missed = tuple(range(22, 60, 3))
+    table = job_spans("j", 4, 60, (Fault("busy_thread", 1, 20, missed=missed),))
+    found = straggler.detect(_job(table), DiagnosisConfig())
+    assert [(a.ranks, a.cause, a.first_step) for a in found] == [([1], "cpu", 20)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_healthy_four_and_two_rank_jobs_give_no_straggler(seed):
+    for world in (2, 4):
+        assert straggler.detect(_job(job_spans("j", world, 80, seed=seed)), DiagnosisConfig()) == []
+
+
 def test_a_short_blip_does_not_flap():
     table = job_spans("j", 4, 60, (Fault("compute", 1, 30, extra_ms=30, to_step=32),))
     assert diagnose(_job(table)).anomalies == []
