@@ -29,7 +29,6 @@ def min_density(ranks: int) -> float:
     its own time slower in nearly all: with 0.7 it went unlabelled, or was labelled 27
     steps late."""
     return 0.7 if ranks <= 2 else 0.5
-# The part of a step whose jump dates a cause's onset (CPU starvation shows in compute).
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
