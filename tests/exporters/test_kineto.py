@@ -305,6 +305,19 @@ def test_corrupt_element_offset_is_the_files_whatever_the_chunk(monkeypatch, chu
     assert at - 2 <= offset <= at + 1  # where the scanner stopped, not where its buffer began
 
 
+def test_garbage_after_the_event_list_names_its_offset():
+    # "]]]{{" inside traceEvents ends the list early; what follows is not a key: it
+    # used to say only "corrupt JSON between top-level keys", with no offset.
+    events = [{"ph": "X", "name": f"op{i}", "ts": i, "dur": 1} for i in range(50)]
+    text = json.dumps({"traceEvents": events, "deviceProperties": []})
+    at = text.index("]")  # the event list's end (no event holds a list)
+    broken = text[:at] + "]]]{{" + text[at:]
+    with pytest.raises(kineto.TraceError, match=r"t\.json: corrupt JSON at offset (\d+): "
+                       r"expected ',' or '}' after a top-level value, found ']'") as caught:
+        _events_of(broken)
+    assert int(re.search(r"offset (\d+)", str(caught.value)).group(1)) == at + 1
+
+
 def test_parse_leaves_the_garbage_collector_as_it_found_it(tmp_path):
     import gc
 

@@ -247,11 +247,13 @@ class _StreamingTrace:
             else:
                 self.meta[key] = self._value()
             char = self._peek()
+            at = self._base + self._pos
             self._pos += 1
             if char == "}":
                 return
             if char != ",":
-                raise TraceError(f"{self._name}: corrupt JSON between top-level keys")
+                raise TraceError(f"{self._name}: corrupt JSON at offset {at}: expected ',' or "
+                                 f"'}}' after a top-level value, found {char!r}")
 
 
 def _last_boundary(buf: str, pos: int, size: int) -> tuple[int, int] | None:
