@@ -607,8 +607,24 @@ def test_a_failing_collective_bookkeeping_never_fails_the_backward(process_group
     assert len(warnings) == 1  # once, not per backward
 
 
+@pytest.fixture
+def readers(monkeypatch) -> list:
+    """The names of the threads that read the flight recorder (the real read, watched)."""
+    from flare.instrumentation import flight_recorder
+
+    names: list = []
+    original = flight_recorder.FlightRecorder.entries
+
+    def entries(self):
+        names.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(flight_recorder.FlightRecorder, "entries", entries)
+    return names
+
+
 def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread(
-        process_group, monkeypatch):
+        process_group, readers):
     """C++-issued collectives (DDP's buckets) of a detail step become spans from the
     flight recorder, children of that step; the recorder's dump (milliseconds) runs on
     Flare's finisher thread, not in the training thread's step boundary."""
@@ -616,16 +632,6 @@ def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from flare.instrumentation import flight_recorder
-
-    readers = []
-    original = flight_recorder.FlightRecorder.entries
-
-    def entries(self):
-        readers.append(threading.current_thread().name)
-        return original(self)
-
-    monkeypatch.setattr(flight_recorder.FlightRecorder, "entries", entries)
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(16, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -654,22 +660,12 @@ def test_ddp_bucket_all_reduces_of_detail_steps_are_read_off_the_training_thread
 
 
 def test_a_detail_step_whose_collectives_all_came_from_python_skips_the_recorder_dump(
-        process_group, monkeypatch):
+        process_group, readers):
     """The dump costs milliseconds whatever the step did; when the group's sequence
     number advanced only by collectives the Python wrappers saw (as FSDP and Megatron
     issue them), it would add no span, so it is not read."""
     import time
 
-    from flare.instrumentation import flight_recorder
-
-    readers = []
-    original = flight_recorder.FlightRecorder.entries
-
-    def entries(self):
-        readers.append(threading.current_thread().name)
-        return original(self)
-
-    monkeypatch.setattr(flight_recorder.FlightRecorder, "entries", entries)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(4):  # detail steps 0 and 2 (FLARE_DETAIL_EVERY=2)
