@@ -500,9 +500,8 @@ class FollowService:
                 for rank in anomaly.ranks or ["none"]:
                     key = (self.job, anomaly.kind, str(rank))
                     self.metrics.anomalies_by_rank[key] = self.metrics.anomalies_by_rank.get(key, 0) + 1
-            # the line `flare run` prints for a live alert, with the time
-            print(f"{time.strftime('%H:%M:%S')} {report_text.alert_line(self.job, anomaly)}",
-                  file=self.out, flush=True)
+            # the line `flare run` prints for a live alert
+            print(report_text.live_alert_line(self.job, anomaly), file=self.out, flush=True)
         self.pending = []
         with self.metrics.lock:
             self.metrics.pending = 0

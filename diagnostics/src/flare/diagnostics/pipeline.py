@@ -101,6 +101,11 @@ class Diagnosis:
             out["detector_errors"] = dict(self.detector_errors)
         return out
 
+    def partial_text(self) -> str:
+        """What a partial report says at its top (text and HTML): which detectors failed."""
+        return ("these detectors failed, their anomalies are missing: "
+                + "; ".join(f"{name} ({error})" for name, error in sorted(self.detector_errors.items())))
+
 
 def diagnose(
     job: JobData,

@@ -62,10 +62,7 @@ def _e(text: object) -> str:
 def _anomalies(diagnosis: Diagnosis) -> str:
     partial = ""
     if diagnosis.detector_errors:  # before any verdict: "no anomalies" would be false
-        partial = ("<p class='bad'><b>Partial report</b>: these detectors failed, their "
-                   "anomalies are missing: " + "; ".join(
-                       f"{_e(name)} ({_e(error)})"
-                       for name, error in sorted(diagnosis.detector_errors.items())) + "</p>")
+        partial = f"<p class='bad'><b>Partial report</b>: {_e(diagnosis.partial_text())}</p>"
     if not diagnosis.anomalies:
         return partial + ("<p>No anomalies found by the detectors that ran.</p>"
                           if partial else "<p class='ok'>No anomalies found.</p>")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import time
 
 from flare.diagnostics.pipeline import Diagnosis
 
@@ -32,9 +33,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         lines.append(f"(no train.step spans: is {diagnosis.job} a training job instrumented by "
                      "Flare, and has it finished a step yet?)")
     if diagnosis.detector_errors:  # said before any verdict: "no anomalies" would be false
-        lines.append("PARTIAL REPORT: these detectors failed, their anomalies are missing: "
-                     + "; ".join(f"{name} ({error})"
-                                 for name, error in sorted(diagnosis.detector_errors.items())))
+        lines.append(f"PARTIAL REPORT: {diagnosis.partial_text()}")
     if not diagnosis.anomalies:
         lines.append("No anomalies found by the detectors that ran." if diagnosis.detector_errors
                      else "No anomalies found.")
@@ -61,6 +60,11 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
 
 def _bold(text: str, colour: bool) -> str:
     return f"\x1b[1m{text}\x1b[0m" if colour else text
+
+
+def live_alert_line(job: str, anomaly) -> str:
+    """A live alert as `flare run` and `--follow` print it: the time, then the alert."""
+    return f"{time.strftime('%H:%M:%S')} {alert_line(job, anomaly)}"
 
 
 def alert_line(job: str, anomaly) -> str:

@@ -204,18 +204,15 @@ def _refuse_existing_job(store_path: str, job: str) -> None:
     later --baseline-job against it, would read averages of both."""
     if not os.path.exists(store_path):
         return
-    from flare.exporters import store as flare_store
+    from flare.diagnostics.backends.store import StoreBackend
 
+    backend = StoreBackend(store_path)
     try:
-        con = flare_store.open_reader(store_path)
+        found = job in backend.jobs()
     except Exception:  # not a store, locked, damaged: the collector's start says which
-        return
-    try:
-        found = con.execute("SELECT 1 FROM spans WHERE job = ? LIMIT 1", [job]).fetchone()
-    except Exception:
-        found = None
+        found = False
     finally:
-        con.close()
+        backend.close()
     if found:
         raise UserError(f"job {job!r} is already in {store_path}; its steps would mix with "
                         "this run's: choose another --job (or another --store)")
@@ -297,7 +294,7 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
     as `opentelemetry-instrument` does at start, is lost)."""
     interrupts = [0]
     last_signal = [0.0]
-    first = [signal.SIGINT]  # the signal that stopped the job: Ctrl-C, or a scheduler's SIGTERM
+    stopped = [] if stopped is None else stopped  # the signal that stopped the job
 
     def send_next() -> None:
         interrupts[0] += 1
@@ -310,9 +307,7 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
 
     def forward(signum: int, _frame) -> None:
         if interrupts[0] == 0:
-            first[0] = signum
-            if stopped is not None:  # the caller's to know: the job did not end on its own
-                stopped.append(signum)
+            stopped.append(signum)  # (the caller's to know: the job did not end on its own)
             what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
             # (a new line first on a terminal: the shell has echoed ^C on this one)
             print(f"{chr(10) if sys.stderr.isatty() else ''}flare: {what}; stopping the job "
@@ -336,7 +331,7 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
         for s, handler in previous.items():
             signal.signal(s, handler)
     if interrupts[0]:
-        return 128 + first[0]  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports
+        return 128 + stopped[0]  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports
     return code if code >= 0 else 128 - code
 
 
@@ -444,6 +439,6 @@ class LiveMonitor:
             if identity in confirmed and identity not in self.seen:
                 self.seen.add(identity)
                 fresh.append(anomaly)
-                print(f"{time.strftime('%H:%M:%S')} {report_text.alert_line(self.job, anomaly)}",
+                print(report_text.live_alert_line(self.job, anomaly),
                       file=self.out, flush=True)
         return fresh

@@ -68,7 +68,7 @@ class _FirstStepListener:
         pass
 
 
-def _adopt_flare_resource(provider, identity) -> bool:
+def _adopt_flare_resource(provider, identity) -> None:
     """The SDK ran without Flare's resource detector (`OTEL_EXPERIMENTAL_RESOURCE_DETECTORS`
     lacks `flare`): the resource has no job, so a collector files every such process
     under `service.name` (`unknown_service:python3` for all jobs alike) and derives the
@@ -77,11 +77,10 @@ def _adopt_flare_resource(provider, identity) -> bool:
     made before keep the old one. The spans keep their own rank attributes too."""
     current = getattr(provider, "_resource", None)
     if not isinstance(current, Resource):
-        return False
+        return
     provider._resource = current.merge(Resource(identity.resource_attributes()))
-    _log.info("flare: %s is not in OTEL_EXPERIMENTAL_RESOURCE_DETECTORS; Flare's resource "
-              "attributes were added to the tracer provider's resource", "flare")
-    return True
+    _log.info("flare: 'flare' is not in OTEL_EXPERIMENTAL_RESOURCE_DETECTORS; Flare's "
+              "resource attributes were added to the tracer provider's resource")
 
 
 class TorchTrainingInstrumentor(BaseInstrumentor):
