@@ -489,3 +489,87 @@ def test_a_stuck_export_bounds_the_deferred_steps_and_training_goes_on(rank_env,
         provider.shutdown()
     warnings = [r for r in caplog.records if "were dropped while the span export" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_spans_for_flares_exporter_are_handed_over_written(rank_env):  # noqa: F811
+    """With every processor exporting through Flare's writer, the finisher hands its
+    spans over already written (EncodedSpan) and the collector receives the request
+    the SDK would send; a processor added later (one that reads the span objects) gets
+    ReadableSpans from the next span on."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+    from otlp_sink import OtlpSink
+
+    from flare.instrumentation.otlp_encoding import EncodedSpan
+    from flare.instrumentation.otlp_exporter import FlareOTLPSpanExporter
+
+    class Recording(SpanExporter):
+        def __init__(self):
+            self.batches = []
+
+        def export(self, spans):
+            self.batches.append(list(spans))
+            return 0
+
+    handed: list = []
+    with OtlpSink() as sink:
+        exporter = FlareOTLPSpanExporter(endpoint=sink.endpoint, insecure=True)
+        original = exporter.export
+        exporter.export = lambda spans: handed.extend(spans) or original(spans)
+        provider = TracerProvider(resource=Resource({"service.name": "written"}))
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        instrumentor = TorchTrainingInstrumentor()
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+        try:
+            train(4)
+            provider.force_flush()
+            later = Recording()
+            provider.add_span_processor(SimpleSpanProcessor(later))
+            train(2)
+            provider.force_flush()
+        finally:
+            instrumentor.uninstrument()
+            provider.shutdown()
+        received = [request for _, request, _ in sink.trace_requests]
+    steps = [s for s in handed if s.name == semconv.SPAN_STEP]
+    assert len(steps) >= 6
+    assert all(type(s) is EncodedSpan for s in steps[:4])  # written at once
+    assert all(type(s) is not EncodedSpan for s in steps[5:])  # the added processor
+    assert later.batches and all(type(s) is not EncodedSpan
+                                 for batch in later.batches for s in batch)
+    sdk_spans = [s for s in handed if type(s) is not EncodedSpan]
+    assert received  # what reached the collector parses as the SDK's encoding would
+    assert sum(len(r.resource_spans[0].scope_spans[0].spans) for r in received) == len(handed)
+    assert encode_spans(sdk_spans).resource_spans[0].scope_spans[0].spans[-1] in [
+        span for r in received for span in r.resource_spans[0].scope_spans[0].spans]
+
+
+def test_the_boundary_takes_step_totals_the_finisher_made(rank_env):  # noqa: F811
+    """The usual step boundary takes the next step's totals from those the finisher
+    made when it last drained (about as many as it drained), and the figures of those
+    steps are complete."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    rank_env.setenv("FLARE_DETAIL_EVERY", "0")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource({"service.name": "t"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = flare_instrumentation.active_runtime()
+    try:
+        train(4)
+        provider.force_flush()  # drains: the finisher's part, here on this thread
+        spare = list(runtime._spare_totals)
+        assert len(spare) >= 3 and all(t.seq_start is None and not t.pending for t in spare)
+        train(3)  # three boundaries: the last three made, newest first
+        assert runtime._spare_totals == spare[:-3]
+        assert runtime.totals is spare[-3]
+        provider.force_flush()
+    finally:
+        instrumentor.uninstrument()
+    spans = finished(exporter, semconv.SPAN_STEP)
+    assert len(spans) == 7
+    # one fetch a step (the one after a loader's last batch, which ends its loop, too)
+    assert [s.attributes[semconv.STEP_DATALOADER_COUNT] for s in spans] == [1, 1, 1, 1, 2, 1, 1]
+    assert all(s.attributes[semconv.STEP_BACKWARD_MS] > 0 for s in spans)

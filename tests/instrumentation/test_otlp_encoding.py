@@ -220,3 +220,53 @@ def test_the_exporter_uses_the_sdk_encoder_when_the_check_fails(monkeypatch, cap
     finally:
         otlp_exporter.writer_matches_sdk.cache_clear()
     assert "encodes spans differently" in caplog.text
+
+
+def _finished_pair(rng: random.Random, resource, scope):
+    """One span as FinishedSpans builds it: a ReadableSpan, and the same values
+    written at once (otlp_encoding.EncodedSpan); None for the second when the writer
+    leaves the span to the SDK."""
+    from opentelemetry.trace import TraceState
+
+    trace_id = rng.getrandbits(128) or 1
+    state = TraceState([("k", "v"), ("flare", "1")]) if rng.random() < 0.1 else TraceState()
+    context = SpanContext(trace_id, rng.getrandbits(64) or 1, False, TraceFlags(1), state)
+    parent = SpanContext(trace_id, rng.getrandbits(64) or 1, is_remote=rng.random() < 0.5,
+                         trace_flags=TraceFlags(1))
+    name = rng.choice(["train.step", "dataloader.next", "", "é" * 3])
+    attributes = {f"key.{rng.randrange(40)}": _random_value(rng)
+                  for _ in range(rng.randrange(0, 25))}
+    start, end = rng.choice([0, rng.getrandbits(63)]), rng.choice([0, rng.getrandbits(64)])
+    readable = ReadableSpan(name, context=context, parent=parent, resource=resource,
+                            attributes=attributes, kind=SpanKind.INTERNAL, start_time=start,
+                            end_time=end, instrumentation_scope=scope)
+    try:
+        otlp = otlp_encoding.encode_finished(name, context, parent, attributes, start, end)
+    except (otlp_encoding.Unsupported, UnicodeEncodeError, OverflowError):
+        return readable, None
+    return readable, otlp_encoding.EncodedSpan(name, context, parent, resource, scope,
+                                               attributes, start, end, otlp)
+
+
+def test_spans_written_at_once_are_the_bytes_of_the_sdk_span():
+    """encode_finished writes, byte for byte, what encode_span writes for the
+    ReadableSpan FinishedSpans would have built; a request mixing such spans with
+    ordinary ones parses to the SDK's request for the ordinary spans alone."""
+    rng = random.Random(20261201)
+    resources = [Resource({"r": i}) for i in range(2)]
+    scopes = [InstrumentationScope("flare"), None]
+    readables, mixed, written = [], [], 0
+    for i in range(500):
+        readable, encoded = _finished_pair(rng, resources[i % 2], scopes[i // 3 % 2])
+        readables.append(readable)
+        if encoded is None:
+            mixed.append(readable)
+            continue
+        written += 1
+        assert encoded.otlp == otlp_encoding.encode_span(readable)
+        mixed.append(encoded if i % 4 else readable)
+    assert written > 300
+    for start in range(0, 500, 45):
+        expected = encode_spans(readables[start:start + 45])
+        assert ExportTraceServiceRequest.FromString(
+            otlp_encoding.encode_request(mixed[start:start + 45])) == expected

@@ -39,7 +39,7 @@ from flare.instrumentation.flight_recorder import (
 )
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.process_groups import PgInfo, ProcessGroups
-from flare.instrumentation.runtime import Runtime
+from flare.instrumentation.runtime import PgTotals, Runtime
 
 _log = logging.getLogger(__name__)
 
@@ -131,19 +131,37 @@ class CollectiveRecord:
 
 
 def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict) -> None:
-    names = sorted(set(totals_pg) | {n for n, s in now_seqs.items()
-                                     if s > started.get(n, s)})
+    # (Loops, not comprehensions: see CollectiveTracker._add_backward.)
+    names = list(totals_pg)
+    for name, seq in now_seqs.items():
+        if seq > started.get(name, seq) and name not in totals_pg:
+            names.append(name)
+    if len(names) > 1:
+        names.sort()
     counts, waits, sizes, last_seqs, device = [], [], [], [], []
+    count_sum = bytes_sum = 0
+    any_device = False
     for name in names:
         totals = totals_pg.get(name)
-        python_count = totals.python_count if totals else 0
-        delta = now_seqs.get(name, 0) - started.get(name, now_seqs.get(name, 0))
-        counts.append(max(delta, python_count))
-        waits.append(round(totals.wait_ns / 1e6, 3) if totals else 0.0)
-        sizes.append(totals.bytes if totals else 0)
-        last_seqs.append(now_seqs.get(name, -1))
-        device.append(round(totals.device_ns / 1e6, 3) if totals else 0.0)
-    if any(device):
+        now = now_seqs.get(name)
+        delta = 0 if now is None else now - started.get(name, now)
+        if totals is not None:
+            count = totals.python_count if totals.python_count > delta else delta
+            nbytes = totals.bytes
+            waits.append(round(totals.wait_ns / 1e6, 3))
+            if totals.device_ns:
+                any_device = True
+            device.append(round(totals.device_ns / 1e6, 3))
+        else:
+            count, nbytes = delta, 0
+            waits.append(0.0)
+            device.append(0.0)
+        counts.append(count)
+        sizes.append(nbytes)
+        count_sum += count
+        bytes_sum += nbytes
+        last_seqs.append(-1 if now is None else now)
+    if any_device and any(device):
         summary[semconv.STEP_PG_DEVICE_MS] = device
     if names:
         summary[semconv.STEP_PG_NAMES] = names
@@ -151,8 +169,8 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
         summary[semconv.STEP_PG_WAIT_MS] = waits
         summary[semconv.STEP_PG_BYTES] = sizes
         summary[semconv.STEP_PG_LAST_SEQ] = last_seqs
-    summary[semconv.STEP_COLLECTIVE_COUNT] = sum(counts)
-    summary[semconv.STEP_COLLECTIVE_BYTES] = sum(sizes)
+    summary[semconv.STEP_COLLECTIVE_COUNT] = count_sum
+    summary[semconv.STEP_COLLECTIVE_BYTES] = bytes_sum
 
 
 def _python_issued_all(totals) -> bool:
@@ -469,17 +487,27 @@ class CollectiveTracker:
             seqs_before, after = totals.seq_start, totals.seq_end
             if not seqs_before or after is None:  # a read failed: nothing to compare
                 return
-        advanced = {name: after[name] - seq for name, seq in seqs_before.items()
-                    if after.get(name, seq) > seq}
-        if not advanced:
-            return
-        for name in advanced:
+        # (Loops, not comprehensions: this runs on the finisher for every step, on data
+        # the training has long evicted, where each extra frame and object counts.)
+        pg = totals.pg
+        busiest, most = None, 0
+        for name, seq in seqs_before.items():
+            advance = after.get(name, seq) - seq
+            if advance <= 0:
+                continue
+            if advance > most:  # the first of the groups that advanced most
+                busiest, most = name, advance
             nbytes = gradient_bytes.get(name, 0)
             if nbytes:
-                totals.pg_totals(name).bytes += nbytes
-        if graph_done:
-            busiest = max(advanced, key=advanced.get)
-            totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
+                group = pg.get(name)
+                if group is None:
+                    group = pg[name] = PgTotals()
+                group.bytes += nbytes
+        if graph_done and busiest is not None:
+            group = pg.get(busiest)
+            if group is None:
+                group = pg[busiest] = PgTotals()
+            group.wait_ns += max(0, end - graph_done)
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:
@@ -518,8 +546,10 @@ class CollectiveTracker:
             self.recorder_truncated_steps += 1
             if self.recorder_truncated_steps == 1:
                 _log.info("flare: detail step %d issued more collectives than the flight "
-                          "recorder keeps (%s); its earliest C++-issued ones have no span",
-                          step, semconv.ENV_FR_BUFFER_SIZE)
+                          "recorder keeps (%s=%d); its earliest C++-issued ones have no "
+                          "span (raise %s to keep them: each entry costs every detail step "
+                          "~7-20 µs to read)", step, semconv.ENV_FR_BUFFER_SIZE, len(entries),
+                          semconv.ENV_FR_BUFFER_SIZE)
         infos = self.groups.infos_by_name()
         windows = totals.backward_windows or ()
         python_windows = totals.python_windows or ()

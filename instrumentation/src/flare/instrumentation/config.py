@@ -26,11 +26,17 @@ HANG_STEP_MULTIPLE = 10.0
 # Off-detail steps still emit a child span for any single operation at least this slow,
 # so a 2 s dataloader stall is visible as a span without waiting for a detail step.
 SLOW_CHILD_MS = 100.0
-# Entries kept by the flight recorder when Flare turns it on. A dump (detail steps and
-# hang reports only) costs ~7 µs per entry (PyTorch builds and pickles every one), on
-# Flare's finisher thread; 256 covers several steps of DDP, and a detail step with more
-# collectives than that between its start and the dump is counted as truncated.
-FLIGHT_RECORDER_BUFFER = 256
+# Entries kept by the flight recorder when TORCH_FR_BUFFER_SIZE is unset (PyTorch's own
+# default is 2,000 entries). A dump (detail steps and hang reports only) costs ~7 µs per
+# entry warm and about three times that in the running job (PyTorch builds and pickles
+# every entry, the oldest as much as the newest), on Flare's finisher thread: 256
+# entries cost the 80 ms benchmark job ~38 µs per rank-step, 128 ~19. Flare reads only
+# the detail step's own C++-issued collectives from it (DDP's bucket all-reduces: 128
+# buckets of DDP's default 25 MB hold 3.2 GB of gradients; FSDP's and Megatron's
+# collectives are Python-issued and need no dump) and, for a hang, the newest ones. A
+# detail step with more C++-issued collectives than that is counted as truncated and
+# logged once, naming the variable to raise.
+FLIGHT_RECORDER_BUFFER = 128
 
 
 def _number(name: str, default: float | None, minimum: float,

@@ -30,6 +30,8 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
+from flare.instrumentation.otlp_encoding import EncodedSpan, Unsupported, encode_finished
+
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
@@ -112,6 +114,15 @@ class DrainOnFlush:
         return done
 
 
+def _writes_otlp(processor) -> bool:
+    """A batch processor whose exporter writes its requests with otlp_encoding (and so
+    takes EncodedSpan): Flare's OTLP exporters, where their writer matches the SDK."""
+    inner = getattr(processor, "_batch_processor", None)  # SDK >= 1.33
+    exporter = getattr(inner, "_exporter", None) if inner is not None else getattr(
+        processor, "span_exporter", None)
+    return getattr(exporter, "writes_otlp_encoding", False) is True
+
+
 def _keeps_sampled_remote(sampler):
     """`sampler` when it is the SDK's ParentBased with ALWAYS_ON for sampled remote
     parents (the default sampler, `parentbased_always_on`), else None."""
@@ -137,6 +148,9 @@ class FinishedSpans:
         self._checked: tuple | None = None
         self._held: dict = {}  # batch processor -> its own schedule delay, while held
         self._asynchronous = False
+        # Every processor hands its spans to an exporter that writes its requests with
+        # otlp_encoding (Flare's `flare_otlp`): spans are handed over as EncodedSpan.
+        self._pre_encode = False
         self._starts, self._endings = _noop_processor_hooks()
         # the tracer's sampler once it is known to keep every child of a sampled remote
         # parent unchanged (checked after the first span it sampled)
@@ -177,6 +191,8 @@ class FinishedSpans:
 
         self._asynchronous = bool(processors) and all(
             isinstance(p, (BatchSpanProcessor, DrainOnFlush)) for p in processors)
+        self._pre_encode = self._asynchronous and all(
+            isinstance(p, DrainOnFlush) or _writes_otlp(p) for p in processors)
         self._checked = processors
         return True
 
@@ -301,8 +317,20 @@ class FinishedSpans:
                                   else _NOT_SAMPLED,
                                   trace_state=result.trace_state)
             self._keeps_sampled_remote = _keeps_sampled_remote(sampler)
+        processor = self._processor
+        if self._pre_encode and (processor._span_processors is self._checked
+                                 or (self.usable() and self._pre_encode)):
+            try:
+                otlp = encode_finished(name, context, parent, attributes, start_ns, end_ns)
+            except (Unsupported, UnicodeEncodeError, OverflowError):
+                otlp = None  # the exporter's own path decides, as for any span
+            if otlp is not None:
+                processor.on_end(EncodedSpan(name, context, parent, tracer.resource,
+                                             tracer._instrumentation_scope, attributes,
+                                             start_ns, end_ns, otlp))
+                return
         span = self._readable(name, context=context, parent=parent,
                               resource=tracer.resource, attributes=attributes,
                               kind=SpanKind.INTERNAL, start_time=start_ns, end_time=end_ns,
                               instrumentation_scope=tracer._instrumentation_scope)
-        self._processor.on_end(span)
+        processor.on_end(span)

@@ -91,6 +91,12 @@ class FlareOTLPSpanExporter(OTLPSpanExporter):
             self._client = _BytesTraceStub(self._channel)
             self._sends_bytes = True
 
+    @property
+    def writes_otlp_encoding(self) -> bool:
+        """Whether requests are written by otlp_encoding, which also takes the spans
+        Flare hands over already written (`otlp_encoding.EncodedSpan`)."""
+        return self._fast
+
     def _translate_data(self, data: Sequence) -> ExportTraceServiceRequest | bytes:
         if not self._fast:
             return encode_spans(data)

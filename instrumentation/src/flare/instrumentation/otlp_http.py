@@ -402,6 +402,12 @@ class FlareOTLPHttpSpanExporter(_SdkHttpSpanExporter):
                       and hasattr(self, "_max_request_size")
                       and hasattr(getattr(self, "_metrics", None), "export_operation"))
 
+    @property
+    def writes_otlp_encoding(self) -> bool:
+        """Whether requests are written by otlp_encoding, which also takes the spans
+        Flare hands over already written (`otlp_encoding.EncodedSpan`)."""
+        return self._fast
+
     def export(self, spans: Sequence) -> SpanExportResult:
         if not self._fast or self._shutdown:
             return super().export(spans)
