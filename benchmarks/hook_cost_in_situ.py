@@ -8,7 +8,16 @@ cores), and prints per hook the ranks' median, mean, 90th percentile and max in 
 The mean is what the training thread pays per step: it includes the detail steps
 (every FLARE_DETAIL_EVERY-th, which build and hand over the step spans waiting for the
 finisher) and the steps that find the caches colder still; the median is the usual
-step's cost. The first 20 steps are left out (warm-up).
+step's cost. The first 20 steps are left out (warm-up). The DDP gradient hook Flare
+keeps on each DDP wrapper's first parameter runs inside the backward (so outside the
+wrapper's figure): its two calls are timed on their own.
+
+The timers cost something too: a timed region, a frame around each hook, the timed
+original the wrappers call. `--drive` therefore also runs the same job with every hook
+replaced by nothing (`FLARE_PROBE_FLOOR=1`: the optimizer hooks by nothing, the
+wrappers by the timed original itself) and prints that floor and the difference, which
+is what Flare adds; the gradient hook's floor is taken as two optimizer-hook floors
+(two timed regions).
 
     .venv/bin/python benchmarks/hook_cost_in_situ.py --drive --steps 300 \\
         --hidden 1024 --batch-size 128
@@ -60,7 +69,8 @@ def main() -> None:
         finally:
             inner[0] = clock() - start
 
-    rebuilt = step_hooks._make_backward(timed_original)
+    floor = os.environ.get("FLARE_PROBE_FLOOR") == "1"  # the timers' own cost (see drive)
+    rebuilt = timed_original if floor else step_hooks._make_backward(timed_original)
 
     def timed_backward(*a, **k):
         start = clock()
@@ -117,8 +127,8 @@ def main() -> None:
         finally:
             inner_next[0] = clock() - start
 
-    rebuilt_next = DataLoaderHook(next_cells["runtime"].cell_contents)._wrap(
-        timed_original_next)
+    rebuilt_next = (timed_original_next if floor else DataLoaderHook(
+        next_cells["runtime"].cell_contents)._wrap(timed_original_next))
 
     def timed_next(iterator):
         start = clock()
@@ -133,10 +143,13 @@ def main() -> None:
     for registry, name in ((torch_optimizer._global_optimizer_post_hooks, "step boundary"),
                            (torch_optimizer._global_optimizer_pre_hooks, "optimizer pre-hook")):
         for key, hook in list(registry.items()):
+            if floor:  # the timed region with no hook in it
+                hook = None
+
             def timed_hook(*a, _hook=hook, _samples=samples[name], **k):
                 start = clock()
                 try:
-                    return _hook(*a, **k)
+                    return _hook(*a, **k) if _hook is not None else None
                 finally:
                     _samples.append(clock() - start)
             registry[key] = timed_hook
@@ -161,24 +174,42 @@ def main() -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def drive(train_args: list[str]) -> None:
-    """Run the 4-rank job under `flare run`'s rank environment; print each hook's
-    figures, each the mean over the ranks."""
-    from rank_thread_cpu import run_ranks  # a sibling script: its directory is on sys.path
-
-    ranks = run_ranks(__file__, "hook-cost", "hooks", train_args)
-    if not ranks:
-        raise SystemExit(f"hook_cost_in_situ: no rank wrote its figures (fewer than "
-                         f"{WARM_UP + 1} steps?)")
-    print(f"{'us of training-thread CPU':24s} {'median':>8s} {'mean':>8s} {'p90':>8s} {'max':>9s}"
-          f"   ({len(ranks)} ranks)")
+def _means(ranks: list[dict]) -> dict[str, dict[str, float]]:
+    rows = {}
     for name in HOOKS:
         present = [rank[name] for rank in ranks if name in rank]
         if present:
-            row = {k: sum(p[k] for p in present) / len(present)
-                   for k in ("median", "mean", "p90", "max")}
-            print(f"{name:24s} {row['median']:8.1f} {row['mean']:8.1f} {row['p90']:8.1f} "
-                  f"{row['max']:9.1f}")
+            rows[name] = {k: sum(p[k] for p in present) / len(present)
+                          for k in ("median", "mean", "p90", "max")}
+    return rows
+
+
+def drive(train_args: list[str]) -> None:
+    """Run the 4-rank job under `flare run`'s rank environment, once with the timers
+    alone (the floor) and once with Flare's hooks; print each hook's figures (the mean
+    over the ranks), the floor, and what Flare adds (the difference)."""
+    from rank_thread_cpu import run_ranks  # a sibling script: its directory is on sys.path
+
+    os.environ["FLARE_PROBE_FLOOR"] = "1"
+    floor = _means(run_ranks(__file__, "hook-cost", "hooks", train_args))
+    os.environ.pop("FLARE_PROBE_FLOOR")
+    ranks = run_ranks(__file__, "hook-cost", "hooks", train_args)
+    if not ranks or not floor:
+        raise SystemExit(f"hook_cost_in_situ: no rank wrote its figures (fewer than "
+                         f"{WARM_UP + 1} steps?)")
+    if "optimizer pre-hook" in floor:  # two timed regions, each like an optimizer hook's
+        floor["DDP gradient hook"] = {k: 2 * v for k, v in floor["optimizer pre-hook"].items()}
+    print(f"{'us of training-thread CPU':24s} {'median':>8s} {'mean':>8s} {'p90':>8s} {'max':>9s}"
+          f"   {'floor med':>9s} {'mean':>6s}   {'added med':>9s} {'mean':>6s}   "
+          f"({len(ranks)} ranks)")
+    added = 0.0
+    for name, row in _means(ranks).items():
+        low = floor.get(name, {"median": 0.0, "mean": 0.0})
+        added += row["mean"] - low["mean"]
+        print(f"{name:24s} {row['median']:8.1f} {row['mean']:8.1f} {row['p90']:8.1f} "
+              f"{row['max']:9.1f}   {low['median']:9.1f} {low['mean']:6.1f}   "
+              f"{row['median'] - low['median']:9.1f} {row['mean'] - low['mean']:6.1f}")
+    print(f"{'added per step (means)':24s} {added:8.1f}")
 
 
 if __name__ == "__main__":
