@@ -139,18 +139,24 @@ def _kind_field(kind) -> bytes:
     return field
 
 
-def encode_span(span) -> bytes:
-    """The serialized OTLP `Span` of one finished SDK span (raises Unsupported)."""
-    if span.events or span.links:
-        raise Unsupported
-    context = span.get_span_context()
-    parent = span.parent
+def _identity_fields(context) -> list[bytes]:
+    """Span.trace_id, span_id and trace_state of a span's context (fields 1-3)."""
     out = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"),
            b"\x12\x08", context.span_id.to_bytes(8, "big")]
     trace_state = context.trace_state
     if trace_state:
         out.append(_field(b"\x1a", ",".join(
             [f"{key}={value}" for key, value in trace_state.items()]).encode()))
+    return out
+
+
+def encode_span(span) -> bytes:
+    """The serialized OTLP `Span` of one finished SDK span (raises Unsupported)."""
+    if span.events or span.links:
+        raise Unsupported
+    context = span.get_span_context()
+    parent = span.parent
+    out = _identity_fields(context)
     if parent is not None:
         out.append(b"\x22\x08")
         out.append(parent.span_id.to_bytes(8, "big"))
@@ -193,12 +199,7 @@ def encode_finished(name: str, context, parent, attributes, start_ns: int,
     start_time, end_time)` (status UNSET, no events, links or dropped attributes;
     `parent` is set). Written from the values themselves, without the span object
     (raises Unsupported, UnicodeEncodeError or OverflowError as `encode_span` does)."""
-    out = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"),
-           b"\x12\x08", context.span_id.to_bytes(8, "big")]
-    trace_state = context.trace_state
-    if trace_state:
-        out.append(_field(b"\x1a", ",".join(
-            [f"{key}={value}" for key, value in trace_state.items()]).encode()))
+    out = _identity_fields(context)
     out.append(b"\x22\x08")
     out.append(parent.span_id.to_bytes(8, "big"))
     named = _NAMES.get(name)
