@@ -39,7 +39,7 @@ from flare.instrumentation.flight_recorder import (
 )
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.process_groups import PgInfo, ProcessGroups
-from flare.instrumentation.runtime import PgTotals, Runtime
+from flare.instrumentation.runtime import Runtime
 
 _log = logging.getLogger(__name__)
 
@@ -146,12 +146,12 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
         now = now_seqs.get(name)
         delta = 0 if now is None else now - started.get(name, now)
         if totals is not None:
-            count = totals.python_count if totals.python_count > delta else delta
+            count = max(delta, totals.python_count)
             nbytes = totals.bytes
             waits.append(round(totals.wait_ns / 1e6, 3))
-            if totals.device_ns:
-                any_device = True
-            device.append(round(totals.device_ns / 1e6, 3))
+            device_ms = round(totals.device_ns / 1e6, 3)
+            any_device = any_device or device_ms != 0
+            device.append(device_ms)
         else:
             count, nbytes = delta, 0
             waits.append(0.0)
@@ -161,7 +161,7 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
         count_sum += count
         bytes_sum += nbytes
         last_seqs.append(-1 if now is None else now)
-    if any_device and any(device):
+    if any_device:
         summary[semconv.STEP_PG_DEVICE_MS] = device
     if names:
         summary[semconv.STEP_PG_NAMES] = names
@@ -489,7 +489,6 @@ class CollectiveTracker:
                 return
         # (Loops, not comprehensions: this runs on the finisher for every step, on data
         # the training has long evicted, where each extra frame and object counts.)
-        pg = totals.pg
         busiest, most = None, 0
         for name, seq in seqs_before.items():
             advance = after.get(name, seq) - seq
@@ -499,15 +498,9 @@ class CollectiveTracker:
                 busiest, most = name, advance
             nbytes = gradient_bytes.get(name, 0)
             if nbytes:
-                group = pg.get(name)
-                if group is None:
-                    group = pg[name] = PgTotals()
-                group.bytes += nbytes
+                totals.pg_totals(name).bytes += nbytes
         if graph_done and busiest is not None:
-            group = pg.get(busiest)
-            if group is None:
-                group = pg[busiest] = PgTotals()
-            group.wait_ns += max(0, end - graph_done)
+            totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:

@@ -308,7 +308,8 @@ _scopes = _EncodedOnce()
 
 def encode_request(spans: Sequence, fast: bool = True) -> bytes:
     """The serialized `ExportTraceServiceRequest` for `spans`, equal to the SDK's
-    `encode_spans(spans)` once parsed. `fast=False` encodes every span with the SDK."""
+    `encode_spans(spans)` once parsed. `fast=False` encodes every span with the SDK,
+    except those handed over already written (`EncodedSpan`), taken as they are."""
     from opentelemetry.exporter.otlp.proto.common._internal import (
         _encode_instrumentation_scope,
         _encode_resource,
