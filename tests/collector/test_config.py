@@ -73,6 +73,7 @@ def _embedded(tmp_path):
         (lambda c: c["service"].update({"flush_interval": "soon"}), "expected a duration"),
         (lambda c: c["extensions"]["flare_wal"].update({"max_size": "lots"}), "expected a size"),
         (lambda c: c["exporters"]["flare_store"].update({"colour": "red"}), "exporters.flare_store: unknown option 'colour'"),
+        (lambda c: c["exporters"]["flare_store"].update({"large_flush_rows": 0}), "flare_store.large_flush_rows: must be at least 1"),
         (lambda c: c["processors"]["memory_limiter"].update({"limit_mib": -1}), "processors.memory_limiter"),
     ],
 )

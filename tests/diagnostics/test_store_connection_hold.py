@@ -48,11 +48,10 @@ def test_queries_share_a_connection_and_a_writer_gets_in_after_hold_s(store_path
     assert backend._con is None and _writable(store_path)
 
 
-def test_a_large_result_or_hold_zero_releases_at_once(store_path, monkeypatch):
+def test_a_large_result_or_hold_zero_releases_at_once(store_path):
     backend = StoreBackend(store_path, hold_s=0)
     assert backend._con is None and backend.jobs() == ["j"] and backend._con is None
-    monkeypatch.setattr("flare.diagnostics.backends.store._RELEASE_AFTER_BYTES", 1)
-    backend = StoreBackend(store_path, hold_s=30)
+    backend = StoreBackend(store_path, hold_s=30, release_after_bytes=1)
     assert backend._con is None and _writable(store_path)
 
 

@@ -302,14 +302,11 @@ def test_a_store_file_replaced_between_flushes_gets_its_schema_again(tmp_path):
     assert exporter.read_meta("k") == "2"
 
 
-def _row_groups_after(tmp_path, monkeypatch, flush_sizes: list[int]) -> int:
+def _row_groups_after(tmp_path, flush_sizes: list[int]) -> int:
     """Row groups of the spans table in the store file after flushes of the given
     numbers of 2-span requests, with a large flush being 6 spans or more."""
-    from flare.exporters import flare_store
-
-    monkeypatch.setattr(flare_store, "LARGE_FLUSH_ROWS", 6)
     path = tmp_path / f"store-{'-'.join(map(str, flush_sizes))}.duckdb"
-    exporter = FlareStoreExporter(path)
+    exporter = FlareStoreExporter(path, large_flush_rows=6)
     for number, requests in enumerate(flush_sizes):
         for _ in range(requests):
             exporter.export_traces(step_request())
@@ -321,10 +318,10 @@ def _row_groups_after(tmp_path, monkeypatch, flush_sizes: list[int]) -> int:
                       "FROM pragma_storage_info('spans')")[0]["n"]
 
 
-def test_large_flushes_keep_their_row_groups_and_small_ones_are_merged(tmp_path, monkeypatch):
+def test_large_flushes_keep_their_row_groups_and_small_ones_are_merged(tmp_path):
     # Read in the store file itself: a large flush is checkpointed at its commit without
     # DuckDB's vacuum, so each keeps its own row group (no rewrite of its neighbours);
     # small flushes keep the vacuum, which merges them into one row group.
-    assert _row_groups_after(tmp_path, monkeypatch, [1, 1, 1, 1]) == 1
-    assert _row_groups_after(tmp_path, monkeypatch, [3, 3, 3, 3]) == 4
-    assert _row_groups_after(tmp_path, monkeypatch, [1, 3, 1, 3]) == 2
+    assert _row_groups_after(tmp_path, [1, 1, 1, 1]) == 1
+    assert _row_groups_after(tmp_path, [3, 3, 3, 3]) == 4
+    assert _row_groups_after(tmp_path, [1, 3, 1, 3]) == 2

@@ -65,8 +65,10 @@ def _release_all() -> None:
 
 class StoreBackend:
     def __init__(self, path: str | os.PathLike[str], open_timeout_s: float = 30.0,
-                 memory_limit: str = "256MB", hold_s: float = 0.5) -> None:
+                 memory_limit: str = "256MB", hold_s: float = 0.5,
+                 release_after_bytes: int = _RELEASE_AFTER_BYTES) -> None:
         self.path = Path(path)
+        self.release_after_bytes = release_after_bytes
         self.memory_limit = memory_limit
         self.name = f"store:{self.path}"
         self.open_timeout_s = open_timeout_s
@@ -94,7 +96,8 @@ class StoreBackend:
             except BaseException:
                 self._release()
                 raise
-            if (_result_bytes(table) >= _RELEASE_AFTER_BYTES or self.hold_s <= 0
+            if (_result_bytes(table, self.release_after_bytes) >= self.release_after_bytes
+                    or self.hold_s <= 0
                     or time.monotonic() - started >= _RELEASE_AFTER_S):
                 self._release()
             return table
@@ -348,12 +351,12 @@ def _cast(table: Table, types: dict[str, str]) -> Table:
     return table
 
 
-def _result_bytes(table: Table) -> int:
+def _result_bytes(table: Table, enough: int) -> int:
     """A result's size: its arrays, and the text its object columns hold (counted only
-    until the release threshold is reached)."""
+    until `enough`, the release threshold, is reached)."""
     total = table.nbytes
     for name in table.column_names:
-        if total >= _RELEASE_AFTER_BYTES:
+        if total >= enough:
             break
         data = table[name].data
         if data.dtype == object:
