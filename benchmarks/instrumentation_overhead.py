@@ -176,32 +176,68 @@ def interleaved(steps: int, block: int, train_args: list[str], exporter: str) ->
             text=True, timeout=1800)
         if result.returncode != 0:
             raise SystemExit(f"interleaved run failed:\n{result.stderr[-3000:]}")
-        with open(out) as handle:
-            blocks = json.load(handle)
-    med = statistics.median
-    # Each instrumented block against the mean of the plain blocks on either side of it:
-    # a drift of the machine's speed over the run cancels to first order.
-    ratios, thread_added, process_added = [], [], []
+        ranks = []
+        for rank in range(RANKS):
+            with open(f"{out}.{rank}") as handle:
+                ranks.append(json.load(handle))
+    return interleaved_figures(ranks)
+
+
+def _ci95(values: list[float]) -> tuple[float, float, float]:
+    mean = statistics.fmean(values)
+    half = (1.96 * statistics.stdev(values) / len(values) ** 0.5
+            if len(values) > 1 else float("nan"))
+    return mean, mean - half, mean + half
+
+
+def interleaved_figures(ranks: list[list[dict]]) -> dict:
+    """The in-process A/B's figures from every rank's blocks (the worker's files).
+
+    Each instrumented block is compared with the mean of the plain blocks on either side
+    of it, so that a drift of the machine's speed over the run cancels to first order.
+    Wall time: rank 0's median step (the ranks wait for each other at every all-reduce).
+    CPU: the mean per step of the four processes together (every thread: the training
+    thread, Flare's and the SDK's, gloo's), the instrumented block's left-over work done
+    at its end (`toggle`) spread over its steps: on a machine whose cores the ranks
+    share, it is the job's CPU that sets its step time."""
+    med, mean = statistics.median, statistics.fmean
+    blocks = ranks[0]
+    wall_ratios, cpu_ratios, process_added, thread_added = [], [], [], []
     for i, current in enumerate(blocks):
-        neighbours = [b for b in blocks[max(0, i - 1):i + 2:2] if not b["instrumented"]]
-        if not current["instrumented"] or not neighbours or not current["wall"]:
+        if not current["instrumented"] or not current["wall"]:
             continue
-        plain_wall = statistics.fmean(med(b["wall"]) for b in neighbours)
-        ratios.append(med(current["wall"]) / plain_wall)
-        for key, out_list in (("thread_cpu", thread_added), ("process_cpu", process_added)):
-            plain_cpu = statistics.fmean(med(b[key]) for b in neighbours)
-            out_list.append((med(current[key]) - plain_cpu) * 1e6)
+        neighbours = [j for j in (i - 1, i + 1)
+                      if 0 <= j < len(blocks) and not blocks[j]["instrumented"]
+                      and blocks[j]["wall"]]
+        if not neighbours:
+            continue
+        wall_ratios.append(med(current["wall"])
+                           / mean(med(blocks[j]["wall"]) for j in neighbours))
+        on_cpu = off_cpu = on_thread = off_thread = 0.0
+        for rank_blocks in ranks:
+            block = rank_blocks[i]
+            toggle = block.get("toggle", (0.0, 0.0, 0.0))
+            on_cpu += mean(block["process_cpu"]) + toggle[2] / block["steps"]
+            off_cpu += mean(mean(rank_blocks[j]["process_cpu"]) for j in neighbours)
+            on_thread += mean(block["thread_cpu"])
+            off_thread += mean(mean(rank_blocks[j]["thread_cpu"]) for j in neighbours)
+        cpu_ratios.append(on_cpu / off_cpu)
+        process_added.append((on_cpu - off_cpu) / len(ranks) * 1e6)
+        thread_added.append((on_thread - off_thread) / len(ranks) * 1e6)
     everything = {arm: [t for b in blocks if b["instrumented"] == (arm == "on")
                         for t in b["wall"]] for arm in ("on", "off")}
-    mean = statistics.fmean(ratios)
-    half = (1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
-            if len(ratios) > 1 else float("nan"))
+    wall_mean, wall_low, wall_high = _ci95(wall_ratios)
+    cpu_mean, cpu_low, cpu_high = _ci95(cpu_ratios)
+    added_mean, added_low, added_high = _ci95(process_added)
     return {"plain_ms": med(everything["off"]) * 1e3,
             "instrumented_ms": med(everything["on"]) * 1e3,
             "ratio": med(everything["on"]) / med(everything["off"]),
-            "block_ratio_median": med(ratios), "block_ratio_mean": mean,
-            "block_ratio_ci95": (mean - half, mean + half), "blocks": len(ratios),
-            "thread_added_us": med(thread_added), "process_added_us": med(process_added),
+            "block_ratio_median": med(wall_ratios), "block_ratio_mean": wall_mean,
+            "block_ratio_ci95": (wall_low, wall_high), "blocks": len(wall_ratios),
+            "cpu_ratio_median": med(cpu_ratios), "cpu_ratio_mean": cpu_mean,
+            "cpu_ratio_ci95": (cpu_low, cpu_high),
+            "process_added_us": added_mean, "process_added_ci95": (added_low, added_high),
+            "thread_added_us": mean(thread_added),
             "samples": (len(everything["off"]), len(everything["on"]))}
 
 
@@ -375,14 +411,20 @@ def main() -> None:
                               args.exporter)
         low, high = figures["block_ratio_ci95"]
         print(f"interleaved in-process A/B ({args.block}-step blocks, "
-              f"{figures['samples'][0]}/{figures['samples'][1]} steps): plain "
-              f"{figures['plain_ms']:.2f} ms, instrumented {figures['instrumented_ms']:.2f} ms, "
-              f"ratio of medians {figures['ratio']:.4f}; each instrumented block against "
-              f"its plain neighbours ({figures['blocks']} blocks): median "
-              f"{figures['block_ratio_median']:.4f}, mean {figures['block_ratio_mean']:.4f} "
-              f"[{low:.4f}, {high:.4f}] (95 %); CPU added per step on rank 0: training "
-              f"thread {figures['thread_added_us']:+.0f} us, process "
-              f"{figures['process_added_us']:+.0f} us", flush=True)
+              f"{figures['samples'][0]}/{figures['samples'][1]} steps, always-on work only: "
+              f"no detail steps): plain {figures['plain_ms']:.2f} ms, instrumented "
+              f"{figures['instrumented_ms']:.2f} ms, ratio of medians {figures['ratio']:.4f}; "
+              f"each instrumented block against its plain neighbours ({figures['blocks']} "
+              f"blocks): wall median {figures['block_ratio_median']:.4f}, mean "
+              f"{figures['block_ratio_mean']:.4f} [{low:.4f}, {high:.4f}] (95 %)", flush=True)
+        low, high = figures["cpu_ratio_ci95"]
+        added_low, added_high = figures["process_added_ci95"]
+        print(f"  CPU of the four processes per step (all threads, the left-over work done "
+              f"at each block's end included): ratio median {figures['cpu_ratio_median']:.4f}"
+              f", mean {figures['cpu_ratio_mean']:.4f} [{low:.4f}, {high:.4f}] (95 %); added "
+              f"per rank-step {figures['process_added_us']:+.0f} us [{added_low:+.0f}, "
+              f"{added_high:+.0f}], of it on the training thread "
+              f"{figures['thread_added_us']:+.0f} us", flush=True)
     if not args.skip_macro:
         figures = macro(args.pairs, args.steps, args.train_args.split(), args.exporter)
         print(f"plain median step: {figures['plain_ms']:.2f} ms; instrumented: "

@@ -6,8 +6,13 @@ a user's job is instrumented by opentelemetry-instrument, with no code change).
     torchrun --nproc_per_node 4 benchmarks/instrumentation_overhead_worker.py \
         OUT.json STEPS BLOCK [train_ddp.py arguments...]
 
-Rank 0 writes, per block, whether Flare was on and each step's wall time, training-
-thread CPU time and process CPU time (seconds), the settling steps left out.
+Every rank writes OUT.json.<rank>: per block, whether Flare was on and each step's wall
+time, training-thread CPU time and process CPU time (seconds), the settling steps left
+out. Work an instrumented block leaves for later (the step spans the finisher thread has
+not built yet, the batch processor's pending export) is done when the block ends, by
+`uninstrument()` and a flush of the provider, and its cost is written with that block
+(`toggle`: wall, training thread and process CPU seconds), so that it is counted in the
+arm that caused it and not in the plain block that follows.
 """
 
 from __future__ import annotations
@@ -73,12 +78,16 @@ def main() -> None:
     for step, (features, labels) in enumerate(loader):
         if step % block == 0 and step:
             if on:
+                before = (time.perf_counter(), time.thread_time(), time.process_time())
                 instrumentor.uninstrument()
+                provider.force_flush()
+                after = (time.perf_counter(), time.thread_time(), time.process_time())
+                blocks[-1]["toggle"] = [b - a for a, b in zip(before, after, strict=True)]
             else:
                 instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
             on = not on
-            blocks.append({"instrumented": on, "wall": [], "thread_cpu": [],
-                           "process_cpu": []})
+            blocks.append({"instrumented": on, "steps": block, "wall": [],
+                           "thread_cpu": [], "process_cpu": []})
         loss = loss_fn(model(features), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -91,9 +100,9 @@ def main() -> None:
         last = now
     if on:
         instrumentor.uninstrument()
-    if rank == 0:
-        with open(out_path, "w") as handle:
-            json.dump(blocks, handle)
+        blocks.pop()  # its left-over work was not measured
+    with open(f"{out_path}.{rank}", "w") as handle:
+        json.dump(blocks, handle)
     dist.barrier()
     dist.destroy_process_group()
     provider.shutdown()
