@@ -184,32 +184,43 @@ def _means(ranks: list[dict]) -> dict[str, dict[str, float]]:
     return rows
 
 
-def drive(train_args: list[str]) -> None:
+def measure(train_args: list[str]) -> tuple[dict, dict]:
     """Run the 4-rank job under `flare run`'s rank environment, once with the timers
-    alone (the floor) and once with Flare's hooks; print each hook's figures (the mean
-    over the ranks), the floor, and what Flare adds (the difference)."""
+    alone (the floor) and once with Flare's hooks; returns each hook's figures (the mean
+    over the ranks, µs) in both runs: (hooked, floor)."""
     from rank_thread_cpu import run_ranks  # a sibling script: its directory is on sys.path
 
     os.environ["FLARE_PROBE_FLOOR"] = "1"
-    floor = _means(run_ranks(__file__, "hook-cost", "hooks", train_args))
-    os.environ.pop("FLARE_PROBE_FLOOR")
+    try:
+        floor = _means(run_ranks(__file__, "hook-cost", "hooks", train_args))
+    finally:
+        os.environ.pop("FLARE_PROBE_FLOOR")
     ranks = run_ranks(__file__, "hook-cost", "hooks", train_args)
     if not ranks or not floor:
         raise SystemExit(f"hook_cost_in_situ: no rank wrote its figures (fewer than "
                          f"{WARM_UP + 1} steps?)")
     if "optimizer pre-hook" in floor:  # two timed regions, each like an optimizer hook's
         floor["DDP gradient hook"] = {k: 2 * v for k, v in floor["optimizer pre-hook"].items()}
+    return _means(ranks), floor
+
+
+def added_per_step(hooked: dict, floor: dict) -> float:
+    """µs of training-thread CPU Flare's hooks add per step: the means minus the floor."""
+    return sum(row["mean"] - floor.get(name, {"mean": 0.0})["mean"]
+               for name, row in hooked.items())
+
+
+def drive(train_args: list[str]) -> None:
+    """Print each hook's figures, the floor, and what Flare adds (the difference)."""
+    hooked, floor = measure(train_args)
     print(f"{'us of training-thread CPU':24s} {'median':>8s} {'mean':>8s} {'p90':>8s} {'max':>9s}"
-          f"   {'floor med':>9s} {'mean':>6s}   {'added med':>9s} {'mean':>6s}   "
-          f"({len(ranks)} ranks)")
-    added = 0.0
-    for name, row in _means(ranks).items():
+          f"   {'floor med':>9s} {'mean':>6s}   {'added med':>9s} {'mean':>6s}   (mean of the ranks)")
+    for name, row in hooked.items():
         low = floor.get(name, {"median": 0.0, "mean": 0.0})
-        added += row["mean"] - low["mean"]
         print(f"{name:24s} {row['median']:8.1f} {row['mean']:8.1f} {row['p90']:8.1f} "
               f"{row['max']:9.1f}   {low['median']:9.1f} {low['mean']:6.1f}   "
               f"{row['median'] - low['median']:9.1f} {row['mean'] - low['mean']:6.1f}")
-    print(f"{'added per step (means)':24s} {added:8.1f}")
+    print(f"{'added per step (means)':24s} {added_per_step(hooked, floor):8.1f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Reads `/proc/self/task/*/schedstat` (nanoseconds each thread ran) at the 100th o
 step and at exit, and writes `threads<RANK>.json` into OUT_DIR: microseconds per step
 for each thread name (Flare's `flare-step-finisher`, `flare-watchdog`, the batch
 processor's `OtelBatchSpanRecordProcessor`, the SDK's metric reader, gRPC's threads if
-any, gloo's, MainThread). Linux only. Used for the per-thread tables of
+any, gloo's, MainThread), and a `garbage collection` row: the CPU of the collections that
+ran (on any thread) per step, from `gc.callbacks`. Linux only. Used for the per-thread tables of
 docs/benchmarks.md. The usual way runs it under exactly the environment `flare run`
 gives its ranks (`child_environment()`), exporting to a loopback OTLP/HTTP receiver,
 and prints the 4 ranks' mean per thread:
@@ -23,6 +24,7 @@ wrapper, by hand:
 from __future__ import annotations
 
 import atexit
+import gc
 import glob
 import json
 import os
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,21 +88,40 @@ def run_wrapped(prefix: str, start, finish) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+GC = "garbage collection"  # a pseudo-thread: collections' CPU on whatever thread ran them
+
+
 def main() -> None:
     first: dict[str, int] = {}
+    gc_ns = [0, 0]  # CPU in collections since FIRST_STEP, the one in progress's start
+
+    def on_gc(phase: str, _info: dict) -> None:
+        if phase == "start":
+            gc_ns[1] = time.thread_time_ns()
+        elif gc_ns[1]:
+            gc_ns[0] += time.thread_time_ns() - gc_ns[1]
+            gc_ns[1] = 0
+
+    def start() -> None:
+        first.update(_threads_ns())
+        gc.callbacks.append(on_gc)
 
     def finish(steps: int) -> dict:
         last = _threads_ns()
-        return {name: round((ns - first.get(name, 0)) / 1e3 / steps, 1)
-                for name, ns in last.items()}
+        figures = {name: round((ns - first.get(name, 0)) / 1e3 / steps, 1)
+                   for name, ns in last.items()}
+        figures[GC] = round(gc_ns[0] / 1e3 / steps, 2)
+        return figures
 
-    run_wrapped("threads", lambda: first.update(_threads_ns()), finish)
+    run_wrapped("threads", start, finish)
 
 
-def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str]) -> list[dict]:
+def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
+              instrumented: bool = True) -> list[dict]:
     """Run examples/train_ddp.py on 4 ranks through `wrapper` (a script taking OUT_DIR
     and the training script) under exactly `flare run`'s rank environment, exporting to
-    a loopback OTLP/HTTP sink; returns what each rank wrote to OUT_DIR/<prefix>*.json."""
+    a loopback OTLP/HTTP sink (or, not `instrumented`, plain `torchrun` without Flare);
+    returns what each rank wrote to OUT_DIR/<prefix>*.json."""
     sys.path.insert(0, str(REPO / "tests" / "instrumentation"))
     from otlp_sink import OtlpSink
 
@@ -107,7 +129,11 @@ def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str]) -> lis
 
     with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
         env = child_environment(job, sink.endpoint)
-        subprocess.run([str(BIN / "opentelemetry-instrument"), str(BIN / "torchrun"),
+        launcher = [str(BIN / "opentelemetry-instrument")] if instrumented else []
+        if not instrumented:
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+        subprocess.run([*launcher, str(BIN / "torchrun"),
                         "--nproc_per_node", "4", wrapper, out,
                         str(REPO / "examples" / "train_ddp.py"), *train_args],
                        env=env, cwd=REPO, stdout=subprocess.DEVNULL, check=True)
@@ -124,7 +150,7 @@ def drive(train_args: list[str]) -> None:
     mean = {name: round(sum(r.get(name, 0.0) for r in ranks) / len(ranks), 1) for name in names}
     for name in names:
         print(f"{name:36s} {mean[name]:10.1f} us/rank-step")
-    background = sum(v for name, v in mean.items() if name not in JOB_THREADS)
+    background = sum(v for name, v in mean.items() if name not in (*JOB_THREADS, GC))
     print(f"{'instrumentation threads together':36s} {background:10.1f} us/rank-step")
 
 
