@@ -226,6 +226,9 @@ def interleaved_figures(ranks: list[list[dict]]) -> dict:
         cpu_ratios.append(on_cpu / off_cpu)
         process_added.append((on_cpu - off_cpu) / len(ranks) * 1e6)
         thread_added.append((on_thread - off_thread) / len(ranks) * 1e6)
+    if not wall_ratios:
+        raise SystemExit("interleaved: no instrumented block with a plain one beside it "
+                         "(raise --interleaved-steps or lower --block)")
     everything = {arm: [t for b in blocks if b["instrumented"] == (arm == "on")
                         for t in b["wall"]] for arm in ("on", "off")}
     wall_mean, wall_low, wall_high = _ci95(wall_ratios)
