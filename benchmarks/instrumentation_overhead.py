@@ -41,6 +41,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO / "tests" / "instrumentation"))
 
 from otlp_sink import OtlpSink, rank_of  # noqa: E402
+from rank_thread_cpu import plain_environment  # noqa: E402  (a sibling script)
 
 RANKS = 4
 
@@ -76,8 +77,7 @@ def run_job(steps: int, instrumented: bool, sink: OtlpSink | None,
                    str(REPO / "benchmarks" / "step_cpu_probe.py"), tmp,
                    str(REPO / "examples" / "train_ddp.py"), "--steps", str(steps),
                    "--step-times", times_path, *train_args]
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+        env = plain_environment()
         if instrumented:
             command = [str(BIN / "opentelemetry-instrument"), *command]
             env.update(rank_environment(sink, exporter))
@@ -164,8 +164,7 @@ def macro(pairs: int, steps: int, train_args: list[str], exporter: str) -> dict:
 def interleaved(steps: int, block: int, train_args: list[str], exporter: str) -> dict:
     with _sink() as sink, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+        env = plain_environment()
         env.update(rank_environment(sink, exporter))
         # Always-on cost only: detail steps (and the GPU layer's kernel windows, whose
         # conversion runs on after the window) are measured apart, on their own line.

@@ -34,7 +34,7 @@ import sys
 
 import rank_thread_cpu  # sibling scripts (this folder is on sys.path)
 from hook_cost_in_situ import added_per_step, measure
-from rank_thread_cpu import GC, JOB_THREADS, run_ranks
+from rank_thread_cpu import GC, JOB_THREADS, instrumentation_us, run_ranks
 
 
 def _mean_per_thread(ranks: list[dict]) -> dict[str, float]:
@@ -52,7 +52,7 @@ def main(train_args: list[str]) -> None:
     instrumented = _mean_per_thread(run_ranks(wrapper, "accounting", "threads", train_args))
     plain = _mean_per_thread(run_ranks(wrapper, "accounting", "threads", train_args,
                                        instrumented=False))
-    threads_us = sum(v for name, v in instrumented.items() if name not in (*JOB_THREADS, GC))
+    threads_us = instrumentation_us(instrumented)
     gc_us = instrumented.get(GC, 0.0) - plain.get(GC, 0.0)
     job_us = sum(instrumented.get(name, 0.0) for name in JOB_THREADS) - hooks_us
     plain_job_us = sum(plain.get(name, 0.0) for name in JOB_THREADS)

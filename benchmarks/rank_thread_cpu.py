@@ -116,6 +116,18 @@ def main() -> None:
     run_wrapped("threads", start, finish)
 
 
+def plain_environment() -> dict[str, str]:
+    """This process's environment without OpenTelemetry's, Flare's and the flight
+    recorder's variables: what a plain (uninstrumented) run of the job gets."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+
+
+def instrumentation_us(per_thread: dict[str, float]) -> float:
+    """The instrumentation's threads together, from µs per rank-step by thread name."""
+    return sum(v for name, v in per_thread.items() if name not in (*JOB_THREADS, GC))
+
+
 def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
               instrumented: bool = True) -> list[dict]:
     """Run examples/train_ddp.py on 4 ranks through `wrapper` (a script taking OUT_DIR
@@ -128,11 +140,11 @@ def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
     from flare.diagnostics.run import child_environment
 
     with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
-        env = child_environment(job, sink.endpoint)
-        launcher = [str(BIN / "opentelemetry-instrument")] if instrumented else []
-        if not instrumented:
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("OTEL_", "FLARE_", "TORCH_FR"))}
+        if instrumented:
+            env = child_environment(job, sink.endpoint)
+            launcher = [str(BIN / "opentelemetry-instrument")]
+        else:
+            env, launcher = plain_environment(), []
         subprocess.run([*launcher, str(BIN / "torchrun"),
                         "--nproc_per_node", "4", wrapper, out,
                         str(REPO / "examples" / "train_ddp.py"), *train_args],
@@ -150,8 +162,8 @@ def drive(train_args: list[str]) -> None:
     mean = {name: round(sum(r.get(name, 0.0) for r in ranks) / len(ranks), 1) for name in names}
     for name in names:
         print(f"{name:36s} {mean[name]:10.1f} us/rank-step")
-    background = sum(v for name, v in mean.items() if name not in (*JOB_THREADS, GC))
-    print(f"{'instrumentation threads together':36s} {background:10.1f} us/rank-step")
+    print(f"{'instrumentation threads together':36s} {instrumentation_us(mean):10.1f} "
+          "us/rank-step")
 
 
 if __name__ == "__main__":

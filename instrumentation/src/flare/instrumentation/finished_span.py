@@ -318,8 +318,9 @@ class FinishedSpans:
                                   trace_state=result.trace_state)
             self._keeps_sampled_remote = _keeps_sampled_remote(sampler)
         processor = self._processor
-        if self._pre_encode and (processor._span_processors is self._checked
-                                 or (self.usable() and self._pre_encode)):
+        # usable() re-checks the processors only when they changed, and then decides
+        # _pre_encode again: hence the second look at it
+        if self._pre_encode and self.usable() and self._pre_encode:
             try:
                 otlp = encode_finished(name, context, parent, attributes, start_ns, end_ns)
             except (Unsupported, UnicodeEncodeError, OverflowError):
