@@ -38,6 +38,13 @@ def test_bearer_auth_checks_and_counts():
     assert not auth.check("Bearer wrong")
     assert not auth.check(TOKEN)
     assert (auth.accepted, auth.rejected) == (2, 3)
+    # every Authorization header is passed; more than one is refused, even if all match
+    assert auth.check(f"Bearer {TOKEN}", None)
+    assert not auth.check(f"Bearer {TOKEN}", f"Bearer {TOKEN}")
+    assert not auth.check("Bearer wrong", f"Bearer {TOKEN}")
+    assert auth.check_metadata([("x-other", "1"), ("authorization", f"Bearer {TOKEN}")])
+    assert not auth.check_metadata([("authorization", f"Bearer {TOKEN}")] * 2)
+    assert (auth.accepted, auth.rejected) == (4, 6)
     with pytest.raises(security.SecurityConfigError, match="empty"):
         security.BearerAuth("")
 
@@ -205,3 +212,56 @@ def test_cli_reads_client_credentials_from_the_environment(
     assert flare_main(["diagnose", "--backend", spec, "--job", "jobC"]) != 0
     err = capsys.readouterr().err
     assert "HTTP 401" in err and err.count("\n") == 1
+
+
+def _raw_https(endpoint: str, certs, request: bytes) -> tuple[int, bytes]:
+    """One raw request over mutual TLS; (status, the rest of the reply)."""
+    import socket
+
+    context = ssl.create_default_context(cafile=certs["ca"] + ".pem")
+    context.load_cert_chain(certs["client"] + ".pem", certs["client"] + ".key")
+    host, port = endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            context.wrap_socket(raw, server_hostname=host) as sock:
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1]), reply
+
+
+def test_duplicate_authorization_is_refused_over_https_and_grpc(secured_collector, certs):
+    """Two Authorization headers (both with the right token) are one 401 / UNAUTHENTICATED
+    on every transport: neither the first nor the last is trusted."""
+    collector, _ = secured_collector
+    body = _request("twice").SerializeToString()
+    for endpoint, head in ((collector.http_endpoint, b"POST /v1/traces"),
+                           (collector.query_endpoint, b"GET /api/v3/services")):
+        for tokens in ([TOKEN, TOKEN], ["wrong", TOKEN], [TOKEN, "wrong"]):
+            auth = b"".join(b"Authorization: Bearer %s\r\n" % t.encode() for t in tokens)
+            request = (head + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n" + auth
+                       + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            assert _raw_https(endpoint, certs, request)[0] == 401
+    with _grpc_channel(collector, certs, "client") as channel:
+        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
+        for tokens in ([TOKEN, TOKEN], ["wrong", TOKEN], [TOKEN, "wrong"]):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Export(_request("twice"), metadata=[("authorization", f"Bearer {t}") for t in tokens],
+                            timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert collector.counters.total("unauthenticated_requests") == 3 + 3 + 3
+    assert collector.counters.total("accepted_requests") == 0
+
+
+def test_tls_endpoints_check_the_token_before_path_and_body(secured_collector, certs):
+    """Unknown paths are 401 without the token; a hostile Content-Length is not read."""
+    collector, _ = secured_collector
+    for endpoint in (collector.http_endpoint, collector.query_endpoint):
+        assert _raw_https(endpoint, certs, b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 401
+        status, reply = _raw_https(endpoint, certs, b"POST /nope HTTP/1.1\r\nHost: x\r\n"
+                                   b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                                   b"Content-Length: -1\r\n\r\n")
+        assert status == 400 and b"Connection: close" in reply

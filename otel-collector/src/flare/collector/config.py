@@ -85,6 +85,7 @@ class HttpExtensionConfig:
     tls: dict[str, Any] | None = None
     auth: dict[str, Any] | None = None
     store: str | None = None  # flare_query only
+    health_open: bool = False  # flare_metrics only: GET /health without the token
 
 
 @dataclass
@@ -298,13 +299,14 @@ def _pipelines(service: dict[str, Any], cfg: dict[str, Any]) -> list[PipelineCon
 
 def _http_extension(component_id: str, options: dict[str, Any], default_port: int) -> HttpExtensionConfig:
     where = f"extensions.{component_id}"
-    known = ("endpoint", "tls", "auth") + (("store",) if component_id == "flare_query" else ())
+    known = ("endpoint", "tls", "auth") + (("store",) if component_id == "flare_query" else ("health_open",))
     _reject_unknown(options, known, where)
     tls, auth = _security_options(options, where)
     store = options.get("store")
     return HttpExtensionConfig(
         parse_endpoint(options.get("endpoint"), f"{where}.endpoint", default_port),
         tls, auth, str(store) if store else None,
+        parse_bool(options.get("health_open", False), f"{where}.health_open"),
     )
 
 

@@ -67,11 +67,9 @@ class GrpcReceiver:
 
     def _handler(self, kind: SignalKind):
         def export(raw: bytes, context: grpc.ServicerContext) -> bytes:
-            if self.auth is not None:
-                header = dict(context.invocation_metadata()).get("authorization")
-                if not self.auth.check(header):
-                    self.counters.add("unauthenticated_requests", transport="grpc")
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+            if self.auth is not None and not self.auth.check_metadata(context.invocation_metadata()):
+                self.counters.add("unauthenticated_requests", transport="grpc")
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
             try:
                 response = self.acceptor.accept(kind, raw, "grpc")
             except MalformedPayload as exc:

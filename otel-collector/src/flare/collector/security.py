@@ -1,6 +1,6 @@
 """Transport security for the collector's endpoints: TLS, mutual TLS, bearer tokens.
 
-Configuration, on any OTLP receiver protocol and on the `flare_query` extension, has
+Configuration, on any OTLP receiver protocol and on the HTTP extensions, has
 the shape of upstream `otelcol`'s `configtls` / bearer-token settings:
 
     tls:  {cert_file: server.pem, key_file: server.key, client_ca_file: ca.pem}
@@ -125,18 +125,31 @@ class BearerAuth:
         _check_keys(auth_cfg, _AUTH_KEYS, "auth")
         return cls(auth_cfg.get("bearer_token"), token_file=auth_cfg.get("bearer_token_file"))
 
-    def check(self, header_value: str | None) -> bool:
-        given = (header_value or "").strip().encode()
-        # "bearer" is case-insensitive in RFC 6750; normalise the scheme only.
-        if given[:7].lower() == b"bearer ":
-            given = b"Bearer " + given[7:].strip()
-        ok = hmac.compare_digest(given, self._expected)
+    def check(self, *header_values: str | bytes | None) -> bool:
+        """True for exactly one `Authorization` value carrying the token.
+
+        Pass every `Authorization` header of the request: more than one is refused,
+        over HTTP and gRPC alike, rather than trusting the first or the last.
+        """
+        values = [v for v in header_values if v is not None]
+        ok = len(values) <= 1
+        if ok:
+            given = values[0] if values else b""
+            given = (given if isinstance(given, bytes) else given.encode("utf-8", "replace")).strip()
+            # "bearer" is case-insensitive in RFC 6750; normalise the scheme only.
+            if given[:7].lower() == b"bearer ":
+                given = b"Bearer " + given[7:].strip()
+            ok = hmac.compare_digest(given, self._expected)
         with self._lock:
             if ok:
                 self.accepted += 1
             else:
                 self.rejected += 1
         return ok
+
+    def check_metadata(self, metadata: Any) -> bool:
+        """`check` on a gRPC call's invocation metadata (every `authorization` entry)."""
+        return self.check(*(value for key, value in metadata or () if key == "authorization"))
 
 
 class BearerAuthInterceptor(grpc.ServerInterceptor):
@@ -155,12 +168,7 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        header = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                header = value if isinstance(value, str) else value.decode()
-                break
-        if self.auth.check(header):
+        if self.auth.check_metadata(handler_call_details.invocation_metadata):
             return continuation(handler_call_details)
         return self._deny
 

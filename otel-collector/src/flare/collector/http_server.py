@@ -1,0 +1,315 @@
+"""The one HTTP server under the OTLP/HTTP receiver and the HTTP extensions.
+
+Built on the standard library's threading HTTP server (HTTP/1.1 keep-alive, one thread
+per connection, the TLS handshake on that thread). Every request, on every endpoint,
+goes through `Handler._dispatch`, which fixes the order:
+
+1. the bearer token (all `Authorization` headers: more than one is refused), before
+   any byte of the body is read: 401, the connection closed unless the body is a
+   small `Content-Length` one that is read and dropped;
+2. the framing headers: `Content-Length` (ASCII digits) or `Transfer-Encoding: chunked`,
+   not both; anything else is 400, and a declared length over the cap 413 (read and
+   dropped up to `DISCARD_MAX` over the cap so the client sees the status; beyond
+   that the connection is closed unread); `Expect: 100-continue` is answered only now;
+3. the endpoint's `respond`, which reads the body with `read_body` (never more than
+   the cap: a chunked body is refused at the first chunk size that is not hex or
+   that takes it over the cap); what it leaves unread is dropped, within the cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from flare.collector.config_values import Endpoint
+from flare.collector.errors import MalformedPayload, PayloadTooLarge, StartError
+from flare.collector.security_hooks import ssl_context
+from flare.collector.telemetry import Counters
+
+log = logging.getLogger(__name__)
+
+DISCARD_MAX = 16 << 20  # oversized bodies up to this much over the cap are read and dropped
+UNAUTHENTICATED_DRAIN = 1 << 20  # a refused request's body is dropped up to this size
+CHUNKED = -1
+_LINE_MAX = 1024
+_TRAILERS_MAX = 8 << 10
+_DIGITS = re.compile(r"[0-9]+")
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
+
+# (status, headers, body) as an endpoint answers
+Response = tuple[int, dict[str, str], bytes]
+
+
+def _plain(status: int, text: str) -> Response:
+    return status, {"Content-Type": "text/plain; charset=utf-8"}, (text + "\n").encode()
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[Handler], owner: HttpService, ssl_ctx: Any) -> None:
+        self.owner = owner
+        self.ssl_ctx = ssl_ctx
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, handler)
+
+    def handle_error(self, request, client_address) -> None:
+        # One line instead of the stdlib's traceback on stderr.
+        self.owner.counters.add("connection_errors", transport=self.owner.transport)
+        log.warning("%s connection from %s failed: %s", self.owner.label, client_address[0], sys.exc_info()[1])
+
+    def finish_request(self, request, client_address) -> None:
+        # The TLS handshake runs here, on the connection's own thread, so a slow or
+        # broken client cannot hold up accept() for everyone else.
+        if self.ssl_ctx is not None:
+            try:
+                request = self.ssl_ctx.wrap_socket(request, server_side=True)
+            except (OSError, ValueError) as exc:
+                self.owner.counters.add("tls_handshake_errors", transport=self.owner.transport)
+                log.debug("TLS handshake from %s failed: %s", client_address, exc)
+                return
+        super().finish_request(request, client_address)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Framing, auth and error handling; an endpoint overrides `respond` (and `error`)."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "flare-collector"
+    timeout = 120  # idle keep-alive connections end, so their threads do too
+    server: Server
+    body_length: int | None  # None: no framing headers; CHUNKED; else Content-Length
+
+    def version_string(self) -> str:
+        return self.server_version
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.client_address[0], *args)
+
+    def parse_request(self) -> bool:
+        self._expect_continue = False
+        return super().parse_request()
+
+    def handle_expect_100(self) -> bool:
+        self._expect_continue = True  # "100 Continue" only once the token and framing pass
+        return True
+
+    # ------------------------------------------------------------------ the request
+    def respond(self, method: str, path: str) -> Response:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def error(self, status: int, message: str, retry_after_s: float | None = None) -> Response:
+        return _plain(status, message)
+
+    def _dispatch(self) -> None:
+        method, owner = self.command, self.server.owner
+        path = urlsplit(self.path).path
+        self.body_length = None
+        self._body_done = False
+        try:
+            if not self._authorized(method, path):
+                owner.counters.add("unauthenticated_requests", transport=owner.transport)
+                self._drop_unauthenticated_body()
+                response = self.error(401, "missing or invalid bearer token")
+            else:
+                self.body_length = self._framing()
+                if self._expect_continue and self.body_length:
+                    self.send_response_only(100)
+                    self.end_headers()
+                response = self.respond(method, path)
+                if not self._body_done:
+                    self.read_body()  # what the endpoint did not read, dropped within the cap
+        except MalformedPayload as exc:
+            response = self.error(400, str(exc))
+        except PayloadTooLarge as exc:
+            owner.counters.add("too_large_requests", transport=owner.transport)
+            response = self.error(413, str(exc))
+        except (ConnectionError, TimeoutError) as exc:  # the client went away mid-body
+            self.close_connection = True
+            log.debug("%s request from %s ended: %s", owner.label, self.client_address[0], exc)
+            return
+        except Exception as exc:  # a bug: one log line and a 500, not a traceback
+            owner.counters.add("internal_errors", transport=owner.transport)
+            log.error("%s failed on %s %s: %s", owner.label, method, path, exc)
+            response = self.error(500, "internal error in the collector")
+        self._send(method, *response)
+
+    do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
+
+    def _authorized(self, method: str, path: str) -> bool:
+        owner = self.server.owner
+        if owner.auth is None or (method in ("GET", "HEAD") and path in owner.open_paths):
+            return True
+        return owner.auth.check(*(self.headers.get_all("Authorization") or ()))
+
+    def _drop_unauthenticated_body(self) -> None:
+        length = self.headers.get_all("Content-Length") or []
+        if self._expect_continue or self.headers.get("Transfer-Encoding") or len(length) > 1:
+            self.close_connection = True
+        elif length:
+            text = length[0].strip()
+            if _DIGITS.fullmatch(text) and len(text) < 10 and int(text) <= UNAUTHENTICATED_DRAIN:
+                self._discard(int(text))
+            else:
+                self.close_connection = True
+
+    # ------------------------------------------------------------------ bodies
+    def _framing(self) -> int | None:
+        """The body's length from its headers (checked, not read); 400 or 413 at once."""
+        codings = self.headers.get_all("Transfer-Encoding") or []
+        lengths = self.headers.get_all("Content-Length") or []
+        try:
+            if codings:
+                names = [c.strip().lower() for value in codings for c in value.split(",") if c.strip()]
+                if names != ["chunked"]:
+                    raise MalformedPayload(f"unsupported Transfer-Encoding {', '.join(codings)!r} (only chunked)")
+                if lengths:
+                    raise MalformedPayload("Content-Length and Transfer-Encoding together")
+                return CHUNKED
+            if not lengths:
+                return None
+            text = lengths[0].strip()
+            if len({value.strip() for value in lengths}) > 1:
+                raise MalformedPayload("conflicting Content-Length headers")
+            if text.startswith("-"):
+                raise MalformedPayload("Content-Length is negative")
+            if not _DIGITS.fullmatch(text):
+                raise MalformedPayload(f"Content-Length {text[:40]!r} is not a number")
+        except MalformedPayload:
+            self.close_connection = True  # where the body ends is unknown
+            raise
+        length = int(text) if len(text) <= 18 else 1 << 62
+        limit = self.server.owner.max_body_bytes
+        if length > limit:
+            # Read (and drop) a moderately oversized body so the client, still sending,
+            # gets the 413 rather than a reset connection; beyond that, hang up.
+            if length <= limit + DISCARD_MAX and not self._expect_continue:
+                self._discard(length)
+            else:
+                self.close_connection = True
+            raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit} byte limit")
+        return length
+
+    def read_body(self) -> bytes:
+        """The body, at most the cap; b"" without one. A second call returns b""."""
+        if self._body_done:
+            return b""
+        self._body_done = True
+        if self.body_length is None:
+            return b""
+        if self.body_length == CHUNKED:
+            return self._read_chunked(self.server.owner.max_body_bytes)
+        body = self.rfile.read(self.body_length)
+        if len(body) != self.body_length:
+            raise ConnectionError("client closed the connection mid-body")
+        return body
+
+    def _read_chunked(self, limit: int) -> bytes:
+        parts = []
+        total = 0
+        try:
+            while True:
+                size_text = self._line().split(b";", 1)[0].strip()
+                if not _HEX.fullmatch(size_text):
+                    raise MalformedPayload(f"bad chunk size {size_text[:20].decode('latin-1')!r} in chunked body")
+                size = int(size_text, 16)
+                if size == 0:
+                    break
+                total += size
+                if total > limit:
+                    self.close_connection = True  # the rest of the stream is not read
+                    raise PayloadTooLarge(f"chunked body exceeds the {limit} byte limit")
+                chunk = self.rfile.read(size)
+                if len(chunk) != size:
+                    raise ConnectionError("client closed the connection mid-body")
+                parts.append(chunk)
+                if self._line().strip():
+                    raise MalformedPayload("chunk data longer than its chunk size")
+            trailers = 0
+            while (line := self._line()).strip():
+                trailers += len(line)
+                if trailers > _TRAILERS_MAX:
+                    raise MalformedPayload("chunked body trailers are too long")
+        except MalformedPayload:
+            self.close_connection = True
+            raise
+        return b"".join(parts)
+
+    def _line(self) -> bytes:
+        line = self.rfile.readline(_LINE_MAX + 1)
+        if not line.endswith(b"\n"):
+            if len(line) > _LINE_MAX:
+                raise MalformedPayload("line too long in chunked body")
+            raise ConnectionError("client closed the connection mid-body")
+        return line
+
+    def _discard(self, length: int) -> None:
+        while length > 0:
+            chunk = self.rfile.read(min(length, 1 << 20))
+            if not chunk:
+                self.close_connection = True
+                break
+            length -= len(chunk)
+
+    # ------------------------------------------------------------------ the reply
+    def _send(self, method: str, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            if key.lower() not in ("content-length", "connection"):
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if method != "HEAD":
+            self.wfile.write(body)
+
+
+class HttpService:
+    """One listening server on its own thread; `handler` answers its requests."""
+
+    handler: type[Handler] = Handler
+
+    def __init__(self, label: str, transport: str, thread: str, endpoint: Endpoint,
+                 tls: dict[str, Any] | None, counters: Counters, max_body_bytes: int) -> None:
+        self.label = label  # for log lines and start errors: "OTLP/HTTP", "flare_query"
+        self.transport = transport  # the counters' transport label
+        self.thread = thread
+        self.listen = endpoint
+        self.tls = tls
+        self.counters = counters
+        self.max_body_bytes = max_body_bytes
+        self.auth: Any | None = None  # security.BearerAuth
+        self.open_paths: frozenset[str] = frozenset()  # GET/HEAD without the token
+        self.endpoint: str | None = None
+        self._server: Server | None = None
+
+    def start(self) -> str:
+        host, port = self.listen.host, self.listen.port
+        ctx = ssl_context(self.tls)
+        try:
+            server = Server((host, port), self.handler, self, ctx)
+        except OSError as exc:
+            raise StartError(f"cannot listen for {self.label} on {self.listen}: {exc.strerror}") from None
+        self._server = server
+        bound = server.server_address[1]
+        self.endpoint = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2},
+            name=f"flare-{self.thread}", daemon=True,
+        ).start()
+        return self.endpoint
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
