@@ -100,6 +100,7 @@ def test_regression_against_baseline(tmp_path, capsys):
      "baseline job 'zz' is not in"),
     (["--store", "{tmp}/empty.duckdb"], "holds no jobs"),
     (["--store", "{tmp}/newer.duckdb"], "newer Flare"),
+    (["--store", "{tmp}/badversion.duckdb"], "damaged schema_version ('two'"),
     (["--store", "{tmp}/junk.duckdb"], "is not a Flare store"),
     (["--store", "{tmp}/half.duckdb"], "is damaged or unreadable"),
     (["--backend", "jaeger+http://127.0.0.1:9"], ""),
@@ -120,6 +121,9 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     _store(tmp_path / "newer.duckdb", job_spans("a", 2, 8))
     with flare_store.writer(tmp_path / "newer.duckdb") as con:
         con.execute("UPDATE flare_meta SET value = '99' WHERE key = 'schema_version'")
+    _store(tmp_path / "badversion.duckdb", job_spans("a", 2, 8))
+    with flare_store.writer(tmp_path / "badversion.duckdb") as con:
+        con.execute("UPDATE flare_meta SET value = 'two' WHERE key = 'schema_version'")
     (tmp_path / "junk.duckdb").write_bytes(b"garbage" * 1000)
     whole = _store(tmp_path / "whole.duckdb", job_spans("a", 4, 200)).read_bytes()
     (tmp_path / "half.duckdb").write_bytes(whole[:len(whole) // 2])  # a truncated copy

@@ -182,7 +182,13 @@ def _check_schema_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
     if "spans" not in tables or "flare_meta" not in tables:
         raise StoreError(f"{path} is not a Flare store (no spans table)")
     row = con.execute("SELECT value FROM flare_meta WHERE key = 'schema_version'").fetchone()
-    version = int(row[0]) if row else 0
+    try:
+        version = int(row[0]) if row else 0
+    except (TypeError, ValueError):
+        raise StoreError(
+            f"store {path} has a damaged schema_version ({row[0]!r} in flare_meta, "
+            f"expected a whole number)"
+        ) from None
     if version > SCHEMA_VERSION:
         raise StoreError(
             f"store {path} was written by a newer Flare (schema {version}, this one reads "
