@@ -55,7 +55,40 @@ static uint64_t le64(const uint8_t *p) {
     return v;
 }
 
-/* 0 = read a field, 1 = end of message, -1 = malformed */
+/* Protobuf's recursion limit (upb's default, the Python runtime's): the receivers
+ * refuse anything nested deeper, so every walker here accepts at least as much. */
+#define MAX_DEPTH 100
+
+/* Skip a group's fields up to its END_GROUP tag (protobuf keeps a group of a field it
+ * does not know as an unknown field; OTLP declares none). 0 ok, -1 malformed. */
+static int skip_group(Reader *r, uint32_t num, int depth) {
+    uint64_t key, v;
+    if (depth > MAX_DEPTH) return -1;
+    while (r->p < r->end) {
+        if (read_varint(r, &key)) return -1;
+        uint32_t n = (uint32_t)(key >> 3);
+        int wt = (int)(key & 7);
+        if (n == 0) return -1;
+        switch (wt) {
+        case 0: if (read_varint(r, &v)) return -1; break;
+        case 1: if (r->end - r->p < 8) return -1; r->p += 8; break;
+        case 2:
+            if (read_varint(r, &v) || (uint64_t)(r->end - r->p) < v) return -1;
+            r->p += v;
+            break;
+        case 3: if (skip_group(r, n, depth + 1)) return -1; break;
+        case 4: return n == num ? 0 : -1;
+        case 5: if (r->end - r->p < 4) return -1; r->p += 4; break;
+        default: return -1;
+        }
+    }
+    return -1; /* no END_GROUP */
+}
+
+/* 0 = read a field, 1 = end of message, -1 = malformed. A field whose wire type is not
+ * the one its number declares is an unknown field to protobuf, which keeps the value
+ * read before: every caller checks `wt` and skips such a field, as protobuf does. A
+ * group (wire type 3) is read whole and returned with wt 3, which no caller wants. */
 static int next_field(Reader *r, Field *f) {
     uint64_t key, n;
     if (r->p >= r->end) return 1;
@@ -84,8 +117,10 @@ static int next_field(Reader *r, Field *f) {
                ((uint64_t)r->p[3] << 24);
         r->p += 4;
         return 0;
+    case 3:
+        return skip_group(r, f->num, 1);
     default:
-        return -1; /* groups are not used by OTLP */
+        return -1; /* an END_GROUP without its start, or wire type 6/7 */
     }
 }
 
@@ -168,6 +203,7 @@ static int buf_reserve(Buf *b, size_t extra) {
 }
 
 static int buf_put(Buf *b, const char *s, size_t n) {
+    if (n == 0) return 0; /* an empty column's buffer may still be NULL: no memcpy to it */
     if (buf_reserve(b, n)) return -1;
     memcpy(b->buf + b->len, s, n);
     b->len += n;
@@ -304,9 +340,10 @@ static int json_base64(Buf *b, const uint8_t *s, size_t n) {
 }
 
 /* ------------------------------------------------------------------ AnyValue */
-#define MAX_DEPTH 32
 
-/* The field of the AnyValue oneof that is set (the last one on the wire wins). */
+/* The field of the AnyValue oneof that is set (the last one on the wire wins). The
+ * same array or kvlist twice in a row is merged by protobuf (their items joined): that
+ * rare case is -1 here, and the caller's Python reference reads it. */
 static int anyvalue_field(const uint8_t *p, size_t n, Field *out) {
     Reader r = {p, p + n};
     Field f;
@@ -314,9 +351,15 @@ static int anyvalue_field(const uint8_t *p, size_t n, Field *out) {
     while ((rc = next_field(&r, &f)) == 0) {
         if (f.num >= 1 && f.num <= 7) {
             int want = (f.num == 2 || f.num == 3) ? 0 : (f.num == 4 ? 1 : 2);
-            if (f.wt != want) return -1;
+            if (f.wt != want) continue;
+            if (have && (f.num == 5 || f.num == 6) && out->num == f.num) return -1;
             *out = f;
             have = 1;
+        } else if (f.num == 8) {
+            /* string_value_strindex, newer OTLP's (profiles) member of the oneof: whether
+             * it is one depends on the protobuf schema installed, which the reference
+             * reads with. */
+            return -1;
         }
     }
     if (rc < 0) return -1;
@@ -346,8 +389,7 @@ static int anyvalue_json(Buf *b, const uint8_t *p, size_t n, int depth) {
         int rc, first = 1;
         if (PUT_LIT(b, "[")) return -1;
         while ((rc = next_field(&r, &item)) == 0) {
-            if (item.num != 1) continue;
-            if (item.wt != 2) return -1;
+            if (item.num != 1 || item.wt != 2) continue;
             if (!first && PUT_LIT(b, ",")) return -1;
             first = 0;
             if (anyvalue_json(b, item.data, item.len, depth + 1)) return -1;
@@ -361,7 +403,8 @@ static int anyvalue_json(Buf *b, const uint8_t *p, size_t n, int depth) {
     return -1;
 }
 
-/* One KeyValue: key and value slices. */
+/* One KeyValue: key and value slices. A value given twice is merged by protobuf: -1,
+ * for the caller's Python reference (as every message field read once below). */
 static int keyvalue_parts(const uint8_t *p, size_t n, Field *key, Field *value, int *has_value) {
     Reader r = {p, p + n};
     Field f;
@@ -370,11 +413,11 @@ static int keyvalue_parts(const uint8_t *p, size_t n, Field *key, Field *value, 
     key->len = 0;
     *has_value = 0;
     while ((rc = next_field(&r, &f)) == 0) {
+        if (f.wt != 2) continue;
         if (f.num == 1) {
-            if (f.wt != 2) return -1;
             *key = f;
         } else if (f.num == 2) {
-            if (f.wt != 2) return -1;
+            if (*has_value) return -1;
             *value = f;
             *has_value = 1;
         }
@@ -399,8 +442,7 @@ static int kvlist_json(Buf *b, const uint8_t *p, size_t n, uint32_t field_num, i
     if (depth > MAX_DEPTH) return -1;
     if (PUT_LIT(b, "{")) return -1;
     while ((rc = next_field(&r, &f)) == 0) {
-        if (f.num != field_num) continue;
-        if (f.wt != 2) return -1;
+        if (f.num != field_num || f.wt != 2) continue;
         if (!first && PUT_LIT(b, ",")) return -1;
         first = 0;
         if (keyvalue_json(b, f.data, f.len, depth)) return -1;
@@ -420,10 +462,10 @@ static PyObject *kvlist_py(const uint8_t *p, size_t n, uint32_t field_num, int d
     PyObject *dict = PyDict_New();
     if (!dict) return NULL;
     while ((rc = next_field(&r, &f)) == 0) {
-        if (f.num != field_num) continue;
+        if (f.num != field_num || f.wt != 2) continue;
         Field key, value;
         int has_value;
-        if (f.wt != 2 || keyvalue_parts(f.data, f.len, &key, &value, &has_value)) goto bad;
+        if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) goto bad;
         PyObject *k = PyUnicode_DecodeUTF8((const char *)key.data, (Py_ssize_t)key.len, "replace");
         if (!k) goto fail;
         PyObject *v = has_value ? anyvalue_py(value.data, value.len, depth + 1) : Py_NewRef(Py_None);
@@ -473,11 +515,7 @@ static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth) {
         PyObject *list = PyList_New(0);
         if (!list) return NULL;
         while ((rc = next_field(&r, &item)) == 0) {
-            if (item.num != 1) continue;
-            if (item.wt != 2) {
-                rc = -1;
-                break;
-            }
+            if (item.num != 1 || item.wt != 2) continue;
             PyObject *v = anyvalue_py(item.data, item.len, depth + 1);
             if (!v || PyList_Append(list, v)) {
                 Py_XDECREF(v);
@@ -609,6 +647,7 @@ static int str_put_text(StrCol *c, const char *s, size_t n) {
 }
 
 static int str_put_hex(StrCol *c, const uint8_t *p, size_t n) {
+    if (n == 0) return str_put(c, "", 0);
     char stack[64];
     char *text = n * 2 <= sizeof stack ? stack : PyMem_Malloc(n * 2 + 1);
     if (!text) {
@@ -720,6 +759,11 @@ static int events_json(Buf *b, const uint8_t **items, const size_t *lens, size_t
 }
 
 #define MAX_ITEMS 4096 /* events or links per span kept; more is a broken sender */
+/* The counts written into a span's attributes when the sender or this cap dropped some
+ * (otlp_columns.DROPPED_KEYS, in the same order). */
+static const char *DROPPED_KEYS[3] = {
+    "flare.dropped_attributes", "flare.dropped_events", "flare.dropped_links",
+};
 
 /* 0 ok, -1 Python error set, -2 malformed. */
 static int decode_span(const uint8_t *p, size_t n, SpanBuilder *sb, int has_resource_rank,
@@ -733,6 +777,8 @@ static int decode_span(const uint8_t *p, size_t n, SpanBuilder *sb, int has_reso
     int rc, has_status = 0;
     int has_step = 0, has_rank = 0, step_ok = 0, rank_ok = 0;
     long long step = 0, rank = 0;
+    uint32_t dropped[3] = {0, 0, 0}; /* attributes, events, links */
+    uint64_t cut[3] = {0, 0, 0};
     static const char STEP_KEY[] = "flare.step";
     static const char RANK_KEY[] = "flare.rank";
 
@@ -742,17 +788,22 @@ static int decode_span(const uint8_t *p, size_t n, SpanBuilder *sb, int has_reso
     int first_attr = 1;
     while ((rc = next_field(&r, &f)) == 0) {
         switch (f.num) {
-        case 1: if (f.wt != 2) return -2; trace = f; break;
-        case 2: if (f.wt != 2) return -2; span_id = f; break;
-        case 4: if (f.wt != 2) return -2; parent = f; break;
-        case 5: if (f.wt != 2) return -2; name = f; break;
-        case 6: if (f.wt != 0) return -2; kind = f.v; break;
-        case 7: if (f.wt != 1) return -2; start = f.v; break;
-        case 8: if (f.wt != 1) return -2; end = f.v; break;
+        /* A field of the wrong wire type is unknown to protobuf: skipped (see next_field). */
+        case 1: if (f.wt == 2) trace = f; break;
+        case 2: if (f.wt == 2) span_id = f; break;
+        case 4: if (f.wt == 2) parent = f; break;
+        case 5: if (f.wt == 2) name = f; break;
+        case 6: if (f.wt == 0) kind = f.v; break;
+        case 7: if (f.wt == 1) start = f.v; break;
+        case 8: if (f.wt == 1) end = f.v; break;
+        case 10: if (f.wt == 0) dropped[0] = (uint32_t)f.v; break;
+        case 12: if (f.wt == 0) dropped[1] = (uint32_t)f.v; break;
+        case 14: if (f.wt == 0) dropped[2] = (uint32_t)f.v; break;
         case 9: {
             Field key, value;
             int has_value;
-            if (f.wt != 2 || keyvalue_parts(f.data, f.len, &key, &value, &has_value)) return -2;
+            if (f.wt != 2) break;
+            if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) return -2;
             if (!first_attr && PUT_LIT(b, ",")) return -1;
             first_attr = 0;
             if (json_string(b, key.data, key.len) || PUT_LIT(b, ":")) return -1;
@@ -773,18 +824,35 @@ static int decode_span(const uint8_t *p, size_t n, SpanBuilder *sb, int has_reso
             break;
         }
         case 11:
-            if (f.wt != 2) return -2;
+            if (f.wt != 2) break;
             if (n_events < MAX_ITEMS) { events[n_events] = f.data; event_lens[n_events++] = f.len; }
+            else cut[1]++;
             break;
         case 13:
-            if (f.wt != 2) return -2;
+            if (f.wt != 2) break;
             if (n_links < MAX_ITEMS) { links[n_links] = f.data; link_lens[n_links++] = f.len; }
+            else cut[2]++;
             break;
-        case 15: if (f.wt != 2) return -2; status = f; has_status = 1; break;
+        case 15:
+            if (f.wt != 2) break;
+            if (has_status) return -2; /* merged by protobuf: the reference reads it */
+            status = f;
+            has_status = 1;
+            break;
         default: break;
         }
     }
     if (rc < 0) return -2;
+    /* What the sender dropped (the OTLP dropped_*_count fields) plus what is cut here. */
+    for (int i = 0; i < 3; i++) {
+        uint64_t total = (uint64_t)dropped[i] + cut[i];
+        if (!total) continue;
+        char text[64];
+        int len = snprintf(text, sizeof text, "%s\"%s\":%llu", first_attr ? "" : ",",
+                           DROPPED_KEYS[i], (unsigned long long)total);
+        if (buf_put(b, text, (size_t)len)) return -1;
+        first_attr = 0;
+    }
     if (PUT_LIT(b, "}")) return -1;
 
     long long status_code = 0;
@@ -872,15 +940,16 @@ static PyObject *builder_decode(SpanBuilder *sb, PyObject *arg) {
     Field rs;
     int rc;
     while ((rc = next_field(&r, &rs)) == 0) {
-        if (rs.num != 1) continue;
-        if (rs.wt != 2) { malformed = 1; goto fail; }
+        if (rs.num != 1 || rs.wt != 2) continue;
         /* Resource first (it may come after the spans on the wire). */
         Reader rr = {rs.data, rs.data + rs.len};
         Field f, resource = {0};
+        int resources_seen = 0;
         resource.data = (const uint8_t *)"";
         while ((rc = next_field(&rr, &f)) == 0)
-            if (f.num == 1 && f.wt == 2) resource = f;
-        if (rc < 0) { malformed = 1; goto fail; }
+            if (f.num == 1 && f.wt == 2) { resource = f; resources_seen++; }
+        /* Two resources are merged by protobuf: the reference reads that. */
+        if (rc < 0 || resources_seen > 1) { malformed = 1; goto fail; }
         PyObject *attrs = kvlist_py(resource.data, resource.len, 1, 0);
         if (!attrs) goto fail;
         long long rank = 0;
@@ -892,8 +961,7 @@ static PyObject *builder_decode(SpanBuilder *sb, PyObject *arg) {
             Reader sr = {f.data, f.data + f.len};
             Field sf;
             while ((rc = next_field(&sr, &sf)) == 0) {
-                if (sf.num != 2) continue;
-                if (sf.wt != 2) { rc = -1; break; }
+                if (sf.num != 2 || sf.wt != 2) continue;
                 int err = decode_span(sf.data, sf.len, sb, has_rank, rank, &b, items, lens);
                 if (err) {
                     Py_DECREF(attrs);
@@ -1079,8 +1147,7 @@ static int span_ids_bad(const uint8_t *p, size_t n) {
     size_t trace_len = 0, span_len = 0, parent_len = 0;
     const uint8_t *trace = NULL, *span = NULL;
     while ((rc = next_field(&r, &f)) == 0) {
-        if (f.num != 1 && f.num != 2 && f.num != 4) continue;
-        if (f.wt != 2) return -1;
+        if ((f.num != 1 && f.num != 2 && f.num != 4) || f.wt != 2) continue;
         if (f.num == 1) { trace = f.data; trace_len = f.len; }
         else if (f.num == 2) { span = f.data; span_len = f.len; }
         else parent_len = f.len;
@@ -1098,16 +1165,14 @@ static int count_span_ids(const uint8_t *p, size_t n, long long *spans, long lon
     int rc, rc2 = 0, rc3 = 0;
     *spans = *bad = 0;
     while ((rc = next_field(&r, &rs)) == 0) {
-        if (rs.num != 1) continue;
-        if (rs.wt != 2) return -1;
+        if (rs.num != 1 || rs.wt != 2) continue;
         Reader rr = {rs.data, rs.data + rs.len};
         while ((rc2 = next_field(&rr, &ss)) == 0) {
-            if (ss.num != 2) continue;
-            if (ss.wt != 2) return -1;
+            if (ss.num != 2 || ss.wt != 2) continue;
             Reader sr = {ss.data, ss.data + ss.len};
             while ((rc3 = next_field(&sr, &sp)) == 0) {
-                if (sp.num != 2) continue;
-                int b = sp.wt == 2 ? span_ids_bad(sp.data, sp.len) : -1;
+                if (sp.num != 2 || sp.wt != 2) continue;
+                int b = span_ids_bad(sp.data, sp.len);
                 if (b < 0) return -1;
                 (*spans)++;
                 *bad += b;
@@ -1327,7 +1392,8 @@ static PyTypeObject SpanBuilderType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_otlp_fast", "OTLP wire format to Flare store columns.", -1, module_methods,
+    PyModuleDef_HEAD_INIT, .m_name = "_otlp_fast", .m_doc = "OTLP wire format to Flare store columns.",
+    .m_size = -1, .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__otlp_fast(void) {

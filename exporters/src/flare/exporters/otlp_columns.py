@@ -32,6 +32,12 @@ try:  # the C decoder built with the package; the Python code below is its refer
 except ImportError:  # no compiler where it was installed: same output, ~10x slower
     _otlp_fast = None
 
+# Events or links kept per span (as the C decoder's MAX_ITEMS); what a span had beyond
+# them, plus what its sender dropped (OTLP's dropped_*_count), is written into its
+# attributes under these keys when not zero.
+MAX_ITEMS = 4096
+DROPPED_KEYS = ("flare.dropped_attributes", "flare.dropped_events", "flare.dropped_links")
+
 _SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
 _EMPTY_LIST_JSON = "[]"
 _EMPTY_OBJECT_JSON = "{}"
@@ -114,6 +120,32 @@ def _links_json(links: Any) -> str:
             for link in links
         ]
     )
+
+
+def _parse_request(payload: bytes) -> Any:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    try:
+        return ExportTraceServiceRequest.FromString(payload)
+    except Exception as exc:
+        raise ValueError(f"malformed OTLP ExportTraceServiceRequest: {exc}") from None
+
+
+def _with_dropped(attrs: dict[str, Any], span: Any) -> dict[str, Any]:
+    """`attrs` plus the counts of what the sender dropped and what MAX_ITEMS cuts."""
+    counts = (
+        span.dropped_attributes_count,
+        span.dropped_events_count + max(0, len(span.events) - MAX_ITEMS),
+        span.dropped_links_count + max(0, len(span.links) - MAX_ITEMS),
+    )
+    out = dict(attrs)
+    for key, count in zip(DROPPED_KEYS, counts, strict=True):
+        if count:
+            out.pop(key, None)  # the count goes last, where the C decoder writes it
+            out[key] = count
+    return out
 
 
 def resource_identity(resource_attrs: dict[str, Any]) -> tuple[str, str, int | None]:
@@ -243,21 +275,20 @@ class SpanColumns:
         Raises ValueError for bytes that are not one; nothing is appended then.
         """
         if _otlp_fast is None:
-            from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-                ExportTraceServiceRequest,
-            )
-
-            try:
-                request = ExportTraceServiceRequest.FromString(payload)
-            except Exception as exc:
-                raise ValueError(f"malformed OTLP ExportTraceServiceRequest: {exc}") from None
-            return self.add_request_python(request)
+            return self.add_request_python(_parse_request(payload))
         builder = self._builder
         if builder is None or self._lists is not None or builder.nbytes() > _SEAL_BYTES:
             self._seal()
             if builder is None:
                 builder = self._builder = _otlp_fast.SpanBuilder()
-        resources = builder.decode(payload)
+        try:
+            resources = builder.decode(payload)
+        except ValueError:
+            # Protobuf's verdict decides what is a request (the receivers acknowledged
+            # these bytes on it): where the C reader disagrees, the reference stores it.
+            request = _parse_request(payload)
+            SpanColumns.decoder_fallbacks += 1
+            return self.add_request_python(request)
         added = 0
         for resource_attrs, count in resources:
             job, service, _ = resource_identity(resource_attrs)
@@ -329,8 +360,16 @@ class SpanColumns:
                         attrs_col.append(_encode_json(attrs) if attrs else _EMPTY_OBJECT_JSON)
                     except ValueError:
                         attrs_col.append(to_json(attrs))
-                    events_col.append(_events_json(span.events) if span.events else _EMPTY_LIST_JSON)
-                    links_col.append(_links_json(span.links) if span.links else _EMPTY_LIST_JSON)
+                    events, links = span.events, span.links
+                    if (
+                        span.dropped_attributes_count or span.dropped_events_count
+                        or span.dropped_links_count or len(events) > MAX_ITEMS
+                        or len(links) > MAX_ITEMS
+                    ):
+                        attrs_col[-1] = to_json(_with_dropped(attrs, span))
+                        events, links = events[:MAX_ITEMS], links[:MAX_ITEMS]
+                    events_col.append(_events_json(events) if events else _EMPTY_LIST_JSON)
+                    links_col.append(_links_json(links) if links else _EMPTY_LIST_JSON)
                     count += 1
             self._extend_resource(resource_attrs, job, service, count)
             added += count

@@ -248,7 +248,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_otlp_attributes", NULL, -1,
-                                    methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_otlp_attributes", .m_size = -1, .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__otlp_attributes(void) { return PyModule_Create(&module); }

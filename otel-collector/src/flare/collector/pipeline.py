@@ -8,6 +8,13 @@ it emits spans, the oldest held requests are used up first and an lsn moves on w
 the output that carries its last span. The commit (see worker.py) never passes the
 oldest lsn still held. Other processors returning None have dropped the request on
 purpose (and count it).
+
+Batches for a durable exporter (the store) go through the ExportGate, in log order:
+one the exporter refuses holds the log position before it (it stays in the
+write-ahead log) and is tried again at every flush interval, with the batches after
+it waiting behind; after `DELIVERY_ATTEMPTS` refusals it is written to the
+dead-letter directory (dead_letter.py), counted and logged, and the rest go on. An
+acknowledged request is never silently dropped.
 """
 
 from __future__ import annotations
@@ -19,10 +26,15 @@ from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from flare.collector.dead_letter import DeadLetter
 from flare.collector.telemetry import Counters
 from flare.exporters.flare_store import FlareStoreExporter
 
 log = logging.getLogger(__name__)
+
+# Refusals of one batch by a durable exporter before it goes to the dead-letter
+# directory: one try on arrival, then one per flush interval.
+DELIVERY_ATTEMPTS = 3
 
 BUFFERING_PROCESSOR_TYPES = frozenset({"batch"})
 # Processors that never rewrite the spans they are given (the correlator only appends
@@ -176,12 +188,14 @@ class Pipeline:
                 if request is None:  # parsed once, for every exporter that wants the message
                     request = ExportTraceServiceRequest.FromString(payload)
                 request_or_bytes = request
-            if self.gate is not None and self.gate.holds(exporter_id):
-                self.gate.waiting.append((self, exporter_id, exporter, request_or_bytes, traces))
+            if self.gate is not None and exporter_id in self.gate.durable_ids:
+                self.gate.submit(_Delivery(self, exporter_id, exporter, request_or_bytes, traces,
+                                           list(lsns)))
                 continue
             self.deliver(exporter_id, exporter, request_or_bytes, traces)
 
-    def deliver(self, exporter_id: str, exporter: Any, request: Any, traces: bool) -> None:
+    def deliver(self, exporter_id: str, exporter: Any, request: Any, traces: bool) -> str | None:
+        """Hand a batch to an exporter; None when taken, else why not (counted, logged)."""
         try:
             if traces:
                 exporter.export_traces(request)
@@ -189,32 +203,127 @@ class Pipeline:
                 exporter.export_metrics(request)
         except Exception as exc:
             self.counters.add("export_errors", exporter=exporter_id)
-            log.error("exporter %s failed to take a batch: %s", exporter_id, exc)
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.error("exporter %s failed to take a batch: %s", exporter_id, reason)
+            return reason
+        return None
+
+
+@dataclass
+class _Delivery:
+    pipeline: Pipeline
+    exporter_id: str
+    exporter: Any
+    request: Any  # the message, or trace request bytes
+    traces: bool
+    lsns: list[int]
+    attempts: int = 0
+    reason: str = ""
 
 
 class ExportGate:
-    """Holds batches for the durable exporters while their flush runs on its own thread.
+    """Delivers batches to the durable exporters in log order.
 
-    The flush writes what the exporter buffered when it was called, under the log
-    position computed at that moment; batches fed meanwhile wait here and are handed
-    over when it returns, so the recorded position stays exact while the processors
-    keep working during the store's I/O.
+    While a flush runs on its own thread (`closed`), batches wait here and are handed
+    over when it returns: the flush writes what the exporter buffered when it was
+    called, under the log position computed at that moment, so the recorded position
+    stays exact while the processors keep working during the store's I/O.
+
+    A batch the exporter refuses waits here too, with everything for that exporter
+    behind it, and holds the log position before its lsns (`oldest_held`), so it stays
+    in the write-ahead log. `retry` (every flush interval) tries it again; after
+    `attempts` refusals it goes to the dead-letter directory and the rest move on.
     """
 
-    def __init__(self, durable_ids: set[str]) -> None:
+    def __init__(
+        self, durable_ids: set[str], counters: Counters | None = None,
+        dead_letter: DeadLetter | None = None, attempts: int = DELIVERY_ATTEMPTS,
+    ) -> None:
         self.durable_ids = frozenset(durable_ids)
+        self.counters = counters if counters is not None else Counters()
+        self.dead_letter = dead_letter
+        self.attempts = attempts
         self.closed = False
-        self.waiting: list[tuple[Pipeline, str, Any, Any, bool]] = []
+        self.waiting: deque[_Delivery] = deque()
 
-    def holds(self, exporter_id: str) -> bool:
-        return self.closed and exporter_id in self.durable_ids
+    def submit(self, delivery: _Delivery) -> None:
+        if self.closed or any(d.exporter_id == delivery.exporter_id for d in self.waiting):
+            self.waiting.append(delivery)  # keeps log order behind what waits
+        elif not self._try(delivery):
+            self.waiting.append(delivery)
 
     def open(self) -> None:
         self.closed = False
-        waiting, self.waiting = self.waiting, []
-        for pipeline, exporter_id, exporter, request, traces in waiting:
-            pipeline.deliver(exporter_id, exporter, request, traces)
+        self.retry()
+
+    def retry(self) -> None:
+        """Hand over what waits, in order; an exporter that refuses again keeps the rest."""
+        if self.closed or not self.waiting:
+            return
+        refused: set[str] = set()
+        keep: deque[_Delivery] = deque()
+        for delivery in self.waiting:
+            if delivery.exporter_id in refused:
+                keep.append(delivery)
+                continue
+            if self._try(delivery):
+                continue
+            if delivery.attempts >= self.attempts:
+                self._bury(delivery)
+                continue
+            refused.add(delivery.exporter_id)
+            keep.append(delivery)
+        self.waiting = keep
+
+    def oldest_held(self) -> int | None:
+        lsns = [min(d.lsns) for d in self.waiting if d.lsns]
+        return min(lsns) if lsns else None
+
+    def _try(self, delivery: _Delivery) -> bool:
+        reason = delivery.pipeline.deliver(
+            delivery.exporter_id, delivery.exporter, delivery.request, delivery.traces)
+        if reason is None:
+            return True
+        delivery.attempts += 1
+        delivery.reason = reason
+        return False
+
+    def _bury(self, delivery: _Delivery) -> None:
+        """Out of the way of the batches behind it, never silently: a file, a count, a line."""
+        request = delivery.request
+        payload = bytes(request) if isinstance(request, (bytes, bytearray, memoryview)) \
+            else request.SerializeToString()
+        count = _span_count(ExportTraceServiceRequest.FromString(payload)) if delivery.traces \
+            else _point_count(request)
+        where = None
+        if self.dead_letter is not None:
+            where = self.dead_letter.write(
+                delivery.traces, payload, delivery.lsns,
+                f"exporter {delivery.exporter_id} refused it {delivery.attempts} times: "
+                f"{delivery.reason}")
+        unit = "spans" if delivery.traces else "metric_points"
+        if where is not None:
+            self.counters.add("dead_letter_requests", exporter=delivery.exporter_id)
+            self.counters.add("dead_letter_" + unit, count, exporter=delivery.exporter_id)
+            log.error("exporter %s refused a batch of %d %s %d times (%s); moved to %s",
+                      delivery.exporter_id, count, unit.replace("_", " "), delivery.attempts,
+                      delivery.reason, where)
+        else:
+            self.counters.add("dropped_" + unit, count, exporter=delivery.exporter_id)
+            log.error("exporter %s refused a batch of %d %s %d times (%s) and there is no "
+                      "write-ahead log to keep it in: dropped", delivery.exporter_id, count,
+                      unit.replace("_", " "), delivery.attempts, delivery.reason)
 
 
 def _span_count(request: Any) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+
+
+def _point_count(request: Any) -> int:
+    total = 0
+    for rm in request.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                kind = metric.WhichOneof("data")
+                total += len(getattr(metric, kind).data_points) if kind else 0
+    return total

@@ -61,6 +61,13 @@ _COUNTER_HELP = {
     "unauthenticated_requests": "requests without a valid bearer token",
     "flush_errors": "exporter flushes that failed (data stays in the write-ahead log)",
     "export_errors": "batches an exporter refused to take",
+    "dead_letter_requests": "acknowledged batches the store refused on every retry (or log "
+                            "records that no longer parse), kept in <wal>/dead-letter/",
+    "dead_letter_spans": "spans in those batches",
+    "dead_letter_metric_points": "metric data points in those batches",
+    "dropped_spans": "spans of refused batches dropped for want of a write-ahead log",
+    "dropped_metric_points": "metric points of refused batches dropped for want of a "
+                             "write-ahead log",
     "pipeline_errors": "requests or ticks a processor failed on",
     "processor_dropped_requests": "requests a processor dropped on purpose",
     "replayed_requests": "write-ahead log records replayed at start",

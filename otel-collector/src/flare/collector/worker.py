@@ -29,6 +29,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from flare.collector.dead_letter import DeadLetter
 from flare.collector.errors import StartError
 from flare.collector.ingest import Item, ItemQueue
 from flare.collector.pipeline import ExportGate, Pipeline
@@ -111,7 +112,8 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._flush_error_logged: dict[str, str] = {}
         self.flush_seconds_last = 0.0
-        self.gate = ExportGate(set(self.durable))
+        self.dead_letter = DeadLetter(wal.directory / "dead-letter") if wal is not None else None
+        self.gate = ExportGate(set(self.durable), counters, self.dead_letter)
         for pipeline in pipelines:
             pipeline.gate = self.gate
         self._inflight: _FlushResult | None = None  # a flush running on its own thread
@@ -137,6 +139,7 @@ class Worker:
         for record in records():
             request = parse(record.signal, record.payload)
             if request is None:
+                self._bury_record(record)
                 continue
             self._feed(Item(record.lsn, record.signal, request, len(record.payload), payload=record.payload))
             count += 1
@@ -148,6 +151,16 @@ class Worker:
         for pipeline in self.pipelines:
             pipeline.skip_upto = {}
         return count
+
+    def _bury_record(self, record: Any) -> None:
+        """A logged request that no longer parses (another protobuf runtime?): kept aside."""
+        traces = record.signal == SIGNAL_TRACES
+        self.counters.add("dead_letter_requests", exporter="replay")
+        if self.dead_letter is not None:
+            where = self.dead_letter.write(
+                traces, record.payload, [record.lsn],
+                "the write-ahead log record does not parse as an OTLP request")
+            log.error("write-ahead log record %d does not parse; moved to %s", record.lsn, where)
 
     def _replay_flush(self, attempts: int = 3) -> None:
         """Flush mid-replay; a store that stays unwritable stops the start, not memory."""
@@ -243,6 +256,8 @@ class Worker:
     def watermark(self) -> int:
         """The highest lsn such that every lsn up to it has reached the exporters."""
         held = [h for p in self.pipelines if (h := p.oldest_held()) is not None]
+        if (waiting := self.gate.oldest_held()) is not None:
+            held.append(waiting)
         return min(min(held) - 1, self.last_fed_lsn) if held else self.last_fed_lsn
 
     def flush_cycle(self, final: bool = False) -> bool:
@@ -289,6 +304,7 @@ class Worker:
             except Exception as exc:
                 self.counters.add("pipeline_errors", pipeline=pipeline.id)
                 log.error("pipeline %s failed while ticking: %s", pipeline.id, exc)
+        self.gate.retry()  # batches a durable exporter refused, before the position is taken
         mark = self.watermark()
         targets = [
             exporter_id for exporter_id, exporter in self.durable.items()
@@ -402,10 +418,11 @@ def _shutdown_one(exporter_id: str, exporter: Any) -> None:
 
 
 def parse_record(signal: int, payload: bytes) -> Any:
-    """Decode a logged request; None (and a warning) for a record that will not parse."""
+    """Decode a logged request; None (and a warning) for a record that will not parse
+    (the worker then moves it to the dead-letter directory)."""
     cls = ExportTraceServiceRequest if signal == SIGNAL_TRACES else ExportMetricsServiceRequest
     try:
         return cls.FromString(payload)
     except Exception as exc:
-        log.warning("skipping an undecodable write-ahead log record: %s", exc)
+        log.warning("a write-ahead log record does not parse: %s", exc)
         return None
