@@ -7,9 +7,12 @@ Builds the store with DuckDB SQL (fast, no Python per row) at realistic volumes:
     and 1 hot Python call (~250 k spans);
   - one heartbeat per rank every 10 s (~370 k spans) and one correlator
     `train.step.ranks` span per step;
-  - a real fault to find: rank 517's compute grows by 25 % from the middle of the hour.
+  - two real faults to find: rank 517's compute grows by 25 % from the middle of the
+    hour, and earlier (from 1/6 to 1/3 of the hour) the 8 ranks of node 40 compute 30 %
+    more (a slow node).
 Then times `flare diagnose --format json` in a fresh process and reads its peak RSS,
-and checks the answer names rank 517 with cause compute.
+and checks the answer names rank 517 with cause compute, and node 40's ranks as one
+straggler label naming the node.
 
     .venv/bin/python benchmarks/diagnose_scale.py [--ranks 1024] [--steps 3600] [--keep PATH]
 """
@@ -36,9 +39,15 @@ def fault_rank(ranks: int) -> int:
     return FAULT_RANK if ranks > FAULT_RANK else ranks // 2
 
 
+def fault_node(ranks: int) -> int:
+    """The slow node (8 ranks each): 40, or node 1 of a smaller run."""
+    return 40 if ranks >= 8 * 41 and not 320 <= fault_rank(ranks) < 328 else 1
+
+
 def build(path: str, ranks: int, steps: int) -> dict[str, int]:
     fault_from = steps // 2
     culprit = fault_rank(ranks)
+    node = fault_node(ranks)
     with flare_store.writer(path, timeout_s=60) as con:
         con.execute("SET preserve_insertion_order = false")
         # Step time ~1 s; compute 700 ms, input 40 ms, gc 5 ms, hot calls 20 ms, the rest
@@ -48,7 +57,9 @@ def build(path: str, ranks: int, steps: int) -> dict[str, int]:
         SELECT s.step, r.rank,
                40 + 4 * (hash(s.step * 7919 + r.rank) % 1000) / 1000.0 AS dl,
                700 * (1 + 0.02 * ((hash(s.step * 31 + r.rank * 17) % 2001) / 1000.0 - 1))
-                 * (CASE WHEN r.rank = {culprit} AND s.step >= {fault_from} THEN 1.25 ELSE 1 END) AS comp,
+                 * (CASE WHEN r.rank = {culprit} AND s.step >= {fault_from} THEN 1.25 ELSE 1 END)
+                 * (CASE WHEN r.rank // 8 = {node} AND s.step >= {steps // 6} AND s.step < {steps // 3}
+                    THEN 1.3 ELSE 1 END) AS comp,
                5.0 AS gc, 20.0 AS pyc
         FROM range({steps}) s(step), range({ranks}) r(rank)""")
         con.execute("""
@@ -170,9 +181,19 @@ def main() -> int:
         print("per detector (in-process, same store): " + ", ".join(
             f"{name} {seconds:.1f} s" for name, seconds in per_detector(path)))
         culprit = fault_rank(args.ranks)
+        node = fault_node(args.ranks)
+        members = list(range(8 * node, 8 * node + 8))
         ok = any(k == "straggler" and r == [culprit] and c == "compute" for k, r, c, _ in found)
-        print(f"diagnosis correct: {'yes' if ok else 'NO'} (expected a straggler on rank {culprit}, cause compute)")
-        return 0 if ok else 1
+        group = next((a for a in report["anomalies"] if a["kind"] == "straggler"
+                      and a["ranks"] == members), None)
+        ok_group = group is not None and group["cause"] == "compute" \
+            and group["evidence"].get("group") == f"node {node}"
+        print(f"diagnosis correct: {'yes' if ok else 'NO'} (expected a straggler on rank {culprit}, "
+              f"cause compute); group {'yes' if ok_group else 'NO'} (expected ranks "
+              f"{members[0]}-{members[-1]} as node {node}, cause compute"
+              + (f"; got {group['evidence'].get('group')}, {group['cause']}, steps "
+                 f"{group['first_step']}-{group['last_step']}" if group else "") + ")")
+        return 0 if ok and ok_group else 1
 
 
 if __name__ == "__main__":

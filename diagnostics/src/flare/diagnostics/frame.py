@@ -55,6 +55,12 @@ class StepFrame:
     sm_clock_mhz: np.ndarray  # (R, S) mean SM clock; NaN where the bucket reported none
     throttle_reasons: np.ndarray  # (R, S) float64 holding the OR of the buckets' NVML masks
     other_cpu: np.ndarray  # (R, S) ms of CPU on the rank's other threads; NaN if unreported
+    # (S,) the real first and last step of each column and how many steps it holds:
+    # sampled or imported jobs number their steps sparsely, so a column's key (`steps`)
+    # and the bucket width do not say which steps exist.
+    first_steps: np.ndarray | None = None
+    last_steps: np.ndarray | None = None
+    step_counts: np.ndarray | None = None
 
     @property
     def work(self) -> np.ndarray:
@@ -71,10 +77,21 @@ class StepFrame:
         return None if component is None else self.parts[component]
 
     def step_of(self, column: int) -> int:
+        if self.first_steps is not None:
+            return int(self.first_steps[column])
         return int(self.steps[column])
 
     def last_step_of(self, column: int) -> int:
+        if self.last_steps is not None:
+            return int(self.last_steps[column])
         return int(self.steps[column]) + self.bucket - 1
+
+    def step_count(self, columns: np.ndarray) -> int:
+        """How many real steps these columns hold."""
+        columns = np.asarray(columns, dtype=np.int64)
+        if self.step_counts is not None:
+            return int(self.step_counts[columns].sum())
+        return int(columns.size * self.bucket)
 
     def row(self, rank: int) -> int:
         return int(np.searchsorted(self.ranks, rank))
@@ -83,15 +100,23 @@ class StepFrame:
         return int(np.clip(np.searchsorted(self.steps, step, side="right") - 1, 0, len(self.steps) - 1))
 
 
-def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig) -> int:
+def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig,
+               distinct: int | None = None) -> int:
+    """Steps per column: 1 unless the job has more steps than `max_step_columns`
+    (counted as distinct step numbers when the backend can say, else by range)."""
     if steps_range is None:
         return 1
-    count = steps_range[1] - steps_range[0] + 1
-    return max(1, math.ceil(count / config.max_step_columns))
+    span = steps_range[1] - steps_range[0] + 1
+    count = span if distinct is None else distinct
+    if count <= config.max_step_columns:
+        return 1
+    # Bucketed by step number: widths are of the numbering, so scale by how sparse it is.
+    return max(1, math.ceil(span / config.max_step_columns))
 
 
 def load(job: JobData, config: DiagnosisConfig) -> StepFrame | None:
-    bucket = bucket_for(job.steps_range(), config)
+    count = getattr(job, "step_count", None)
+    bucket = bucket_for(job.steps_range(), config, count() if callable(count) else None)
     table = job.step_summary(STEP_ATTRIBUTES, step_bucket=bucket)
     if table.num_rows == 0:
         return None
@@ -120,4 +145,19 @@ def from_summary(table: Table, bucket: int) -> StepFrame:
         end_ns=matrix("end_ns", np.float64),
         sm_clock_mhz=matrix(SM_CLOCK), throttle_reasons=matrix(THROTTLE, np.float64),
         other_cpu=matrix(OTHER_CPU),
+        **_real_steps(table, cols, len(steps), bucket),
     )
+
+
+def _real_steps(table: Table, cols: np.ndarray, columns: int, bucket: int) -> dict:
+    """first_steps, last_steps and step_counts per column from the summary's real step
+    numbers (absent from summaries that do not give them)."""
+    if "first_step" not in table.column_names or "last_step" not in table.column_names:
+        return {}
+    first = np.full(columns, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(columns, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, cols, np.asarray(table["first_step"].to_numpy(), dtype=np.int64))
+    np.maximum.at(last, cols, np.asarray(table["last_step"].to_numpy(), dtype=np.int64))
+    counts = np.ones(columns) if bucket == 1 else np.minimum(
+        last - first + 1, np.bincount(cols, weights=table["steps"].to_numpy(), minlength=columns))
+    return {"first_steps": first, "last_steps": last, "step_counts": np.asarray(counts, dtype=np.float64)}

@@ -54,6 +54,11 @@ class CachedJobData:
     def steps_range(self) -> tuple[int, int] | None:
         return self._cached("steps_range")
 
+    def step_count(self) -> int | None:
+        if not callable(getattr(self._inner, "step_count", None)):
+            return None
+        return self._cached("step_count")
+
     def ranks(self) -> list[int]:
         return self._cached("ranks")
 
@@ -89,6 +94,9 @@ class Diagnosis:
     detector_errors: dict[str, str]
     # The cached view the detectors read: reports reuse its aggregates, not re-query.
     job_data: JobData | None = None
+    # Where the time went: the rank-level labels' seconds and shares of the run, then
+    # what no label explains (ledger.where_the_time_went); empty without step data.
+    time_lost: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         out = {
@@ -97,6 +105,8 @@ class Diagnosis:
             "steps": None if self.steps is None else {"first": self.steps[0], "last": self.steps[1]},
             "anomalies": [a.to_json() for a in self.anomalies],
         }
+        if self.time_lost:
+            out["time_lost"] = list(self.time_lost)
         if self.detector_errors:  # a partial report says so in itself, not only on stderr
             out["detector_errors"] = dict(self.detector_errors)
         return out
@@ -132,7 +142,24 @@ def diagnose(
     for anomaly in anomalies:
         if not anomaly.trace_ids:
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
-    return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached)
+    return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached,
+                     _time_lost(cached, config, anomalies))
+
+
+def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) -> list[dict]:
+    """The closing table: who cost the run how much (straggler labels, from the ledger;
+    a job-wide slowdown, from its change point), then what no label explains."""
+    from flare.diagnostics import frame as frames
+    from flare.diagnostics import ledger as ledgers
+    from flare.diagnostics.detectors import straggler
+
+    frame = frames.load(job, config)
+    if frame is None or len(frame.ranks) < 2:
+        return []
+    book, _ = straggler.prepare(frame, config)
+    labels = [a for a in anomalies if a.kind == "straggler"
+              or (a.kind == "fail_slow" and not a.ranks)]
+    return ledgers.where_the_time_went(book, labels)
 
 
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:

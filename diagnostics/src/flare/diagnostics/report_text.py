@@ -52,10 +52,23 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
             lines.append("      " + line)
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      at {a.callsite}")
+    lines.extend(_time_table(diagnosis.time_lost))
     lines.append("")
-    lines.append("IMPACT: share of each affected step the problem costs; CONF: confidence (0-1). "
+    lines.append("IMPACT: share of the run's time the problem cost; CONF: confidence (0-1). "
                  "Evidence per label: --format json or html.")
     return "\n".join(lines) + "\n"
+
+
+def _time_table(rows: list[dict]) -> list[str]:
+    """Where the time went: seconds and share of the run per culprit and cause."""
+    if not rows or not any(r["seconds"] > 0 for r in rows):
+        return []
+    out = ["", "Where the time went (time the other ranks waited, by culprit):",
+           f"    {'WHO':<36} {'CAUSE':<13} {'SECONDS':>8} {'SHARE':>6}"]
+    for row in rows:
+        out.append(f"    {row['who'][:36]:<36} {row['cause']:<13} {row['seconds']:>8.2f} "
+                   f"{row['share']:>6.1%}")
+    return out
 
 
 def _bold(text: str, colour: bool) -> str:

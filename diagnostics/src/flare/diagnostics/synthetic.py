@@ -29,6 +29,8 @@ class Fault:
     # busy_thread: steps where the thread burns its CPU but does not slow the training
     # thread (a loaded host hands the GIL around patchily at first).
     missed: tuple[int, ...] = ()
+    # Active only every `every` steps from from_step (a periodic stall); 0: every step.
+    every: int = 0
 
 
 def job_spans(
@@ -40,7 +42,15 @@ def job_spans(
     seed: int = 0,
     start_ns: int = 1_700_000_000_000_000_000,
     comm_ms: float = 5.0,
+    node_size: int = 0,
+    groups: dict[str, tuple[int, ...]] | None = None,
+    hiccups: float = 0.0,
+    step_numbers: list[int] | None = None,
 ) -> pa.Table:
+    """`node_size` > 0 puts `flare.node_rank` = rank // node_size in the resources;
+    `groups` are process groups (name → member ranks) reported in each member's steps;
+    `hiccups` is the chance that a rank's step is delayed by 20-100 % of `base_ms` (a
+    loaded host descheduling it); `step_numbers` renumbers the steps (sampled jobs)."""
     rng = np.random.default_rng(seed)
     cols: dict[str, list[object]] = {k: [] for k in (
         "job", "service", "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns",
@@ -57,11 +67,15 @@ def job_spans(
         other_cpu_ms = {}
         for rank in range(world):
             jitter = rng.normal(1.0, 0.02)
+            if hiccups and rng.random() < hiccups:
+                jitter += rng.uniform(0.2, 1.0)
             part = {"dataloader": 2.0 * jitter, "compute": base_ms * jitter, "gc": 0.0,
                     "pycall": 1.0 * jitter}
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
             for f in faults:
-                active = f.rank == rank and step >= f.from_step and (f.to_step is None or step < f.to_step)
+                active = (f.rank == rank and step >= f.from_step
+                          and (f.to_step is None or step < f.to_step)
+                          and (not f.every or (step - f.from_step) % f.every == 0))
                 if not active:
                     continue
                 if f.kind == "compute":
@@ -87,12 +101,13 @@ def job_spans(
             break
         barrier = max(ready[r] for r in live)
         comm = comm_ms * (1.0 + sum(1.0 for f in faults if f.kind == "communication" and step >= f.from_step))
-        trace_id = f"{sc.step_trace_id(job, step):032x}"
+        number = step if step_numbers is None else step_numbers[step]
+        trace_id = f"{sc.step_trace_id(job, number):032x}"
         for rank in live:
             wait = barrier - ready[rank] + comm
             duration_ms = ready[rank] + wait
             attrs = {
-                sc.STEP: step,
+                sc.STEP: number,
                 sc.STEP_DATALOADER_MS: round(parts[rank]["dataloader"], 3),
                 sc.STEP_COMPUTE_MS: round(parts[rank]["compute"], 3),
                 sc.STEP_OTHER_THREADS_CPU_MS: round(other_cpu_ms[rank], 3),
@@ -100,12 +115,13 @@ def job_spans(
                 sc.STEP_PYCALL_MS: round(parts[rank]["pycall"], 3),
                 sc.STEP_COLLECTIVE_WAIT_MS: round(wait, 3),
                 sc.STEP_COLLECTIVE_COUNT: 1,
-                sc.STEP_PG_NAMES: ["0"],
+                sc.STEP_PG_NAMES: ["0", *(n for n, m in (groups or {}).items() if rank in m)],
                 sc.STEP_PG_WAIT_MS: [round(wait, 3)],
             }
             span_counter += 1
             _append(cols, job, trace_id, f"{span_counter:016x}", sc.SPAN_STEP, now,
-                     int(duration_ms * 1e6), rank, step, attrs, world)
+                     int(duration_ms * 1e6), rank, number, attrs, world,
+                     node=rank // node_size if node_size else None)
         for f in faults:
             if f.from_step == step and f.kind == "error":
                 span_counter += 1
@@ -120,14 +136,17 @@ def job_spans(
 
 
 def _append(cols, job, trace_id, span_id, name, start, duration, rank, step, attrs, world,
-            status=0, events=()) -> None:
+            status=0, events=(), node=None) -> None:
+    resource = {sc.RANK: rank, sc.WORLD_SIZE: world, sc.JOB_ID: job}
+    if node is not None:
+        resource[sc.NODE_RANK] = node
     row = {
         "job": job, "service": job, "trace_id": trace_id, "span_id": span_id,
         "parent_span_id": "", "name": name, "kind": 1, "start_ns": start,
         "end_ns": start + duration, "duration_ns": duration, "status_code": status,
         "status_message": "", "rank": rank, "step": step, "host": "node0", "pid": 1000 + rank,
         "attributes": json.dumps(attrs),
-        "resource": json.dumps({sc.RANK: rank, sc.WORLD_SIZE: world, sc.JOB_ID: job}),
+        "resource": json.dumps(resource),
         "events": json.dumps(list(events)), "links": "[]",
     }
     for key, values in cols.items():

@@ -102,7 +102,8 @@ class ArrowJobData:
         bucketed = pc.multiply(pc.divide(base["raw_step"], bucket), bucket)
         base = base.append_column("step", bucketed)
         out = base.group_by(["rank", "step"]).aggregate(
-            [("raw_step", "count"), ("start_ns", "min"), ("end_ns", "max"),
+            [("raw_step", "count"), ("raw_step", "min"), ("raw_step", "max"),
+             ("start_ns", "min"), ("end_ns", "max"),
              ("duration_ms", "mean")]
             + [(a, "mean") for a in attributes if a not in BITMASK_ATTRIBUTES]
             + [(f"{a}_bits", "list") for a in attributes if a in BITMASK_ATTRIBUTES]
@@ -111,6 +112,8 @@ class ArrowJobData:
             "rank": pc.cast(out["rank"], pa.int32()),
             "step": pc.cast(out["step"], pa.int64()),
             "steps": pc.cast(out["raw_step_count"], pa.int64()),
+            "first_step": pc.cast(out["raw_step_min"], pa.int64()),
+            "last_step": pc.cast(out["raw_step_max"], pa.int64()),
             "start_ns": out["start_ns_min"],
             "end_ns": out["end_ns_max"],
             "duration_ms": out["duration_ms_mean"],

@@ -270,6 +270,7 @@ class StoreJobData:
         # the caller places them by (rank, step) itself.
         sql = (
             f"SELECT rank, (step // {bucket}) * {bucket} AS step, count(*) AS steps, "
+            "min(step) AS first_step, max(step) AS last_step, "
             "min(start_ns) AS start_ns, max(end_ns) AS end_ns, avg(duration_ns) / 1e6 AS duration_ms"
             + (", " + means if means else "")
             + " FROM (SELECT rank, step, start_ns, end_ns, duration_ns"
@@ -278,7 +279,8 @@ class StoreJobData:
             f" AND {range_sql}) GROUP BY 1, 2"
         )
         table = self._backend.query(sql, [self.job, sc.SPAN_STEP, *range_params])
-        return _cast(table, {"rank": "int32", "step": "int64", "steps": "int64"}
+        return _cast(table, {"rank": "int32", "step": "int64", "steps": "int64",
+                             "first_step": "int64", "last_step": "int64"}
                      | {a: "float" for a in attributes} | {"duration_ms": "double"})
 
     def steps_range(self) -> tuple[int, int] | None:
@@ -289,6 +291,14 @@ class StoreJobData:
         if row["lo"] is None:
             return None
         return int(row["lo"]), int(row["hi"])
+
+    def step_count(self) -> int:
+        """Distinct step numbers: what the matrices' width is bounded by (sampled or
+        imported steps are numbered sparsely, so the range overstates it)."""
+        row = self._backend.query(
+            "SELECT count(DISTINCT step) AS n FROM spans WHERE job = ? AND name = ?",
+            [self.job, sc.SPAN_STEP]).to_pylist()[0]
+        return int(row["n"] or 0)
 
     def ranks(self) -> list[int]:
         rows = self._backend.query(

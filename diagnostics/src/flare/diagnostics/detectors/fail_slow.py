@@ -79,13 +79,20 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         + (f": {grew} time grew by {why.deltas_ms[grew]:.1f} ms/step" if why.cause != "unknown" else "")
         + _starved_text(why.cause, mean_now, mean_past)
     )
+    # Impact: what the slower steps cost over the whole run (seconds lost / seconds run).
+    step_ms = nanmedian(frame.duration.astype(np.float64), axis=0)
+    counts = np.ones(len(frame.steps)) * frame.bucket if frame.step_counts is None else frame.step_counts
+    later = np.arange(frame.column(first), len(frame.steps))
+    lost_ms = float(np.nansum(np.clip(step_ms[later] - point.before, 0, None) * counts[later]))
+    run_ms = float(np.nansum(step_ms * counts))
     confidence = min(0.99, (1 - math.exp(-point.score / config.fail_slow_min_score)) *
                      min(1.0, len(after) / (2 * persist)) * (1.0 if why.cause != "unknown" else 0.8))
     return [Anomaly(
         kind="fail_slow", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
-        impact=point.shift / (1 + point.shift), confidence=confidence, summary=summary,
+        impact=min(1.0, lost_ms / run_ms) if run_ms > 0 else 0.0, confidence=confidence,
+        summary=summary,
         evidence={
-            "onset_step": first,
+            "onset_step": first, "lost_s": round(lost_ms / 1e3, 3),
             "step_ms_before": round(point.before, 3), "step_ms_after": round(point.after, 3),
             "shift": round(point.shift, 4), "noise_units": round(point.score, 2),
             "consistency": round(point.consistency, 3),

@@ -1,12 +1,21 @@
-"""Straggler: the rank the others wait for — the culprit, not its victims.
+"""Straggler: the ranks the others wait for — the culprits, not their victims.
 
 Collectives equalise step durations, so duration cannot tell culprit from victim.
-The culprit of a step is the rank with the *least* collective wait (it arrived
-last); the time lost is how much longer the typical rank waited than the culprit.
-A rank is labelled when it is the culprit of most steps over a persistent run and
-the loss is a real share of the step. Scores are scale-free: the culprit's own time
-against the best peers (relative) and against its own past (individual), as in
-NVIDIA's resiliency straggler detector.
+The time-lost ledger (ledger.py) gives every step its culprit set (the ranks that
+arrived within the job's noise of the last) and what the step lost. A rank is a
+straggler when it is in the culprit set of most steps over a persistent run and its
+own time really exceeds its peers'. Ranks that are culprits together and form a
+group of the job's topology (a node, a host, a process group such as a pipeline
+stage's) are one label naming the group; unrelated slow ranks get one label each.
+
+A rank that stalls everyone in a minority of steps (a garbage collection, a
+checkpoint or an evaluation every N steps) but loses a real share of the run's time is
+labelled too, with `pattern` "periodic" (and its period) or "intermittent".
+
+Scores are scale-free: the culprit's own time against the best peers (relative) and
+against its own past (individual), as in NVIDIA's resiliency straggler detector.
+`impact` is the share of the whole run's time the label cost (its part of each
+step's loss, from the ledger).
 """
 
 from __future__ import annotations
@@ -16,9 +25,24 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
+from flare.diagnostics import ledger as ledgers
+from flare.diagnostics import topology as topologies
 from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import first_rise, mad, nanmedian, runs
+from flare.diagnostics.stats import first_rise, nanmedian, runs
+
+# Members of a group must be culprits together in this share of their culprit steps.
+GROUP_MIN_OVERLAP = 0.6
+# An intermittent stall: a step whose loss is at least this share of the median step
+# (and NOISE_UNITS of the job's noise), in at least MIN_STALLS steps, costing at least
+# straggler_min_impact of the run if periodic, twice that if not.
+STALL_MIN_SHARE = 0.25
+STALL_NOISE_UNITS = 4.0
+MIN_STALLS = 3
+MIN_PERIODIC_STALLS = 4
+# Periodic: this share of the gaps between stalls within PERIOD_TOLERANCE of the median gap.
+PERIODIC_MIN_REGULAR = 0.75
+PERIOD_TOLERANCE = 0.15
 
 
 def min_density(ranks: int) -> float:
@@ -35,50 +59,59 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
-    return find(frame, config)
+    return find(frame, config, topologies.load(job, frame.ranks.tolist()))
 
 
-def step_losses(frame: frames.StepFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per step: the culprit row, the ms lost by the typical rank, the median duration."""
-    wait = frame.wait.astype(np.float64)
-    filled = np.where(np.isnan(wait), np.inf, wait)
-    culprit_row = np.argmin(filled, axis=0)
-    least = filled[culprit_row, np.arange(wait.shape[1])]
-    lost = nanmedian(wait, axis=0) - least
-    lost = np.where(np.isfinite(lost), lost, 0.0)
-    duration = nanmedian(frame.duration.astype(np.float64), axis=0)
-    return culprit_row, lost, duration
-
-
-def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
-    culprit_row, lost, duration = step_losses(frame)
-    warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
-    share = np.where(duration > 0, lost / duration, 0.0)
-    significant = warm & (share >= config.straggler_min_impact)
-    persist = max(2, math.ceil(config.straggler_min_steps / frame.bucket))
+def prepare(frame: frames.StepFrame, config: DiagnosisConfig) -> tuple[ledgers.Ledger, np.ndarray]:
+    """The job's ledger and each rank's own-time deviation from its step's median."""
     work = frame.work.astype(np.float64)
     deviation = work - nanmedian(work, axis=0)[None, :]
-    noise_ms = _noise_ms(deviation[:, warm])
-    anomalies = []
+    warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
+    noise = ledgers.noise_ms(deviation[:, warm])
+    return ledgers.build(frame, config, noise), deviation
+
+
+def find(frame: frames.StepFrame, config: DiagnosisConfig,
+         topology: topologies.Topology | None = None) -> list[Anomaly]:
+    book, deviation = prepare(frame, config)
+    if not book.has_wait:
+        return []
+    persist = max(2, math.ceil(config.straggler_min_steps / frame.bucket))
     density = min_density(len(frame.ranks))
-    for row in np.unique(culprit_row[significant]):
-        mask = significant & (culprit_row == row)
-        # Persistence counts the steps the rank was the culprit, not the run's length.
+    first_warm = int(np.argmax(book.warm)) if book.warm.any() else 0
+    runs_of: dict[int, tuple[np.ndarray, list[tuple[int, int]], np.ndarray]] = {}
+    for row in range(len(frame.ranks)):
+        mask = book.significant & book.culprits[row]
+        if mask.sum() < persist:
+            continue
+        # Persistence counts the steps the rank was a culprit, not the run's length.
         spans = [(a, b) for a, b in _dense_runs(mask, persist, density)
                  if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= density]
         if not spans:
             continue
-        first_warm = int(np.argmax(warm)) if warm.any() else 0
         cols = np.concatenate([_trim(deviation[row], a, b) for a, b in spans])
         cols = cols[cols >= _onset(deviation[row], first_warm, int(cols[0]), int(cols[-1]), persist)]
-        anomaly = _label(frame, config, int(row), cols, mask, share)
+        runs_of[row] = (mask, spans, cols)
+
+    slow = set(runs_of)
+    labels: list[tuple[list[int], str | None]] = []
+    for rows, group in _grouped(frame, runs_of, topology):
+        labels.append((rows, group))
+    anomalies = []
+    for rows, group in labels:
+        mask = np.logical_or.reduce([runs_of[r][0] for r in rows])
+        spans = sorted(s for r in rows for s in runs_of[r][1])
+        cols = np.unique(np.concatenate([runs_of[r][2] for r in rows]))
+        peers = [r for r in range(len(frame.ranks)) if r not in slow] or \
+            [r for r in range(len(frame.ranks)) if r not in rows]
+        anomaly = _label(frame, config, book, rows, peers, cols, mask, group)
         # Arriving last by chance (a descheduled process, noise) is not being slower:
         # the rank's own time must really exceed its peers', beyond the job's noise —
         # judged over the run where its own excess is established, before any re-dating.
         relative = anomaly.evidence["relative_score"]
         excess = anomaly.evidence["excess_ms_per_step"]
         if not (relative is not None and relative <= config.straggler_max_relative_score
-                and excess >= config.straggler_min_noise_units * noise_ms):
+                and excess >= config.straggler_min_noise_units * book.noise_ms):
             continue
         # The onset of the named cause is sharper than that of the whole step: place
         # first_step where that component of the rank's step jumped.
@@ -90,14 +123,37 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         if series is not None:
             part = series.astype(np.float64)
             part_deviation = part - nanmedian(part, axis=0)[None, :]
-            start = _onset(part_deviation[row], first_warm, min(spans[0][0], int(cols[0])),
-                           int(cols[-1]), persist, fallback=int(cols[0]))
+            own = nanmedian(part_deviation[rows], axis=0) if len(rows) > 1 else part_deviation[rows[0]]
+            start = _onset(own, first_warm, min(spans[0][0], int(cols[0])), int(cols[-1]), persist,
+                           fallback=int(cols[0]))
             if start != int(cols[0]):
                 cols = np.arange(start, int(cols[-1]) + 1)
-                anomaly = _label(frame, config, int(row), cols, mask, share)
-        anomaly.evidence["job_noise_ms"] = round(noise_ms, 3)
+                anomaly = _label(frame, config, book, rows, peers, cols, mask, group)
+        anomaly.evidence["job_noise_ms"] = round(book.noise_ms, 3)
         anomalies.append(anomaly)
+    anomalies.extend(_stalls(frame, config, book, anomalies))
     return anomalies
+
+
+def _grouped(frame: frames.StepFrame, runs_of: dict, topology: topologies.Topology | None):
+    """The labels to make: a group of the topology whose members are all persistent
+    culprits, together most of the time, is one label; every other rank its own."""
+    done: set[int] = set()
+    out: list[tuple[list[int], str | None]] = []
+    if topology is not None and len(runs_of) >= 2:
+        sets = sorted({members for members in topology.groups.values()}, key=len)
+        for members in sets:
+            rows = [frame.row(r) for r in members if r in set(frame.ranks.tolist())]
+            if len(rows) != len(members) or not all(r in runs_of for r in rows) or done & set(rows):
+                continue
+            masks = [runs_of[r][0] for r in rows]
+            together = np.logical_and.reduce(masks).sum()
+            either = np.logical_or.reduce(masks).sum()
+            if either and together >= GROUP_MIN_OVERLAP * either:
+                out.append((sorted(rows), topology.describe(members)))
+                done |= set(rows)
+    out.extend(([row], None) for row in sorted(runs_of) if row not in done)
+    return out
 
 
 def _dense_runs(mask: np.ndarray, max_join: int, density: float) -> list[tuple[int, int]]:
@@ -116,20 +172,6 @@ def _dense_runs(mask: np.ndarray, max_join: int, density: float) -> list[tuple[i
                 continue
         joined.append((a, b))
     return joined
-
-
-def _noise_ms(deviation: np.ndarray) -> float:
-    """The job's rank-to-rank noise: the MAD of each rank's time around its step's
-    median. With two ranks that median is their mean, so a straggler's own excess is
-    half of every deviation and would count as noise; there the noise is read from how
-    the two ranks' difference moves from step to step instead (a lasting shift does not
-    move it), scaled to one rank's deviation."""
-    if deviation.shape[0] != 2:
-        return mad(deviation)
-    steps = deviation[0][np.isfinite(deviation[0])]
-    if steps.size < 3:
-        return mad(deviation)
-    return mad(np.diff(steps)) / math.sqrt(2)
 
 
 def _trim(deviation: np.ndarray, first: int, last: int) -> np.ndarray:
@@ -160,29 +202,33 @@ def _onset(deviation: np.ndarray, first_warm: int, first: int, last: int, persis
     return start if first - 3 <= start <= last else fallback
 
 
-def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.ndarray,
-           mask: np.ndarray, share: np.ndarray) -> Anomaly:
-    rank = int(frame.ranks[row])
-    peers = [r for r in range(len(frame.ranks)) if r != row]
-    mine, my_work = medians(frame, [row], cols)
+def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
+           rows: list[int], peers: list[int], cols: np.ndarray, mask: np.ndarray,
+           group: str | None, pattern: dict | None = None) -> Anomaly:
+    ranks = [int(frame.ranks[r]) for r in rows]
+    mine, my_work = medians(frame, rows, cols)
     theirs, their_work = medians(frame, peers, cols)
-    my_means, their_means = means(frame, [row], cols), means(frame, peers, cols)
+    my_means, their_means = means(frame, rows, cols), means(frame, peers, cols)
     why = attribute(mine, theirs, config.cause_min_share, my_work, their_work,
                     my_means, their_means)
     other_cpu_delta = my_means["other_cpu"] - their_means["other_cpu"]
     density = float(mask[cols].mean())
-    impact = float(np.mean(share[cols]))
+    step_share = float(np.mean(book.share()[cols]))
+    lost_ms = book.lost_by(rows, cols)
+    impact = book.impact(rows, cols)
     first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))
     before = np.arange(0, int(cols[0]))
     before = before[frame.steps[before] >= frame.steps[0] + config.warmup_steps]
     individual = None
     if before.size >= 2:
-        _, past_work = medians(frame, [row], before)
+        _, past_work = medians(frame, rows, before)
         individual = past_work / my_work if my_work > 0 else None
     relative = their_work / my_work if my_work > 0 else None
     persist_factor = min(1.0, len(cols) / (2 * max(1, config.min_persist_steps / frame.bucket)))
+    if pattern is not None:
+        density = 1.0  # the stalls are the label's steps
     confidence = density * (0.5 + 0.5 * persist_factor) * (1.0 if why.cause != "unknown" else 0.8)
-    others = len(frame.ranks) - 1
+    others = len(frame.ranks) - len(rows)
     cause_text = {
         "compute": "its compute is slower", "input": "its data loading is slower",
         "gc": "it pauses in garbage collection", "cpu": "its Python side is starved of CPU "
@@ -191,24 +237,90 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, row: int, cols: np.
            else "(every part of its step is slower, as with a GIL-holding thread)"),
         "communication": "its communication is slower", "unknown": "the cause is unclear",
     }.get(why.cause, why.cause)
-    summary = (
-        f"rank {rank} makes {'the other rank' if others == 1 else f'the other {others} ranks'} wait "
-        f"{impact:.0%} of each step from step {first} to {last}: {cause_text} "
-        f"(+{why.excess_ms:.1f} ms/step over its peers)"
-    )
+    if len(rows) > 1:
+        cause_text = cause_text.replace("its ", "their ").replace("it pauses", "they pause")
+    who = (f"rank {ranks[0]}" if len(ranks) == 1
+           else f"ranks {','.join(map(str, ranks))}" + (f" ({group})" if group else ""))
+    victims = "the other rank" if others == 1 else f"the other {others} ranks"
+    counted = frame.step_count(cols[mask[cols]]) if pattern is None else frame.step_count(cols)
+    evidence = {
+        "culprit_steps": counted,
+        "steps_in_run": frame.step_count(cols),
+        "excess_ms_per_step": round(why.excess_ms, 3),
+        "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
+        "component_ratio": {k: round(v, 3) for k, v in why.ratios.items()},
+        "cause_share": round(why.share, 3),
+        "other_threads_cpu_delta_ms": (round(other_cpu_delta, 3)
+                                       if math.isfinite(other_cpu_delta) else None),
+        "relative_score": None if relative is None else round(relative, 3),
+        "individual_score": None if individual is None else round(individual, 3),
+        "lost_s": round(lost_ms / 1e3, 3),
+        "step_share": round(step_share, 4),
+    }
+    if group:
+        evidence["group"] = group
+    if len(rows) > 1:
+        evidence["member_excess_ms"] = {
+            str(int(frame.ranks[r])): round(medians(frame, [r], cols)[1] - their_work, 3) for r in rows}
+    if pattern is None:
+        summary = (f"{who} make{'s' if len(rows) == 1 else ''} {victims} wait {step_share:.0%} of "
+                   f"each step from step {first} to {last}: {cause_text} "
+                   f"(+{why.excess_ms:.1f} ms/step over {'its' if len(rows) == 1 else 'their'} "
+                   f"peers); {impact:.0%} of the run's time")
+    else:
+        evidence.update(pattern)
+        every = (f"every {pattern['period_steps']} steps" if pattern["pattern"] == "periodic"
+                 else "now and then")
+        summary = (f"{who} stall{'s' if len(rows) == 1 else ''} {victims} {every} "
+                   f"({counted} times from step {first} to {last}, "
+                   f"{pattern['stall_ms']:.0f} ms each): {cause_text}; "
+                   f"{impact:.0%} of the run's time")
     return Anomaly(
-        kind="straggler", ranks=[rank], cause=why.cause, first_step=first, last_step=last,
-        impact=impact, confidence=min(confidence, 0.99), summary=summary,
-        evidence={
-            "culprit_steps": int(mask[cols].sum() * frame.bucket),
-            "steps_in_run": int(len(cols) * frame.bucket),
-            "excess_ms_per_step": round(why.excess_ms, 3),
-            "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
-            "component_ratio": {k: round(v, 3) for k, v in why.ratios.items()},
-            "cause_share": round(why.share, 3),
-            "other_threads_cpu_delta_ms": (round(other_cpu_delta, 3)
-                                           if math.isfinite(other_cpu_delta) else None),
-            "relative_score": None if relative is None else round(relative, 3),
-            "individual_score": None if individual is None else round(individual, 3),
-        },
+        kind="straggler", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
+        impact=impact, confidence=min(confidence, 0.99), summary=summary, evidence=evidence,
     )
+
+
+def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
+            persistent: list[Anomaly]) -> list[Anomaly]:
+    """Ranks that stall everyone in a minority of steps but cost a real share of the run."""
+    big = book.significant & (book.lost_ms >= np.maximum(STALL_MIN_SHARE * book.step_ms,
+                                                         STALL_NOISE_UNITS * book.noise_ms))
+    out = []
+    for row in range(len(frame.ranks)):
+        rank = int(frame.ranks[row])
+        stalls = big & book.culprits[row]
+        for anomaly in persistent:
+            if rank in anomaly.ranks:
+                lo, hi = frame.column(anomaly.first_step), frame.column(anomaly.last_step)
+                stalls[lo:hi + 1] = False
+        cols = np.flatnonzero(stalls)
+        if cols.size < MIN_STALLS:
+            continue
+        pattern = _pattern(frame.steps[cols])
+        impact = book.impact([row], cols)
+        needed = config.straggler_min_impact * (1 if pattern["pattern"] == "periodic" else 2)
+        if impact < needed or (pattern["pattern"] == "periodic" and cols.size < MIN_PERIODIC_STALLS):
+            continue
+        peers = [r for r in range(len(frame.ranks)) if r != row]
+        pattern["stall_ms"] = float(np.median(book.lost_ms[cols]))
+        pattern["stall_steps"] = [int(s) for s in frame.steps[cols][:50]]
+        anomaly = _label(frame, config, book, [row], peers, cols, stalls, None, pattern)
+        if anomaly.evidence["excess_ms_per_step"] < STALL_NOISE_UNITS * book.noise_ms:
+            continue
+        anomaly.evidence["job_noise_ms"] = round(book.noise_ms, 3)
+        anomaly.confidence = min(0.99, 0.5 + 0.5 * min(1.0, cols.size / 8)) * (
+            1.0 if anomaly.cause != "unknown" else 0.8)
+        out.append(anomaly)
+    return out
+
+
+def _pattern(steps: np.ndarray) -> dict:
+    """Periodic (with its period in steps) when most gaps between stalls are alike."""
+    gaps = np.diff(np.asarray(steps, dtype=np.float64))
+    if gaps.size >= MIN_PERIODIC_STALLS - 1:
+        period = float(np.median(gaps))
+        close = np.abs(gaps - period) <= max(1.0, PERIOD_TOLERANCE * period)
+        if period >= 2 and close.mean() >= PERIODIC_MIN_REGULAR:
+            return {"pattern": "periodic", "period_steps": round(period)}
+    return {"pattern": "intermittent"}

@@ -1,0 +1,139 @@
+"""The time-lost ledger and what reads it: groups of ranks, several culprits, periodic
+and intermittent stalls, whole-run impact, real (sparse) step numbers.
+
+Synthetic spans with known faults (diagnostics/synthetic.py: every rank's own work,
+then a barrier the early ranks wait at), so every figure is known exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from flare.diagnostics import frame as frames
+from flare.diagnostics import ledger as ledgers
+from flare.diagnostics.backends.arrow import ArrowJobData
+from flare.diagnostics.detectors import straggler
+from flare.diagnostics.model import DiagnosisConfig
+from flare.diagnostics.pipeline import diagnose
+from flare.diagnostics.report_text import render
+from flare.diagnostics.synthetic import Fault, job_spans
+
+
+def _job(table: pa.Table, name: str = "j") -> ArrowJobData:
+    return ArrowJobData(name, "synthetic", lambda *_: table)
+
+
+def _measured_share(table: pa.Table, stall_steps: set[int]) -> float:
+    """The share of the run the stalls cost, from the job's own step times: per step the
+    median duration over ranks; the stalls' excess over the median step, over the total."""
+    steps = np.asarray(table["step"].to_pylist())
+    duration = np.asarray(table["duration_ns"].to_pylist(), dtype=float)
+    per_step = {s: float(np.median(duration[steps == s])) for s in np.unique(steps)}
+    typical = float(np.median(list(per_step.values())))
+    excess = sum(per_step[s] - typical for s in stall_steps)
+    return excess / sum(per_step.values())
+
+
+def test_the_ledger_shares_each_steps_loss_among_its_culprits():
+    table = job_spans("j", 8, 60, (Fault("compute", 6, 20, 100.0), Fault("compute", 7, 20, 100.0)))
+    frame = frames.load(_job(table), DiagnosisConfig())
+    book, _ = straggler.prepare(frame, DiagnosisConfig())
+    after = np.arange(25, 60)
+    assert book.culprits[[6, 7]][:, after].all()  # both arrive last together
+    assert not book.culprits[:6][:, after].any()
+    assert book.lost_ms[after].mean() == pytest.approx(100.0, rel=0.05)
+    assert book.lost_by([6], after) == pytest.approx(book.lost_by([7], after), rel=1e-6)
+    assert book.lost_by([6, 7], after) == pytest.approx(float(book.lost_ms[after].sum()), rel=1e-6)
+
+
+def test_a_slow_node_is_one_label_naming_the_node():
+    faults = (Fault("compute", 6, 20, 80.0), Fault("compute", 7, 20, 80.0))
+    found = straggler.detect(_job(job_spans("j", 8, 60, faults, node_size=2)), DiagnosisConfig())
+    assert [(a.ranks, a.cause, a.first_step) for a in found] == [([6, 7], "compute", 20)]
+    evidence = found[0].evidence
+    assert evidence["group"] == "node 3"
+    assert set(evidence["member_excess_ms"]) == {"6", "7"}
+    assert all(v > 60 for v in evidence["member_excess_ms"].values())
+    assert "ranks 6,7 (node 3)" in found[0].summary
+
+
+def test_a_slow_process_group_is_named_when_no_node_matches():
+    faults = (Fault("compute", 6, 20, 80.0), Fault("compute", 7, 20, 80.0))
+    groups = {"stage3": (6, 7), "stage0": (0, 1)}
+    found = straggler.detect(_job(job_spans("j", 8, 60, faults, groups=groups)), DiagnosisConfig())
+    assert [(a.ranks, a.evidence.get("group")) for a in found] == [([6, 7], "process group stage3")]
+
+
+def test_two_unrelated_slow_ranks_are_two_labels():
+    faults = (Fault("compute", 1, 20, 40.0), Fault("compute", 3, 20, 40.0))
+    found = straggler.detect(_job(job_spans("j", 4, 60, faults, node_size=4)), DiagnosisConfig())
+    assert sorted((a.ranks, a.cause, a.first_step) for a in found) == [
+        ([1], "compute", 20), ([3], "compute", 20)]
+    # Each costs the run its part of the loss: together what the job lost after step 20.
+    total = sum(a.impact for a in found)
+    assert total == pytest.approx(40 * 40 / (20 * 48 + 40 * 88), rel=0.15)
+
+
+def test_a_periodic_gc_stall_is_labelled_with_its_period_and_true_share():
+    table = job_spans("j", 4, 120, (Fault("gc", 3, 10, 400.0, every=10),))
+    found = diagnose(_job(table)).anomalies
+    stalls = [a for a in found if a.kind == "straggler"]
+    assert [(a.ranks, a.cause) for a in stalls] == [([3], "gc")]
+    evidence = stalls[0].evidence
+    assert evidence["pattern"] == "periodic" and evidence["period_steps"] == 10
+    assert stalls[0].first_step == 10
+    measured = _measured_share(table, set(range(10, 120, 10)))
+    assert stalls[0].impact == pytest.approx(measured, rel=0.2)
+    assert "every 10 steps" in stalls[0].summary
+
+
+def test_an_irregular_stall_that_costs_a_real_share_is_intermittent():
+    steps = [12, 19, 33, 37, 58, 71, 90, 94, 110]
+    faults = tuple(Fault("gc", 2, s, 300.0, to_step=s + 1) for s in steps)
+    found = straggler.detect(_job(job_spans("j", 4, 120, faults)), DiagnosisConfig())
+    assert [(a.ranks, a.cause, a.evidence["pattern"]) for a in found] == [([2], "gc", "intermittent")]
+    assert found[0].evidence["culprit_steps"] == len(steps)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_noisy_healthy_job_has_no_straggler_and_no_stall(seed):
+    """A loaded host: every rank is descheduled now and then (8 % of its steps)."""
+    table = job_spans("j", 4, 120, seed=seed, hiccups=0.08)
+    assert [a.kind for a in diagnose(_job(table)).anomalies] == []
+
+
+def test_sparse_step_numbers_are_used_as_they_are():
+    numbers = list(range(16, 16 + 44 * 28, 28))  # 44 sampled steps, 16 … 1220
+    table = job_spans("j", 4, 44, (Fault("compute", 2, 10, 60.0),), step_numbers=numbers)
+    found = straggler.detect(_job(table), DiagnosisConfig())
+    assert [(a.ranks, a.first_step, a.last_step) for a in found] == [([2], numbers[10], numbers[-1])]
+    assert found[0].evidence["culprit_steps"] <= 34
+    assert found[0].first_step in numbers and found[0].last_step in numbers
+
+
+def test_the_text_report_ends_with_where_the_time_went():
+    table = job_spans("j", 4, 120, (Fault("gc", 3, 10, 400.0, every=10),
+                                    Fault("compute", 1, 60, 50.0)))
+    diagnosis = diagnose(_job(table))
+    text = render(diagnosis)
+    assert "Where the time went" in text
+    lines = text[text.index("Where the time went"):].splitlines()
+    assert any("rank 3" in line and "gc" in line for line in lines)
+    assert any("rank 1" in line and "compute" in line for line in lines)
+    rows = diagnosis.time_lost
+    assert rows[-1]["who"].startswith("no label")
+    assert sum(r["share"] for r in rows) <= 1.0
+
+
+def test_no_wait_data_gives_no_straggler():
+    table = job_spans("j", 4, 60, (Fault("compute", 1, 20, 60.0),))
+    import json
+
+    attrs = [json.dumps({k: v for k, v in json.loads(a).items() if "wait" not in k})
+             for a in table["attributes"].to_pylist()]
+    table = table.set_column(table.schema.get_field_index("attributes"), "attributes",
+                             pa.array(attrs))
+    assert straggler.detect(_job(table), DiagnosisConfig()) == []
+    assert ledgers.noise_ms(np.zeros((2, 1))) == 0.0
