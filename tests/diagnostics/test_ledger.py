@@ -137,3 +137,28 @@ def test_no_wait_data_gives_no_straggler():
                              pa.array(attrs))
     assert straggler.detect(_job(table), DiagnosisConfig()) == []
     assert ledgers.noise_ms(np.zeros((2, 1))) == 0.0
+
+
+def test_live_alerts_the_final_report_drops_are_listed_as_withdrawn():
+    """A live pass sees only the steps every rank has sent: a short burst can look
+    persistent there. The final report says what it withdrew, and why, in one line each."""
+    from flare.diagnostics.model import Anomaly
+    from flare.diagnostics.pipeline import withdrawn
+
+    table = job_spans("j", 4, 120, (Fault("gc", 3, 10, 400.0, every=10),))
+    diagnosis = diagnose(_job(table))
+    burst = Anomaly("straggler", [1], "cpu", 30, 45, 0.1, 0.6, "rank 1 …")
+    replaced = Anomaly("straggler", [3], "unknown", 10, 20, 0.3, 0.7, "rank 3 …")
+    kept = Anomaly("straggler", [3], "gc", 10, 119, 0.3, 0.7, "rank 3 …")
+    diagnosis.withdrawn = withdrawn([burst, replaced, kept], diagnosis.anomalies)
+    assert [(w["ranks"], w["cause"]) for w in diagnosis.withdrawn] == [([1], "cpu")]
+    assert "not confirmed over the whole run" in diagnosis.withdrawn[0]["reason"]
+    other = Anomaly("fail_slow", [3], "gc", 10, 119, 0.3, 0.7, "…")
+    assert "superseded by [straggler] ranks 3 cause gc" in withdrawn([other], diagnosis.anomalies)[0]["reason"]
+    text = render(diagnosis)
+    assert "Withdrawn live alerts:" in text
+    assert "[straggler] ranks 1 cause cpu from step 30: not confirmed" in text
+    assert diagnosis.to_json()["withdrawn_alerts"][0]["ranks"] == [1]
+    healthy = diagnose(_job(job_spans("j", 4, 60, seed=5)))
+    healthy.withdrawn = withdrawn([burst], healthy.anomalies)
+    assert "No anomalies found.\n\nWithdrawn live alerts:" in render(healthy)

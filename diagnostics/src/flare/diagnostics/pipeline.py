@@ -97,6 +97,8 @@ class Diagnosis:
     # Where the time went: the rank-level labels' seconds and shares of the run, then
     # what no label explains (ledger.where_the_time_went); empty without step data.
     time_lost: list[dict] = dataclasses.field(default_factory=list)
+    # Live alerts (flare run, --follow) the final diagnosis does not keep, each with why.
+    withdrawn: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         out = {
@@ -107,6 +109,8 @@ class Diagnosis:
         }
         if self.time_lost:
             out["time_lost"] = list(self.time_lost)
+        if self.withdrawn:
+            out["withdrawn_alerts"] = list(self.withdrawn)
         if self.detector_errors:  # a partial report says so in itself, not only on stderr
             out["detector_errors"] = dict(self.detector_errors)
         return out
@@ -160,6 +164,31 @@ def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) 
     labels = [a for a in anomalies if a.kind == "straggler"
               or (a.kind == "fail_slow" and not a.ranks)]
     return ledgers.where_the_time_went(book, labels)
+
+
+def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
+    """The live alerts the final report does not keep, each with one line of why.
+
+    An alert is kept when the final report has a label of its kind on the same ranks
+    (its steps or figures may have moved as more steps came in); one that a label of
+    another kind or cause on the same ranks replaced says which; the rest were not
+    confirmed once every step was in (a pass sees only the steps every rank has sent:
+    a short burst can look persistent there)."""
+    out = []
+    for alert in alerted:
+        ranks = set(alert.ranks)
+        if any(a.kind == alert.kind and set(a.ranks) == ranks for a in final):
+            continue
+        instead = next((a for a in final if ranks and ranks & set(a.ranks)), None)
+        if instead is not None:
+            why = (f"superseded by [{instead.kind}] ranks {','.join(map(str, instead.ranks))} "
+                   f"cause {instead.cause} from step {instead.first_step}")
+        else:
+            why = ("not confirmed over the whole run: it did not persist once every step "
+                   "was in")
+        out.append({"kind": alert.kind, "ranks": sorted(alert.ranks), "cause": alert.cause,
+                    "first_step": alert.first_step, "reason": why})
+    return out
 
 
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:

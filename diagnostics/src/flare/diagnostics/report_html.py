@@ -43,7 +43,7 @@ def render(diagnosis: Diagnosis, job: JobData, config: DiagnosisConfig) -> str:
              f"<p>Backend {_e(diagnosis.backend)}; "
              + (f"steps {diagnosis.steps[0]}–{diagnosis.steps[1]}" if diagnosis.steps else "no steps")
              + (f"; {len(frame.ranks)} ranks" if frame is not None else "") + "</p>",
-             "<h2>Anomalies</h2>", _anomalies(diagnosis)]
+             "<h2>Anomalies</h2>", _anomalies(diagnosis), _time_lost(diagnosis), _withdrawn(diagnosis)]
     if frame is not None:
         parts += ["<h2>Step time, rank × step</h2>", _heat(frame.duration, frame, "ms per step"),
                   "<h2>Collective wait, rank × step</h2>",
@@ -67,6 +67,24 @@ def _anomalies(diagnosis: Diagnosis) -> str:
         return partial + ("<p>No anomalies found by the detectors that ran.</p>"
                           if partial else "<p class='ok'>No anomalies found.</p>")
     return partial + _anomaly_table(diagnosis)
+
+
+def _time_lost(diagnosis: Diagnosis) -> str:
+    rows = diagnosis.time_lost
+    if not rows or not any(r["seconds"] > 0 for r in rows):
+        return ""
+    body = "".join(f"<tr><td>{_e(r['who'])}</td><td>{_e(r['cause'])}</td><td>{r['seconds']:.2f}</td>"
+                   f"<td>{r['share']:.1%}</td></tr>" for r in rows)
+    return ("<h2>Where the time went</h2><table><tr><th>who</th><th>cause</th><th>seconds</th>"
+            f"<th>share of the run</th></tr>{body}</table>")
+
+
+def _withdrawn(diagnosis: Diagnosis) -> str:
+    if not diagnosis.withdrawn:
+        return ""
+    items = "".join(f"<li>[{_e(w['kind'])}] ranks {_e(', '.join(map(str, w['ranks'])))} cause "
+                    f"{_e(w['cause'])}: {_e(w['reason'])}</li>" for w in diagnosis.withdrawn)
+    return f"<h2>Withdrawn live alerts</h2><ul>{items}</ul>"
 
 
 def _anomaly_table(diagnosis: Diagnosis) -> str:

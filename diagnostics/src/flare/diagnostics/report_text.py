@@ -37,6 +37,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     if not diagnosis.anomalies:
         lines.append("No anomalies found by the detectors that ran." if diagnosis.detector_errors
                      else "No anomalies found.")
+        lines.extend(_withdrawn(diagnosis.withdrawn))
         return "\n".join(lines) + "\n"
     lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
     lines.append("")
@@ -53,10 +54,23 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      at {a.callsite}")
     lines.extend(_time_table(diagnosis.time_lost))
+    lines.extend(_withdrawn(diagnosis.withdrawn))
     lines.append("")
     lines.append("IMPACT: share of the run's time the problem cost; CONF: confidence (0-1). "
                  "Evidence per label: --format json or html.")
     return "\n".join(lines) + "\n"
+
+
+def _withdrawn(alerts: list[dict]) -> list[str]:
+    """Live alerts the final report does not keep: said, never silently dropped."""
+    if not alerts:
+        return []
+    out = ["", "Withdrawn live alerts:"]
+    for alert in alerts:
+        since = f" from step {alert['first_step']}" if alert["first_step"] is not None else ""
+        out.append(f"    [{alert['kind']}] ranks {_ranks(alert['ranks'])} cause {alert['cause']}"
+                   f"{since}: {alert['reason']}")
+    return out
 
 
 def _time_table(rows: list[dict]) -> list[str]:

@@ -112,7 +112,8 @@ def main(argv: list[str]) -> int:
     collector.flush()
     if not args.no_diagnose:
         _final_report(args, collector, job, writeback_endpoint,
-                      stopped_by_user=bool(stopped), status=status)
+                      stopped_by_user=bool(stopped), status=status,
+                      alerted=monitor.alerted if monitor else ())
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
@@ -336,7 +337,7 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
 
 
 def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
-                  stopped_by_user: bool = False, status: int = 0) -> None:
+                  stopped_by_user: bool = False, status: int = 0, alerted=()) -> None:
     from flare.diagnostics.backends.store import StoreBackend
 
     backend = None
@@ -353,6 +354,7 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
         job_data = backend.job_data(job)
         config = DiagnosisConfig(stopped_by_user=stopped_by_user)
         diagnosis = pipeline.diagnose(job_data, config)
+        diagnosis.withdrawn = pipeline.withdrawn(alerted, diagnosis.anomalies)
     except BackendError as exc:
         print(f"flare: cannot diagnose: {exc}", file=sys.stderr)
         return
@@ -383,6 +385,8 @@ class LiveMonitor:
         self.interval_s = interval_s
         self.out = out or sys.stderr
         self.seen: set[tuple] = set()
+        self.alerted: list = []  # the anomalies announced, in order (the final report
+        # lists those it does not keep as withdrawn)
         # what the last pass found: an anomaly is announced once two passes in a row
         # find it, so a label that one pass's partial data produced (and the next drops)
         # never reaches the user
@@ -438,6 +442,7 @@ class LiveMonitor:
             identity = (anomaly.kind, tuple(anomaly.ranks), anomaly.cause)
             if identity in confirmed and identity not in self.seen:
                 self.seen.add(identity)
+                self.alerted.append(anomaly)
                 fresh.append(anomaly)
                 print(report_text.live_alert_line(self.job, anomaly),
                       file=self.out, flush=True)
