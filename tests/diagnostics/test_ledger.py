@@ -162,3 +162,22 @@ def test_live_alerts_the_final_report_drops_are_listed_as_withdrawn():
     healthy = diagnose(_job(job_spans("j", 4, 60, seed=5)))
     healthy.withdrawn = withdrawn([burst], healthy.anomalies)
     assert "No anomalies found.\n\nWithdrawn live alerts:" in render(healthy)
+
+
+def test_gaps_duplicates_and_missing_steps_never_give_a_wrong_step_or_a_traceback():
+    table = job_spans("j", 6, 80, (Fault("compute", 4, 30, 60.0),))
+    rng = np.random.default_rng(0)
+    keep = rng.random(table.num_rows) > 0.15  # 15 % of the step spans never arrived
+    steps = np.asarray(table["step"].to_pylist())
+    ranks = np.asarray(table["rank"].to_pylist())
+    keep &= ~((ranks == 5) & (steps >= 50))  # a rank that stopped reporting
+    kept = table.filter(pa.array(keep))
+    doubled = pa.concat_tables([kept, kept.slice(0, 200)])  # duplicated deliveries
+    diagnosis = diagnose(_job(doubled))
+    present = set(doubled["step"].to_pylist())
+    for anomaly in diagnosis.anomalies:
+        assert anomaly.first_step is None or anomaly.first_step in present
+        assert anomaly.last_step is None or anomaly.last_step in present
+    stragglers = [a for a in diagnosis.anomalies if a.kind == "straggler"]
+    assert [a.ranks for a in stragglers] == [[4]]
+    assert abs(stragglers[0].first_step - 30) <= 3
