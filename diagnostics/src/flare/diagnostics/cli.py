@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     kineto.add_argument("--store", default=DEFAULT_STORE, metavar="PATH",
                         help=f"DuckDB store, created if missing (default {DEFAULT_STORE})")
     kineto.add_argument("--job", metavar="NAME", help="job name (default: the folder's name)")
+    kineto.add_argument("--max-file-size", default="2G", metavar="SIZE",
+                        help="skip a file holding more JSON than this, decompressed (default 2G)")
+    kineto.add_argument("--max-string", default="1M", metavar="SIZE",
+                        help="skip an event holding a longer string (default 1M); a file with "
+                             "an event over 16 times this is skipped")
     kineto.set_defaults(handler=import_kineto_command, command_parser=kineto)
     return parser
 
@@ -234,18 +239,25 @@ def import_kineto_command(args: argparse.Namespace) -> int:
     from flare.exporters import kineto
 
     try:
-        result = kineto.import_directory(args.directory, args.store, job=args.job)
+        limits = kineto.Limits(max_bytes=kineto.parse_size(args.max_file_size),
+                               max_string=kineto.parse_size(args.max_string))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        result = kineto.import_directory(args.directory, args.store, job=args.job, limits=limits)
     except kineto.TraceError as exc:
         raise UserError(str(exc)) from None
     except Exception as exc:  # a store that is locked, newer or not a store
         raise UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     for error in result.errors:
         print(f"flare: skipped {error}", file=sys.stderr)
+    for warning in result.warnings:  # events left out of a file that imported
+        print(f"flare: skipped {warning}", file=sys.stderr)
     if not result.files_imported:
         print("flare: error: no trace file imported", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"imported {result.files_imported} trace file(s), {result.spans} spans, "
-          f"into job {result.job} of {result.store_path}")
+    print(f"imported {result.files_imported} trace file(s) of {len(result.files)}, {result.spans} "
+          f"spans, into job {result.job} of {result.store_path}")
     # what was imported stays; the status tells a script that some files were not
     return EXIT_FAILURE if result.errors else 0
 
