@@ -115,12 +115,17 @@ def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig,
 
 
 def load(job: JobData, config: DiagnosisConfig) -> StepFrame | None:
+    """The job's frame; built once per diagnosis where the job data can remember it
+    (pipeline.CachedJobData: every detector reads the same one, none changes it)."""
     count = getattr(job, "step_count", None)
     bucket = bucket_for(job.steps_range(), config, count() if callable(count) else None)
-    table = job.step_summary(STEP_ATTRIBUTES, step_bucket=bucket)
-    if table.num_rows == 0:
-        return None
-    return from_summary(table, bucket)
+
+    def build() -> StepFrame | None:
+        table = job.step_summary(STEP_ATTRIBUTES, step_bucket=bucket)
+        return None if table.num_rows == 0 else from_summary(table, bucket)
+
+    memo = getattr(job, "memo", None)
+    return memo(("frame", bucket), build) if callable(memo) else build()
 
 
 def from_summary(table: Table, bucket: int) -> StepFrame:

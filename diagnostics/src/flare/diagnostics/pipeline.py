@@ -54,6 +54,14 @@ class CachedJobData:
     def steps_range(self) -> tuple[int, int] | None:
         return self._cached("steps_range")
 
+    def memo(self, key: tuple, build: Callable[[], object]) -> object:
+        """A value derived from the job (the rank × step frame), built once per
+        diagnosis for every detector that asks."""
+        key = ("memo", *key)
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
     def step_count(self) -> int | None:
         if not callable(getattr(self._inner, "step_count", None)):
             return None

@@ -21,6 +21,7 @@ step's loss, from the ledger).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,15 +32,24 @@ from flare.diagnostics.causes import attribute, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import first_rise, nanmedian, runs
 
-# Members of a group must be culprits together in this share of their culprit steps.
+# Members of a group must be slow over the same steps: their runs overlap this much.
 GROUP_MIN_OVERLAP = 0.6
 # An intermittent stall: a step whose loss is at least this share of the median step
 # (and NOISE_UNITS of the job's noise), in at least MIN_STALLS steps, costing at least
 # straggler_min_impact of the run if periodic, twice that if not.
 STALL_MIN_SHARE = 0.25
 STALL_NOISE_UNITS = 4.0
+# ...and at least this share of the typical one of its STALL_REFERENCE largest losses.
+STALL_OF_LARGEST = 0.3
+STALL_REFERENCE = 3
 MIN_STALLS = 3
 MIN_PERIODIC_STALLS = 4
+# ...and each stall lasts this long at least: a loaded host deschedules a rank for a
+# scheduler slice or two (a few ms to ~24 ms: CFS's latency target), now and then, on
+# any job; a collection, a checkpoint or an evaluation that matters lasts longer.
+STALL_MIN_MS = 30.0
+# The job's noise is at least this share of its median step.
+NOISE_FLOOR_SHARE = 0.02
 # Periodic: this share of the gaps between stalls within PERIOD_TOLERANCE of the median gap.
 PERIODIC_MIN_REGULAR = 0.75
 PERIOD_TOLERANCE = 0.15
@@ -59,7 +69,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
-    return find(frame, config, topologies.load(job, frame.ranks.tolist()))
+    return find(frame, config, lambda: topologies.load(job, frame.ranks.tolist()))
 
 
 def prepare(frame: frames.StepFrame, config: DiagnosisConfig) -> tuple[ledgers.Ledger, np.ndarray]:
@@ -68,11 +78,18 @@ def prepare(frame: frames.StepFrame, config: DiagnosisConfig) -> tuple[ledgers.L
     deviation = work - nanmedian(work, axis=0)[None, :]
     warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
     noise = ledgers.noise_ms(deviation[:, warm])
+    # Floored at a small share of the step: on a quiet stretch the step-to-step noise can
+    # read 0.2 ms on a 10 ms step, and then a host that deschedules a rank for a few
+    # steps (another process burning a core) passes every noise test.
+    typical = nanmedian(frame.duration[:, warm].astype(np.float64)) if warm.any() else math.nan
+    if math.isfinite(typical):
+        noise = max(noise, NOISE_FLOOR_SHARE * float(typical))
     return ledgers.build(frame, config, noise), deviation
 
 
 def find(frame: frames.StepFrame, config: DiagnosisConfig,
-         topology: topologies.Topology | None = None) -> list[Anomaly]:
+         topology: Callable[[], topologies.Topology] | None = None) -> list[Anomaly]:
+    """`topology` gives the job's groups, read only when two ranks or more are slow."""
     book, deviation = prepare(frame, config)
     if not book.has_wait:
         return []
@@ -135,20 +152,25 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
     return anomalies
 
 
-def _grouped(frame: frames.StepFrame, runs_of: dict, topology: topologies.Topology | None):
+def _grouped(frame: frames.StepFrame, runs_of: dict,
+             read_topology: Callable[[], topologies.Topology] | None):
     """The labels to make: a group of the topology whose members are all persistent
-    culprits, together most of the time, is one label; every other rank its own."""
+    culprits, slow over the same steps, is one label; every other rank its own."""
     done: set[int] = set()
     out: list[tuple[list[int], str | None]] = []
-    if topology is not None and len(runs_of) >= 2:
+    if read_topology is not None and len(runs_of) >= 2:
+        topology = read_topology()
         sets = sorted({members for members in topology.groups.values()}, key=len)
         for members in sets:
             rows = [frame.row(r) for r in members if r in set(frame.ranks.tolist())]
             if len(rows) != len(members) or not all(r in runs_of for r in rows) or done & set(rows):
                 continue
-            masks = [runs_of[r][0] for r in rows]
-            together = np.logical_and.reduce(masks).sum()
-            either = np.logical_or.reduce(masks).sum()
+            # Their runs must cover the same steps: on a loaded host two slowed ranks of
+            # one node take turns arriving last (24 of 47 culprit steps together, seen),
+            # but each is slow over the same stretch.
+            spans = [set(runs_of[r][2].tolist()) for r in rows]
+            together = len(set.intersection(*spans))
+            either = len(set.union(*spans))
             if either and together >= GROUP_MIN_OVERLAP * either:
                 out.append((sorted(rows), topology.describe(members)))
                 done |= set(rows)
@@ -284,12 +306,19 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
 def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
             persistent: list[Anomaly]) -> list[Anomaly]:
     """Ranks that stall everyone in a minority of steps but cost a real share of the run."""
-    big = book.significant & (book.lost_ms >= np.maximum(STALL_MIN_SHARE * book.step_ms,
-                                                         STALL_NOISE_UNITS * book.noise_ms))
+    big = book.significant & (book.lost_ms >= np.maximum.reduce([
+        STALL_MIN_SHARE * book.step_ms, np.full_like(book.step_ms, STALL_NOISE_UNITS * book.noise_ms),
+        np.full_like(book.step_ms, STALL_MIN_MS)]))
     out = []
     for row in range(len(frame.ranks)):
         rank = int(frame.ranks[row])
         stalls = big & book.culprits[row]
+        if stalls.any():
+            # The stalls are what stands out among this rank's losses: on short steps
+            # ordinary jitter also clears the thresholds above (8 ms lost of a 15 ms
+            # step, beside 130 ms collections) and would break the period.
+            top = np.sort(book.lost_ms[stalls])[-STALL_REFERENCE:]
+            stalls &= book.lost_ms >= STALL_OF_LARGEST * float(np.median(top))
         for anomaly in persistent:
             if rank in anomaly.ranks:
                 lo, hi = frame.column(anomaly.first_step), frame.column(anomaly.last_step)
