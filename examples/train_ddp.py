@@ -6,10 +6,16 @@ code change, e.g.
     torchrun --nproc_per_node 4 examples/train_ddp.py --steps 200
     torchrun --nproc_per_node 4 examples/train_ddp.py --fault compute --fault-rank 2
 
-Faults (rank --fault-rank from step --fault-from on, costing about --fault-ms per step):
+Faults (on the ranks of --fault-rank, one rank or a comma-separated list such as 1,3,
+from step --fault-from on, costing about --fault-ms per faulty step; with
+--fault-every N only every Nth step from --fault-from is faulty: a periodic stall):
   compute       extra matmuls in the forward pass
   input         the batch collate function sleeps (the dataloader is slow)
-  gc            a large live object graph makes every gc.collect() pause the rank
+  gc            a large live object graph (built before the first step) makes the
+                full gc.collect() of each faulty step pause the rank; the pause is
+                inside the collector, so gc.callbacks see it
+  stall         the rank sleeps in save_checkpoint() inside the step (a checkpoint,
+                evaluation or logging stall; e.g. rank 0 with --fault-every 8)
   cpu           a background thread holds the GIL in a pure-Python busy loop for
                 about --fault-ms at the start of every step (a metrics or logging
                 thread doing Python work beside the training loop)
@@ -39,9 +45,20 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 FAULTS = ("none", "compute", "input", "gc", "cpu", "hang", "hang_subgroup", "raise",
-          "kill", "extra_comm")
+          "kill", "extra_comm", "stall")
 FEATURES = 256
 CLASSES = 16
+
+
+def rank_list(text: str) -> tuple[int, ...]:
+    """`2` or `1,3`: the faulty ranks."""
+    try:
+        ranks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rank or a comma-separated list of ranks: {text!r}") from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"not a rank or a comma-separated list of ranks: {text!r}")
+    return ranks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,9 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--fault", choices=FAULTS, default="none")
-    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-rank", type=rank_list, default=(1,), metavar="RANKS",
+                        help="the faulty rank, or a comma-separated list of ranks (1,3)")
     parser.add_argument("--fault-from", type=int, default=40,
                         help="first step (0-based) at which the fault is active")
+    parser.add_argument("--fault-every", type=int, default=0, metavar="N",
+                        help="0: the fault is active on every step from --fault-from; N > 0: "
+                             "only on steps where (step - fault_from) %% N == 0")
     parser.add_argument("--fault-ms", type=float, default=60.0,
                         help="added cost per step, in milliseconds")
     parser.add_argument("--step-times", metavar="PATH",
@@ -68,12 +89,15 @@ class Fault:
 
     def __init__(self, args: argparse.Namespace, rank: int):
         self.kind = args.fault
-        self.on_this_rank = args.fault != "none" and rank == args.fault_rank
+        self.on_this_rank = args.fault != "none" and rank in args.fault_rank
         self.first_step = args.fault_from
+        self.every = max(0, args.fault_every)
         self.seconds = args.fault_ms / 1000.0
 
     def active(self, kind: str, step: int) -> bool:
-        return self.kind == kind and self.on_this_rank and step >= self.first_step
+        if self.kind != kind or not self.on_this_rank or step < self.first_step:
+            return False
+        return self.every == 0 or (step - self.first_step) % self.every == 0
 
 
 class SyntheticDataset(Dataset):
@@ -132,22 +156,33 @@ def burn_compute(seconds: float) -> None:
 class GcPressure:
     """A live graph of container objects big enough that a full gc.collect() pauses
     the process for about the fault's cost: the collector must traverse live objects
-    too, so the pause happens inside the gc machinery (and `gc.callbacks` sees it)."""
+    too, so the pause happens inside the gc machinery (and `gc.callbacks` sees it).
+
+    Sized by measuring: a full collection's cost grows with the tracked objects, so the
+    graph grows by what is missing at the measured cost per object (at most doubling the
+    tracked objects each round) until a collection takes about `seconds` of CPU (CPU,
+    not wall time, so that the size does not depend on what else runs at start-up; on
+    a host with fewer cores than busy processes the pause lasts longer). A process that
+    already holds more (torch alone tracks ~170k objects: a full collection costs
+    ~30 ms) gets no extra objects and pauses for what that costs."""
 
     def __init__(self, seconds: float):
         self.live: list = []
-        chunk = 20_000
+        baseline = len(gc.get_objects())  # what a full collection traverses already
         while True:
-            self.live.extend([[i] for i in range(chunk)])
-            if self._collect_seconds() >= seconds or len(self.live) > 20_000_000:
+            took = min(self._collect_seconds() for _ in range(2))
+            tracked = baseline + len(self.live)
+            if took >= 0.9 * seconds or len(self.live) >= 20_000_000:
                 break
-            chunk *= 2
+            missing = (seconds - took) * tracked / max(took, 1e-6)
+            grow = int(min(max(missing, 20_000), tracked))
+            self.live.extend([[i] for i in range(grow)])
 
     @staticmethod
     def _collect_seconds() -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         gc.collect()
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     def pause(self) -> None:
         cycle: list = []
@@ -184,6 +219,13 @@ def wait_for_shared_filesystem() -> None:
         time.sleep(0.5)
 
 
+def save_checkpoint(step: int, fault: Fault) -> None:
+    """Stands in for a periodic checkpoint (or evaluation, or logging flush) done inside
+    the step; the `stall` fault makes it take --fault-ms."""
+    if fault.active("stall", step):
+        time.sleep(fault.seconds)
+
+
 def load_shard(step: int, fault: Fault) -> None:
     """Stands in for reading the next data shard; the `raise` fault corrupts it."""
     if fault.active("raise", step):
@@ -202,10 +244,14 @@ def main(argv=None) -> None:
 
     subgroup = None
     if args.fault == "hang_subgroup":
-        if args.fault_rank not in (0, 1) or world_size < 2:
+        if len(args.fault_rank) != 1 or args.fault_rank[0] not in (0, 1) or world_size < 2:
             raise SystemExit("--fault hang_subgroup needs --fault-rank 0 or 1 and >= 2 ranks")
         subgroup = dist.new_group([0, 1])  # every rank must take part in creating it
 
+    # Built before DDP's start-up broadcast, so that its construction (allocations and
+    # the calibrating collections) is part of no step: the first faulty one, or step 0,
+    # in which the other ranks would wait for it.
+    gc_pressure = GcPressure(fault.seconds) if fault.kind == "gc" and fault.on_this_rank else None
     model = DistributedDataParallel(build_model(args.hidden), bucket_cap_mb=0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
@@ -215,7 +261,6 @@ def main(argv=None) -> None:
                         collate_fn=SlowableCollate(fault, args.batch_size),
                         persistent_workers=args.num_workers > 0)
     extra_comm = torch.zeros(1024 * 1024) if args.fault == "extra_comm" else None
-    gc_pressure = None
     gil_hog = None
 
     started = time.perf_counter()
@@ -224,7 +269,6 @@ def main(argv=None) -> None:
     for step, (features, labels) in enumerate(loader):
         load_shard(step, fault)
         if fault.active("gc", step):
-            gc_pressure = gc_pressure or GcPressure(fault.seconds)
             gc_pressure.pause()
         if fault.active("cpu", step):
             gil_hog = gil_hog or GilHog(fault.seconds)
@@ -234,6 +278,7 @@ def main(argv=None) -> None:
                 wait_for_shared_filesystem()
             dist.all_reduce(torch.ones(4), group=subgroup)
 
+        save_checkpoint(step, fault)
         loss = loss_fn(model(features), labels)
         if fault.active("compute", step):
             burn_compute(fault.seconds)

@@ -10,86 +10,26 @@ docs/diagnostics.md). Run with `-s` to see the figures.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
 
+import harness
 import pytest
-
-from flare.exporters import store as flare_store
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-TRAIN = ROOT / "examples" / "train_ddp.py"
 STEPS = 60
 ONSET = 20
 HANG_TIMEOUT_S = 5
 
 
-class FlareRun:
-    """One `flare run` of the example job, with its live alerts timestamped on arrival."""
+class FlareRun(harness.FlareRun):
+    """One `flare run` of the example job (examples/train_ddp.py, 4 ranks)."""
 
-    def __init__(self, store: Path, job: str, fault: str, rank: int = 1, steps: int = STEPS,
+    def __init__(self, store, job: str, fault: str, rank: int = 1, steps: int = STEPS,
                  fault_ms: float = 60.0, env: dict[str, str] | None = None):
-        self.store, self.job, self.report_path = store, job, store.parent / f"{job}.json"
-        command = [str(BIN / "flare"), "run", "--store", str(store), "--job", job, "--format", "json",
-                   "-o", str(self.report_path), "--", str(BIN / "torchrun"), "--nproc_per_node", "4",
-                   str(TRAIN), "--steps", str(steps), "--fault", fault, "--fault-rank", str(rank),
-                   "--fault-from", str(ONSET), "--fault-ms", str(fault_ms)]
-        self.alerts: list[tuple[int, str]] = []
-        self.stderr: list[str] = []
-        self.process = subprocess.Popen(command, cwd=store.parent, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, **(env or {})})
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.stderr.append(line)
-            if "flare: [" in line:
-                self.alerts.append((time.time_ns(), line.strip()))
-
-    def wait_for_alert(self, text: str, timeout_s: float) -> tuple[int, str] | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.process.poll() is None:
-            for alert in self.alerts:
-                if text in alert[1]:
-                    return alert
-            time.sleep(0.2)
-        return next((a for a in self.alerts if text in a[1]), None)
-
-    def finish(self, timeout_s: float = 240) -> dict:
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise
-        self._reader.join(timeout=10)
-        assert self.report_path.exists(), "".join(self.stderr[-30:])
-        assert not any("Traceback" in line for line in self.stderr if "flare" in line)
-        return json.loads(self.report_path.read_text())
-
-    def interrupt(self) -> None:
-        self.process.send_signal(signal.SIGINT)
-
-    def onset_ns(self, rank: int, step: int, end_of_previous: bool = False) -> int:
-        con = flare_store.open_reader(self.store)
-        try:
-            column, at = ("end_ns", step - 1) if end_of_previous else ("start_ns", step)
-            row = con.execute(f"SELECT max({column}) FROM spans WHERE job = ? AND name = 'train.step' "
-                              "AND rank = ? AND step = ?", [self.job, rank, at]).fetchone()
-        finally:
-            con.close()
-        assert row[0] is not None
-        return int(row[0])
+        super().__init__(store, job, harness.torchrun(
+            harness.TRAIN_DDP, "--steps", steps, "--fault", fault, "--fault-rank", rank,
+            "--fault-from", ONSET, "--fault-ms", fault_ms), env=env)
 
 
 def _labels(report: dict, rank: int) -> list[dict]:
@@ -99,14 +39,6 @@ def _labels(report: dict, rank: int) -> list[dict]:
 def _record(name: str, label: str, seconds: float | None) -> None:
     shown = "-" if seconds is None else f"{seconds:.1f} s"
     print(f"\nE2E {name}: {label}; onset to live alert {shown}")
-
-
-@pytest.fixture(scope="module")
-def store():
-    # A directory of our own: pytest prunes old basetemps, and on a shared machine
-    # another session's pytest can prune this one's while the scenarios still run.
-    with tempfile.TemporaryDirectory(prefix="flare-e2e-") as directory:
-        yield Path(directory) / "store.duckdb"
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +148,7 @@ def test_raise_is_an_error_on_the_first_rank_to_fail(store):
 
 def test_regression_against_baseline_names_communication(store, healthy):
     FlareRun(store, "extra_comm", "extra_comm").finish()
-    result = subprocess.run([str(BIN / "flare"), "diagnose", "--store", str(store), "--job", "extra_comm",
+    result = subprocess.run([str(harness.BIN / "flare"), "diagnose", "--store", str(store), "--job", "extra_comm",
                              "--baseline-job", "healthy", "--format", "json"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -1,0 +1,158 @@
+"""What the end-to-end tests share: `flare run` of a real torchrun job into a real store,
+with its live alerts timestamped on arrival, and the store read back.
+
+Used by test_fault_injection.py and test_groups_and_stalls.py (importlib mode: the
+conftest beside them puts this folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from flare.exporters import store as flare_store
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+TRAIN_DDP = ROOT / "examples" / "train_ddp.py"
+TRAIN_PIPELINE = ROOT / "examples" / "train_pipeline.py"
+
+
+def torchrun(script: Path, *args: object, nproc: int = 4) -> list[str]:
+    """One single-node torchrun of an example."""
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), str(script), *map(str, args)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_nodes(script: Path, *args: object, nproc_per_node: int = 2) -> list[str]:
+    """Two torchrun "nodes" on this machine, one job: `flare run` hosts one command, so
+    a shell starts both agents (node_rank 0 in the background), which meet in a c10d
+    rendezvous; its status is the first failure of the two. Global rank = group rank ×
+    nproc_per_node + local rank, so node 1 holds ranks nproc_per_node.. on."""
+    common = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", str(nproc_per_node),
+              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv_id", "flare-e2e"]
+    node = [shlex.join([*common, "--node_rank", str(n), str(script), *map(str, args)]) for n in (0, 1)]
+    script_text = f"{node[0]} & first=$!; {node[1]}; status=$?; wait $first || status=$?; exit $status"
+    return ["bash", "-c", script_text]
+
+
+class FlareRun:
+    """One `flare run --format json -o JOB.json` of `command` (what follows `--`), with
+    its live alerts timestamped on arrival."""
+
+    def __init__(self, store: Path, job: str, command: list[str], env: dict[str, str] | None = None):
+        self.store, self.job, self.report_path = store, job, store.parent / f"{job}.json"
+        full = [str(BIN / "flare"), "run", "--store", str(store), "--job", job, "--format", "json",
+                "-o", str(self.report_path), "--", *command]
+        self.alerts: list[tuple[int, str]] = []
+        self.stderr: list[str] = []
+        self.process = subprocess.Popen(full, cwd=store.parent, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.stderr.append(line)
+            if "flare: [" in line:
+                self.alerts.append((time.time_ns(), line.strip()))
+
+    def wait_for_alert(self, text: str, timeout_s: float) -> tuple[int, str] | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.process.poll() is None:
+            for alert in self.alerts:
+                if text in alert[1]:
+                    return alert
+            time.sleep(0.2)
+        return next((a for a in self.alerts if text in a[1]), None)
+
+    def finish(self, timeout_s: float = 240) -> dict:
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        self._reader.join(timeout=10)
+        assert self.report_path.exists(), "".join(self.stderr[-30:])
+        assert not any("Traceback" in line for line in self.stderr if "flare" in line)
+        return json.loads(self.report_path.read_text())
+
+    def interrupt(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+
+    def query(self, sql: str, params: list) -> list[tuple]:
+        con = flare_store.open_reader(self.store)
+        try:
+            return con.execute(sql, params).fetchall()
+        finally:
+            con.close()
+
+    def onset_ns(self, rank: int, step: int, end_of_previous: bool = False) -> int:
+        column, at = ("end_ns", step - 1) if end_of_previous else ("start_ns", step)
+        row = self.query(f"SELECT max({column}) FROM spans WHERE job = ? AND name = 'train.step' "
+                         "AND rank = ? AND step = ?", [self.job, rank, at])[0]
+        assert row[0] is not None
+        return int(row[0])
+
+    def step_ms(self) -> dict[int, dict[int, float]]:
+        """{step: {rank: train.step duration in ms}} from the store."""
+        steps: dict[int, dict[int, float]] = {}
+        for rank, step, ns in self.query("SELECT rank, step, end_ns - start_ns FROM spans WHERE job = ? "
+                                         "AND name = 'train.step'", [self.job]):
+            steps.setdefault(int(step), {})[int(rank)] = ns / 1e6
+        return steps
+
+    def resources(self) -> dict[int, dict]:
+        """{rank: resource attributes} of the ranks' train.step spans."""
+        rows = self.query("SELECT rank, any_value(resource) FROM spans WHERE job = ? "
+                          "AND name = 'train.step' GROUP BY rank", [self.job])
+        return {int(rank): json.loads(resource) for rank, resource in rows}
+
+
+def stall_share(steps: dict[int, dict[int, float]], stall_steps: list[int]) -> float:
+    """The share of the job's time its stalls cost, from its own step times: per step the
+    median over ranks of the step's duration; share = sum over the stall steps of (that
+    step's median - the median step) / the sum of every step's median."""
+    medians = {step: statistics.median(by_rank.values()) for step, by_rank in steps.items()}
+    usual = statistics.median(medians.values())
+    lost = sum(medians[step] - usual for step in stall_steps if step in medians)
+    return lost / sum(medians.values())
+
+
+@contextmanager
+def busy_core():
+    """Another process burning one core for as long as the block runs."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait(timeout=10)
+
+
+def describe(report: dict) -> str:
+    """One line per label: what the scenarios print (run with -s) and show on failure."""
+    lines = []
+    for a in report["anomalies"]:
+        lines.append(f"{a['kind']} ranks {a['ranks']} cause {a['cause']} steps {a['first_step']}-"
+                     f"{a['last_step']} impact {a['impact']} evidence "
+                     f"{ {k: a['evidence'][k] for k in ('group', 'pattern', 'period_steps') if k in a['evidence']} }"
+                     f" keys {sorted(a['evidence'])}")
+    return "\n".join(lines) or "no anomalies"

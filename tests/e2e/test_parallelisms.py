@@ -1,0 +1,33 @@
+"""Parallelisms beyond DDP, end to end (issue #20): an FSDP2 job (`fully_shard` per
+layer) whose ranks block in FSDP2's all-gathers and reduce-scatters for the slowest.
+The slow rank must be named, not spread over all four as compute (the time blocked in
+`all_gather_single` / `reduce_scatter_single`, torch >= 2.11, was not seen)."""
+
+from __future__ import annotations
+
+import harness
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 50
+ONSET = 20
+TRAIN_FSDP2 = harness.ROOT / "examples" / "train_fsdp2.py"
+
+
+@pytest.mark.parametrize("slow_ms", [80])
+def test_fsdp2_names_the_slow_rank(store, slow_ms):
+    run = harness.FlareRun(store, f"fsdp2_{slow_ms}", harness.torchrun(
+        TRAIN_FSDP2, "--steps", STEPS, "--slow-rank", 2, "--slow-ms", slow_ms,
+        "--fault-from", ONSET))
+    report = run.finish()
+    print(f"\nE2E fsdp2 slow rank 2 (+{slow_ms} ms):\n{harness.describe(report)}")
+    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
+    assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
+    assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+    # the waits are FSDP2's own collectives, counted once: no step waits longer than it lasts
+    for _rank, step, duration_ms, wait_ms in run.query(
+            "SELECT rank, step, duration_ns / 1e6, "
+            "CAST(attributes->>'flare.step.collective_wait_ms' AS DOUBLE) FROM spans "
+            "WHERE job = ? AND name = 'train.step'", [run.job]):
+        assert wait_ms <= duration_ms + 1.0, (step, duration_ms, wait_ms)
