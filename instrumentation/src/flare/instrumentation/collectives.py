@@ -50,6 +50,12 @@ DATA_ARGUMENT = {
     "reduce": "tensor", "all_to_all": "input_tensor_list", "all_to_all_single": "input",
     "barrier": None, "send": "tensor", "recv": "tensor", "isend": "tensor",
     "irecv": "tensor", "gather": "tensor", "scatter": "tensor",
+    # What FSDP (1 and 2) and newer torch call: the single-tensor all-gather and
+    # reduce-scatter (torch >= 2.11), the underscore originals, the coalesced forms.
+    "all_gather_single": "input_tensor", "reduce_scatter_single": "output",
+    "_all_gather_base": "input_tensor", "_reduce_scatter_base": "output",
+    "all_reduce_coalesced": "tensors", "all_gather_coalesced": "input_tensor_list",
+    "monitored_barrier": None,
 }
 PEER_ARGUMENT = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
 ALWAYS_ASYNC = {"isend", "irecv", "batch_isend_irecv"}
@@ -171,6 +177,18 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
         summary[semconv.STEP_PG_LAST_SEQ] = last_seqs
     summary[semconv.STEP_COLLECTIVE_COUNT] = count_sum
     summary[semconv.STEP_COLLECTIVE_BYTES] = bytes_sum
+
+
+def _issued_from_cpp(totals, name: str) -> bool:
+    """Whether some of the group's collectives this step were issued from C++ (DDP's
+    reducer), which no wrapper timed. Only then is the tail of backward their wait: FSDP's
+    reduce-scatters are Python calls whose waits the wrappers already counted (charging
+    the tail again counted FSDP2's gradient waits twice, more than the step itself)."""
+    started, ended = totals.seq_start, totals.seq_end
+    pg = totals.pg.get(name)
+    if not started or ended is None or pg is None:
+        return True  # cannot tell: as before
+    return pg.python_count < ended.get(name, 0) - started.get(name, 0)
 
 
 def _python_issued_all(totals) -> bool:
@@ -499,7 +517,7 @@ class CollectiveTracker:
             nbytes = gradient_bytes.get(name, 0)
             if nbytes:
                 totals.pg_totals(name).bytes += nbytes
-        if graph_done and busiest is not None:
+        if graph_done and busiest is not None and _issued_from_cpp(totals, busiest):
             totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
 
     # ------------------------------------------------------------------ step listener
