@@ -181,3 +181,22 @@ def test_gaps_duplicates_and_missing_steps_never_give_a_wrong_step_or_a_tracebac
     stragglers = [a for a in diagnosis.anomalies if a.kind == "straggler"]
     assert [a.ranks for a in stragglers] == [[4]]
     assert abs(stragglers[0].first_step - 30) <= 3
+
+
+def test_a_rank_the_host_starves_is_the_hosts_condition_not_an_anomaly():
+    """Another process taking a rank's core: the training thread is runnable but waits
+    for a CPU (run-queue time). Said beside the anomalies, never as the job's fault;
+    a GIL-holding thread in the rank's own process (its victim sleeps on the GIL, no
+    run-queue time) is still the rank's straggler, cause cpu."""
+    host = diagnose(_job(job_spans("j", 4, 80, (Fault("host", 2, 30, 40.0),))))
+    assert [a.kind for a in host.anomalies] == []
+    assert [(h["ranks"], h["first_step"]) for h in host.host_contention] == [([2], 30)]
+    assert host.host_contention[0]["runqueue_delta_ms"] > 30
+    text = render(host)
+    assert "No anomalies found." in text and "The host, not the job" in text
+    assert any(r["cause"] == "host CPU" for r in host.time_lost)
+    assert host.to_json()["host_contention"][0]["ranks"] == [2]
+    gil = diagnose(_job(job_spans("j", 4, 80, (Fault("busy_thread", 2, 30, 40.0),))))
+    assert [(a.kind, a.ranks, a.cause) for a in gil.anomalies if a.kind == "straggler"] == [
+        ("straggler", [2], "cpu")]
+    assert gil.host_contention == []

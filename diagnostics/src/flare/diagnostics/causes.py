@@ -107,10 +107,12 @@ def means(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | sli
     mean keeps the erratic tail a median hides. `other_cpu` (CPU of the rank's other
     threads) rides along; NaN when the instrumentation did not report it."""
     out = {}
-    for name, matrix in (*frame.parts.items(), ("other_cpu", frame.other_cpu)):
+    runqueue = frame.runqueue if frame.runqueue is not None else np.full_like(frame.other_cpu, np.nan)
+    for name, matrix in (*frame.parts.items(), ("other_cpu", frame.other_cpu), ("runqueue", runqueue)):
         per_step = nanmedian(matrix[np.asarray(rows)][:, cols].astype(np.float64), axis=0)
         value = np.nanmean(per_step) if np.isfinite(per_step).any() else 0.0
         out[name] = float(value)
-    if not np.isfinite(frame.other_cpu[np.asarray(rows)][:, cols]).any():
-        out["other_cpu"] = math.nan
+    for name, matrix in (("other_cpu", frame.other_cpu), ("runqueue", runqueue)):
+        if not np.isfinite(matrix[np.asarray(rows)][:, cols]).any():
+            out[name] = math.nan
     return out

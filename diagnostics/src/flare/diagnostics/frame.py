@@ -32,7 +32,9 @@ THROTTLE = sc.STEP_GPU_THROTTLE
 # CPU burnt by the rank's other threads: not part of its step time, but what tells a
 # starved Python side (a GIL-holding thread) from slower compute.
 OTHER_CPU = sc.STEP_OTHER_THREADS_CPU_MS
-STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_CPU)
+# Time the training thread waited for a CPU: a host busy with other work.
+RUNQUEUE = sc.STEP_RUNQUEUE_MS
+STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_CPU, RUNQUEUE)
 
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
@@ -55,6 +57,7 @@ class StepFrame:
     sm_clock_mhz: np.ndarray  # (R, S) mean SM clock; NaN where the bucket reported none
     throttle_reasons: np.ndarray  # (R, S) float64 holding the OR of the buckets' NVML masks
     other_cpu: np.ndarray  # (R, S) ms of CPU on the rank's other threads; NaN if unreported
+    runqueue: np.ndarray | None = None  # (R, S) ms the training thread waited for a CPU
     # (S,) the real first and last step of each column and how many steps it holds:
     # sampled or imported jobs number their steps sparsely, so a column's key (`steps`)
     # and the bucket width do not say which steps exist.
@@ -150,6 +153,7 @@ def from_summary(table: Table, bucket: int) -> StepFrame:
         end_ns=matrix("end_ns", np.float64),
         sm_clock_mhz=matrix(SM_CLOCK), throttle_reasons=matrix(THROTTLE, np.float64),
         other_cpu=matrix(OTHER_CPU),
+        runqueue=matrix(RUNQUEUE) if RUNQUEUE in table.column_names else None,
         **_real_steps(table, cols, len(steps), bucket),
     )
 

@@ -136,7 +136,8 @@ def where_the_time_went(ledger: Ledger, labels: list) -> list[dict]:
             + ",".join(map(str, anomaly.ranks)))
         if anomaly.evidence.get("pattern"):
             who += f" ({anomaly.evidence['pattern']})"
-        rows.append({"who": who, "cause": anomaly.cause, "kind": anomaly.kind,
+        cause = "host CPU" if anomaly.evidence.get("host_starved") else anomaly.cause
+        rows.append({"who": who, "cause": cause, "kind": anomaly.kind,
                      "seconds": round(float(lost), 3),
                      "share": round(float(lost) * 1e3 / run_ms, 4) if run_ms > 0 else 0.0})
     total = float(np.sum(ledger.lost_ms * ledger.steps))

@@ -107,6 +107,9 @@ class Diagnosis:
     time_lost: list[dict] = dataclasses.field(default_factory=list)
     # Live alerts (flare run, --follow) the final diagnosis does not keep, each with why.
     withdrawn: list[dict] = dataclasses.field(default_factory=list)
+    # Ranks the host starved of CPU (other work on the machine, not the job's doing):
+    # reported beside the anomalies, not as one (see _host_contention).
+    host_contention: list[dict] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         out = {
@@ -119,6 +122,8 @@ class Diagnosis:
             out["time_lost"] = list(self.time_lost)
         if self.withdrawn:
             out["withdrawn_alerts"] = list(self.withdrawn)
+        if self.host_contention:
+            out["host_contention"] = list(self.host_contention)
         if self.detector_errors:  # a partial report says so in itself, not only on stderr
             out["detector_errors"] = dict(self.detector_errors)
         return out
@@ -149,13 +154,37 @@ def diagnose(
                 raise KeyboardInterrupt from exc
             errors[name] = f"{type(exc).__name__}: {exc}"
             (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
-    anomalies = order(merge(found))
+    anomalies, host = _host_contention(order(merge(found)))
     links = {a.key: evidence_spans(cached, a) for a in anomalies}
     for anomaly in anomalies:
         if not anomaly.trace_ids:
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
     return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached,
-                     _time_lost(cached, config, anomalies))
+                     _time_lost(cached, config, anomalies + host),
+                     host_contention=[_host_row(a) for a in host])
+
+
+def _host_contention(anomalies: list[Anomaly]) -> tuple[list[Anomaly], list[Anomaly]]:
+    """Stragglers the host starved of CPU (most of their excess was run-queue wait: other
+    work on the machine) are the host's condition, not the job's fault: they leave the
+    anomalies (with a fail-slow of the same ranks they explain) and are reported beside
+    them. A busy shared node must not make a healthy job look broken; it is still said."""
+    host = [a for a in anomalies if a.evidence.get("host_starved")]
+    if not host:
+        return anomalies, []
+    starved = {r for a in host for r in a.ranks}
+    kept = [a for a in anomalies if not a.evidence.get("host_starved")
+            and not (a.kind == "fail_slow" and a.ranks and set(a.ranks) <= starved
+                     and any(_overlap(a, h) for h in host))]
+    return kept, host
+
+
+def _host_row(anomaly: Anomaly) -> dict:
+    ev = anomaly.evidence
+    return {"ranks": sorted(anomaly.ranks), "first_step": anomaly.first_step,
+            "last_step": anomaly.last_step, "runqueue_delta_ms": ev.get("runqueue_delta_ms"),
+            "excess_ms_per_step": ev.get("excess_ms_per_step"), "seconds": ev.get("lost_s"),
+            "share": round(anomaly.impact, 4), "summary": anomaly.summary}
 
 
 def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) -> list[dict]:

@@ -37,6 +37,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     if not diagnosis.anomalies:
         lines.append("No anomalies found by the detectors that ran." if diagnosis.detector_errors
                      else "No anomalies found.")
+        lines.extend(_host(diagnosis.host_contention))
         lines.extend(_withdrawn(diagnosis.withdrawn))
         return "\n".join(lines) + "\n"
     lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
@@ -53,12 +54,25 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
             lines.append("      " + line)
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      at {a.callsite}")
+    lines.extend(_host(diagnosis.host_contention))
     lines.extend(_time_table(diagnosis.time_lost))
     lines.extend(_withdrawn(diagnosis.withdrawn))
     lines.append("")
     lines.append("IMPACT: share of the run's time the problem cost; CONF: confidence (0-1). "
                  "Evidence per label: --format json or html.")
     return "\n".join(lines) + "\n"
+
+
+def _host(rows: list[dict]) -> list[str]:
+    """Ranks the host starved of CPU: the machine's condition, not the job's fault."""
+    if not rows:
+        return []
+    out = ["", "The host, not the job (ranks waiting for a CPU while other work ran):"]
+    for row in rows:
+        out.append(f"    ranks {_ranks(row['ranks'])} steps {_steps(row['first_step'], row['last_step'])}: "
+                   f"+{row['runqueue_delta_ms'] or 0:.1f} ms/step waiting for a CPU, "
+                   f"{row['share']:.0%} of the run's time")
+    return out
 
 
 def _withdrawn(alerts: list[dict]) -> list[str]:

@@ -21,7 +21,7 @@ from flare.instrumentation import semconv as sc
 
 @dataclasses.dataclass
 class Fault:
-    kind: str  # compute | input | gc | cpu | busy_thread | communication | hang | error | silent
+    kind: str  # compute | input | gc | cpu | busy_thread | host | communication | hang | error | silent
     rank: int
     from_step: int
     extra_ms: float = 30.0
@@ -65,6 +65,7 @@ def job_spans(
     for step in range(steps):
         parts = {}
         other_cpu_ms = {}
+        runqueue_ms = {}
         for rank in range(world):
             jitter = rng.normal(1.0, 0.02)
             if hiccups and rng.random() < hiccups:
@@ -72,6 +73,7 @@ def job_spans(
             part = {"dataloader": 2.0 * jitter, "compute": base_ms * jitter, "gc": 0.0,
                     "pycall": 1.0 * jitter}
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
+            runqueue = 0.2 * jitter  # the training thread waiting for a CPU
             for f in faults:
                 active = (f.rank == rank and step >= f.from_step
                           and (f.to_step is None or step < f.to_step)
@@ -87,6 +89,11 @@ def job_spans(
                 elif f.kind == "cpu":
                     for key in part:
                         part[key] *= 1.0 + f.extra_ms / base_ms
+                elif f.kind == "host":
+                    # Another process on the host takes the rank's core: the training
+                    # thread is runnable but waits for a CPU (run-queue time).
+                    part["compute"] += f.extra_ms
+                    runqueue += 0.9 * f.extra_ms
                 elif f.kind == "busy_thread":
                     # A GIL-holding thread: the training thread's ops wait for the GIL
                     # (compute grows alone) while the other thread burns the CPU.
@@ -95,6 +102,7 @@ def job_spans(
                     other_cpu += f.extra_ms
             parts[rank] = part
             other_cpu_ms[rank] = other_cpu
+            runqueue_ms[rank] = runqueue
         ready = {r: sum(p.values()) for r, p in parts.items()}
         live = [r for r in range(world) if stopped.get(r, 1 << 60) > step]
         if not live:
@@ -111,6 +119,7 @@ def job_spans(
                 sc.STEP_DATALOADER_MS: round(parts[rank]["dataloader"], 3),
                 sc.STEP_COMPUTE_MS: round(parts[rank]["compute"], 3),
                 sc.STEP_OTHER_THREADS_CPU_MS: round(other_cpu_ms[rank], 3),
+                sc.STEP_RUNQUEUE_MS: round(runqueue_ms[rank], 3),
                 sc.STEP_GC_MS: round(parts[rank]["gc"], 3),
                 sc.STEP_PYCALL_MS: round(parts[rank]["pycall"], 3),
                 sc.STEP_COLLECTIVE_WAIT_MS: round(wait, 3),

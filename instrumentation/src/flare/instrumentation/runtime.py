@@ -25,6 +25,7 @@ from flare.instrumentation import semconv
 from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
 from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity
+from flare.instrumentation.thread_clock import ThreadClock
 
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -122,7 +123,9 @@ class Runtime:
         # native call per group); None without torch.distributed.
         self.sequence_reader = None
         self.step_start_ns = 0
-        self.step_start_cpu_ns = (0, 0)
+        self.step_start_cpu_ns = (0, 0, None)
+        # the training thread's CPU clock and its wait for a CPU (thread_clock.py)
+        self.thread_clock = ThreadClock()
         self.totals = StepTotals()
         self.last_step_end_ns = 0
         self.recent_step_s: deque[float] = deque(maxlen=101)
@@ -232,7 +235,7 @@ class Runtime:
             return
         self.step_detail = self._decide_detail(self.step_number)
         self.step_start_ns = start_ns or time.time_ns()
-        self.step_start_cpu_ns = (time.process_time_ns(), time.thread_time_ns())
+        self.step_start_cpu_ns = (time.process_time_ns(), *self.thread_clock.read())
         previous, reader = self.totals, self.sequence_reader
         if (start_ns is not None and start_ns == self.last_step_end_ns
                 and previous.seq_end is not None):
@@ -355,7 +358,7 @@ class Runtime:
         # _advance inline). The switch to the next step happens under the lock: a
         # thread asking for the step span (a hang report, an error) gets either this
         # step's, made by the SDK (and the step is then finished now), or the next one's.
-        cpu = (time.process_time_ns(), time.thread_time_ns())
+        cpu = (time.process_time_ns(), *self.thread_clock.read())
         totals = self.totals
         reader = self.sequence_reader
         if reader is not None:
@@ -407,7 +410,7 @@ class Runtime:
             self.end_step(now_ns)
             self.begin_step(now_ns)
             return
-        cpu = (time.process_time_ns(), time.thread_time_ns())
+        cpu = (time.process_time_ns(), *self.thread_clock.read())
         record = self._capture(now_ns, cpu)
         self._queue_deferred(record, deferred, self._notify_end(deferred))
         self._advance(now_ns, cpu)
@@ -442,7 +445,7 @@ class Runtime:
         """What the step span needs from the training thread at the step's end (`cpu`:
         the process and thread CPU clocks read at `end_ns`, when already read)."""
         if cpu is None:
-            cpu = (time.process_time_ns(), time.thread_time_ns())
+            cpu = (time.process_time_ns(), *self.thread_clock.read())
         totals = self.totals
         reader = self.sequence_reader
         if reader is not None:
@@ -674,6 +677,7 @@ class Runtime:
             wait_ns += pg.wait_ns
         process_cpu_ns = cpu_end[0] - cpu_start[0]
         step_thread_cpu_ns = cpu_end[1] - cpu_start[1]
+        run_delay_start, run_delay_end = cpu_start[2], cpu_end[2]
         attributes = {
             semconv.STEP_DATALOADER_MS: round(dataloader_ms, 3),
             semconv.STEP_DATALOADER_COUNT: totals.dataloader_count,
@@ -689,6 +693,9 @@ class Runtime:
                 max(0, process_cpu_ns - step_thread_cpu_ns) / 1e6, 3),
             semconv.STEP_DETAIL: detail,
         }
+        if run_delay_start is not None and run_delay_end is not None:
+            attributes[semconv.STEP_RUNQUEUE_MS] = round(
+                max(0, run_delay_end - run_delay_start) / 1e6, 3)
         return attributes
 
     def median_step_s(self) -> float | None:

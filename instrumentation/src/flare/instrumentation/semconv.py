@@ -65,6 +65,9 @@ STEP_COMPUTE_MS = "flare.step.compute_ms"
 # CPU time the rank's other threads burnt during the step (process CPU minus the CPU
 # of the thread that runs the steps): a GIL-holding or busy thread shows up here.
 STEP_OTHER_THREADS_CPU_MS = "flare.step.cpu.other_threads_ms"
+# Time the thread that runs the steps was runnable but waiting for a CPU (Linux
+# schedstat run_delay): a host busy with other work, not the rank's own threads.
+STEP_RUNQUEUE_MS = "flare.step.cpu.runqueue_ms"
 STEP_DETAIL = "flare.step.detail"  # bool: children were recorded for this step
 STEP_GPU_SM_CLOCK_MHZ = "flare.step.gpu.clock.sm"
 STEP_GPU_THROTTLE = "flare.step.gpu.throttle_reasons"
