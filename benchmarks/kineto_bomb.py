@@ -22,29 +22,18 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from child_measure import run_measured_status
 
 from flare.exporters.kineto import format_size, parse_size
 
 _BLOCK = 1 << 20
 _GOOD = b'{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 10, "dur": 1, "pid": 1, "tid": 1}'
 _HEAD = b'{"schemaVersion": 1, "distributedInfo": {"rank": 0}, "traceEvents": ['
-
-_LAUNCHER = r"""
-import os, sys, time
-start = time.perf_counter()
-pid = os.fork()
-if pid == 0:
-    os.execv(sys.argv[1], sys.argv[1:])
-_, status, usage = os.wait4(pid, 0)
-sys.stderr.write(f"\n@@measured {time.perf_counter() - start} {usage.ru_maxrss} "
-                 f"{os.waitstatus_to_exitcode(status)}\n")
-"""
-
 
 def _repeat(out, byte: bytes, size: int) -> None:
     block = byte * _BLOCK
@@ -96,13 +85,9 @@ def measure(path: Path, store: Path) -> tuple[float, int, int, str]:
     """(wall s, peak RSS KiB, exit status, last stderr line) of one import."""
     flare = str(Path(sys.executable).parent / "flare")
     cmd = [flare, "import-kineto", str(path.parent), "--store", str(store), "--job", path.parent.name]
-    proc = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], capture_output=True, text=True)
-    lines = proc.stderr.rstrip().splitlines()
-    if not lines or not lines[-1].startswith("@@measured"):
-        raise SystemExit(f"{path.parent.name}: the launcher failed: {proc.stderr.strip()[-400:]}")
-    _, wall, peak_kb, status = lines[-1].split()
-    said = [line for line in lines[:-1] if line.strip()] + proc.stdout.strip().splitlines()
-    return float(wall), int(peak_kb), int(status), " | ".join(said)[:300]
+    wall, _cpu, peak_kb, status, stdout, stderr = run_measured_status(cmd)
+    said = [line for line in stderr.splitlines() if line.strip()] + stdout.strip().splitlines()
+    return wall, peak_kb, status, " | ".join(said)[:300]
 
 
 def main() -> None:
