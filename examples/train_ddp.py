@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the DDP model (its first steps compile)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
@@ -252,7 +254,11 @@ def main(argv=None) -> None:
     # the calibrating collections) is part of no step: the first faulty one, or step 0,
     # in which the other ranks would wait for it.
     gc_pressure = GcPressure(fault.seconds) if fault.kind == "gc" and fault.on_this_rank else None
-    model = DistributedDataParallel(build_model(args.hidden), bucket_cap_mb=0.5)
+    if args.compile:  # torch.compile over DDP: the first steps compile (seconds each);
+        # dynamo's DDP optimizer wants the default bucket sizes
+        model = torch.compile(DistributedDataParallel(build_model(args.hidden)))
+    else:
+        model = DistributedDataParallel(build_model(args.hidden), bucket_cap_mb=0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     dataset = SyntheticDataset(args.steps * args.batch_size, args.seed, rank)

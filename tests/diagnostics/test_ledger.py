@@ -200,3 +200,19 @@ def test_a_rank_the_host_starves_is_the_hosts_condition_not_an_anomaly():
     assert [(a.kind, a.ranks, a.cause) for a in gil.anomalies if a.kind == "straggler"] == [
         ("straggler", [2], "cpu")]
     assert gil.host_contention == []
+
+
+def test_a_compiled_models_warm_up_is_not_a_slowdown_or_a_straggler():
+    """The first steps of a compiled model (compile, recompiles, autotuning) take seconds,
+    each rank its own time; then the job settles. No label may come of that."""
+    from flare.diagnostics.frame import warm_mask
+
+    warmup = (4000.0, 1500.0, 900.0, 600.0, 400.0, 300.0, 200.0, 120.0)
+    table = job_spans("j", 4, 80, warmup=warmup, seed=4)
+    assert diagnose(_job(table)).anomalies == []
+    frame = frames.load(_job(table), DiagnosisConfig())
+    assert int(np.argmax(warm_mask(frame, DiagnosisConfig()))) >= 6  # past the slow prefix
+    # A real fault after the warm-up is still found, dated from its own onset.
+    faulty = job_spans("j", 4, 80, (Fault("compute", 2, 40, 60.0),), warmup=warmup, seed=4)
+    found = [(a.kind, a.ranks, a.first_step) for a in diagnose(_job(faulty)).anomalies]
+    assert ("straggler", [2], 40) in found

@@ -14,6 +14,7 @@ import numpy as np
 
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import DiagnosisConfig, JobData
+from flare.diagnostics.stats import nanmedian
 from flare.instrumentation import semconv as sc
 
 # What a rank's step is made of; `wait` is time blocked in collectives (for others).
@@ -101,6 +102,37 @@ class StepFrame:
 
     def column(self, step: int) -> int:
         return int(np.clip(np.searchsorted(self.steps, step, side="right") - 1, 0, len(self.steps) - 1))
+
+
+# Warm-up read from the data: a run that starts with steps this many times its steady
+# level (a compile, autotuning, first all-gathers) is warming up until a window of
+# WARMUP_WINDOW steps settles within WARMUP_SETTLED of that level; at most half the run.
+WARMUP_SLOW = 1.5
+WARMUP_SETTLED = 1.25
+WARMUP_WINDOW = 5
+
+
+def warm_mask(frame: StepFrame, config: DiagnosisConfig) -> np.ndarray:
+    """The columns past warm-up: the first `warmup_steps`, and beyond them while the job
+    is still settling from a slow start (a compiled model's first steps, recompiles, a
+    new schedule's first all-gathers), so baselines and change points start at steady
+    state. Only a slow *prefix* counts: a slowdown later in the run is never warm-up."""
+    steps = np.asarray(frame.steps)
+    warm = steps >= steps[0] + config.warmup_steps
+    series = nanmedian(frame.duration.astype(np.float64), axis=0)
+    finite = np.isfinite(series)
+    if finite.sum() < 4 * WARMUP_WINDOW:
+        return warm
+    later = series[len(series) // 2:]
+    level = float(np.nanmedian(later)) if np.isfinite(later).any() else math.nan
+    if not (level > 0) or not series[0] > WARMUP_SLOW * level:
+        return warm
+    limit = len(series) // 2
+    for start in range(1, limit):
+        window = series[start:start + WARMUP_WINDOW]
+        if np.isfinite(window).any() and float(np.nanmedian(window)) <= WARMUP_SETTLED * level:
+            return warm & (np.arange(len(series)) >= start)
+    return warm & (np.arange(len(series)) >= limit)
 
 
 def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig,

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from flare.diagnostics.frame import StepFrame
+from flare.diagnostics.frame import StepFrame, warm_mask
 from flare.diagnostics.model import DiagnosisConfig
 from flare.diagnostics.stats import mad, nanmedian
 
@@ -93,7 +93,7 @@ def build(frame: StepFrame, config: DiagnosisConfig, noise_ms: float) -> Ledger:
     ranks = len(frame.ranks)
     crowded = culprits.sum(axis=0) > ranks / 2
     culprits[:, crowded] = False
-    warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
+    warm = warm_mask(frame, config)
     share = np.where(step_ms > 0, lost / np.where(step_ms > 0, step_ms, 1), 0.0)
     significant = warm & ~crowded & (share >= config.straggler_min_impact) & (lost > 0)
     steps = _steps_per_column(frame)

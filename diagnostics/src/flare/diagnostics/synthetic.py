@@ -46,11 +46,13 @@ def job_spans(
     groups: dict[str, tuple[int, ...]] | None = None,
     hiccups: float = 0.0,
     step_numbers: list[int] | None = None,
+    warmup: tuple[float, ...] = (),
 ) -> pa.Table:
     """`node_size` > 0 puts `flare.node_rank` = rank // node_size in the resources;
     `groups` are process groups (name → member ranks) reported in each member's steps;
     `hiccups` is the chance that a rank's step is delayed by 20-100 % of `base_ms` (a
-    loaded host descheduling it); `step_numbers` renumbers the steps (sampled jobs)."""
+    loaded host descheduling it); `step_numbers` renumbers the steps (sampled jobs); `warmup` adds ms of compute
+    to the first steps, each rank 0.5-1.5x of it (a compiled model's first steps)."""
     rng = np.random.default_rng(seed)
     cols: dict[str, list[object]] = {k: [] for k in (
         "job", "service", "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns",
@@ -72,6 +74,8 @@ def job_spans(
                 jitter += rng.uniform(0.2, 1.0)
             part = {"dataloader": 2.0 * jitter, "compute": base_ms * jitter, "gc": 0.0,
                     "pycall": 1.0 * jitter}
+            if step < len(warmup):
+                part["compute"] += warmup[step] * (0.5 + rng.random())
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
             runqueue = 0.2 * jitter  # the training thread waiting for a CPU
             for f in faults:

@@ -20,7 +20,7 @@ _MIN_DENSITY = 0.8
 def share_anomalies(frame: frames.StepFrame, config: DiagnosisConfig, component: str,
                     kind: str, cause: str, what: str) -> list[Anomaly]:
     values = frame.parts[component].astype(np.float64)
-    warm = frame.steps >= frame.steps[0] + config.warmup_steps
+    warm = frames.warm_mask(frame, config)
     if not warm.any():
         return []
     step_ms = nanmedian(frame.duration.astype(np.float64), axis=0)

@@ -90,7 +90,7 @@ def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
-    warm = np.flatnonzero(frame.steps >= frame.steps[0] + config.warmup_steps)
+    warm = np.flatnonzero(frames.warm_mask(frame, config))
     persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
     if warm.size < 2 * persist:
         return []

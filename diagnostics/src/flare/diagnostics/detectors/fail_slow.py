@@ -30,7 +30,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
 
 
 def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
-    warm = np.flatnonzero(frame.steps >= frame.steps[0] + config.warmup_steps)
+    warm = np.flatnonzero(frames.warm_mask(frame, config))
     persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
     if warm.size < 2 * persist:
         return []

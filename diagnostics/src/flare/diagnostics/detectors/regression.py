@@ -95,7 +95,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
 
 
 def _profile(frame: frames.StepFrame, config: DiagnosisConfig) -> dict[str, float]:
-    cols = np.flatnonzero(frame.steps >= frame.steps[0] + config.warmup_steps)
+    cols = np.flatnonzero(frames.warm_mask(frame, config))
     if cols.size == 0:
         cols = np.arange(len(frame.steps))
 

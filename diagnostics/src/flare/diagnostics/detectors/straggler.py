@@ -78,7 +78,7 @@ def prepare(frame: frames.StepFrame, config: DiagnosisConfig) -> tuple[ledgers.L
     """The job's ledger and each rank's own-time deviation from its step's median."""
     work = frame.work.astype(np.float64)
     deviation = work - nanmedian(work, axis=0)[None, :]
-    warm = np.asarray(frame.steps) >= frame.steps[0] + config.warmup_steps
+    warm = frames.warm_mask(frame, config)
     noise = ledgers.noise_ms(deviation[:, warm])
     # Floored at a small share of the step: on a quiet stretch the step-to-step noise can
     # read 0.2 ms on a 10 ms step, and then a host that deschedules a rank for a few
@@ -248,7 +248,7 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
     impact = book.impact(rows, cols)
     first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))
     before = np.arange(0, int(cols[0]))
-    before = before[frame.steps[before] >= frame.steps[0] + config.warmup_steps]
+    before = before[frames.warm_mask(frame, config)[before]]
     individual = None
     if before.size >= 2:
         _, past_work = medians(frame, rows, before)
