@@ -1,6 +1,13 @@
-"""A small FSDP2 training job (`fully_shard` per layer, gloo, CPU) with a slow rank.
+"""A small FSDP2 training job (`fully_shard` per layer, gloo, CPU) with a slow rank;
+with `--tp 2`, FSDP2 + tensor parallel on a 2-D DeviceMesh (dp × tp).
 
     torchrun --nproc_per_node 4 examples/train_fsdp2.py --steps 60 --slow-rank 2 --slow-ms 80
+    torchrun --nproc_per_node 4 examples/train_fsdp2.py --tp 2 --slow-rank 2
+
+With --tp, each block is an MLP whose up projection is column-parallel and down
+projection row-parallel over the mesh's "tp" dimension (DTensor: the row-parallel
+output is all-reduced with functional collectives), then sharded with FSDP2 over "dp".
+Ranks r and r+1 (r even) form a TP group; ranks r and r+2 a DP group.
 
 Every layer is sharded over the ranks: each forward all-gathers its parameters, each
 backward reduce-scatters its gradients, so every rank blocks in FSDP2's collectives
@@ -24,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1: FSDP2 only)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--slow-rank", type=int, default=-1, help="-1: a healthy run")
     parser.add_argument("--slow-ms", type=float, default=80.0)
@@ -37,16 +45,46 @@ def burn(seconds: float) -> None:
         pass
 
 
+class Mlp(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tensor_parallel(args: argparse.Namespace, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(*[Mlp(args.hidden) for _ in range(args.layers)])
+    for block in model:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    return model, mesh
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(args.hidden, args.hidden), nn.ReLU())
-                            for _ in range(args.layers)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    if args.tp > 1:
+        model, mesh = _tensor_parallel(args, dist.get_world_size())
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(args.hidden, args.hidden), nn.ReLU())
+                                for _ in range(args.layers)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     for step in range(args.steps):

@@ -5,6 +5,8 @@ The slow rank must be named, not spread over all four as compute (the time block
 
 from __future__ import annotations
 
+import json
+
 import harness
 import pytest
 
@@ -46,3 +48,23 @@ def test_a_healthy_compiled_job_gives_no_label(store):
     first = sorted(steps)[0]
     assert max(steps[first].values()) > 5 * sorted(max(v.values()) for v in steps.values())[len(steps) // 2]
     assert report["anomalies"] == [], harness.describe(report)
+
+
+def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store):
+    """FSDP2 + TP on a 2x2 DeviceMesh: rank 2's TP partner (3) blocks in DTensor's
+    functional all-reduces (waited in `wait_tensor`), its DP partner (0) in FSDP2's
+    all-gathers. Before functional collectives were timed, rank 3's wait read as
+    compute and the job got one job-wide fail-slow."""
+    with harness.busy_core():
+        run = harness.FlareRun(store, "fsdp2_tp", harness.torchrun(
+            TRAIN_FSDP2, "--tp", 2, "--layers", 2, "--steps", STEPS, "--slow-rank", 2,
+            "--slow-ms", 80, "--fault-from", ONSET))
+        report = run.finish()
+    print(f"\nE2E fsdp2 + tp, slow rank 2:\n{harness.describe(report)}")
+    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
+    assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
+    assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+    waits = {rank: names for rank, names in run.query(
+        "SELECT DISTINCT rank, CAST(attributes->'flare.step.pg.names' AS VARCHAR) FROM spans "
+        "WHERE job = ? AND name = 'train.step'", [run.job])}
+    assert all(len(json.loads(names)) == 2 for names in waits.values())  # the DP and TP groups

@@ -37,6 +37,7 @@ from flare.instrumentation.flight_recorder import (
     entry_pg_name,
     op_name,
 )
+from flare.instrumentation.functional_collectives import FunctionalCollectives
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.process_groups import PgInfo, ProcessGroups
 from flare.instrumentation.runtime import Runtime
@@ -253,6 +254,7 @@ class CollectiveTracker:
                 self._patches.replace(work_class, "wait", self._wrap_wait(work_class.wait))
             except (AttributeError, TypeError):
                 _log.info("flare: Work.wait cannot be wrapped; async waits are not timed")
+        FunctionalCollectives(self.runtime, self._patches).install()
         try:
             self.ddp_gradients.install()
         except Exception as error:  # DDP buckets stay counted, just not sized every step
