@@ -74,7 +74,26 @@ def load(job: JobData, ranks: Iterable[int]) -> Topology:
         host = attrs.get(sc.HOST_NAME)
         if host:
             groups.setdefault(f"host {host}", set()).add(rank)
+    descriptions = _descriptions(job, len(everyone))
+    groups = {(f"{name} ({descriptions[name[len('process group '):]]})"
+               if name.startswith("process group ") and name[len("process group "):] in descriptions
+               else name): members for name, members in groups.items()}
     # Nodes and hosts first: the more concrete name when a node is also a group.
     ordered = sorted(groups.items(), key=lambda item: not item[0].startswith(("node ", "host ")))
     return Topology(everyone, {name: frozenset(m) for name, m in ordered
                                if 1 < len(m) < len(everyone)})
+
+
+def _descriptions(job: JobData, world: int) -> dict[str, str]:
+    """pg name -> its description (`group_desc`: a DeviceMesh dimension's `mesh_tp`,
+    a pipeline stage's own name), from the first collective spans of detail steps."""
+    table = job.spans(["collective.*"], attributes=[sc.COLL_PG, sc.COLL_PG_DESC], columns=["rank"],
+                      limit=max(64, 16 * world))
+    if sc.COLL_PG not in table.column_names or sc.COLL_PG_DESC not in table.column_names:
+        return {}
+    out: dict[str, str] = {}
+    for name, desc in zip(table.column(sc.COLL_PG).to_pylist(),
+                          table.column(sc.COLL_PG_DESC).to_pylist(), strict=True):
+        if name and desc and desc not in ("undefined", "default_pg") and name not in out:
+            out[str(name)] = str(desc)
+    return out
