@@ -103,8 +103,9 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     # ------------------------------------------------------------------ the request
-    def respond(self, method: str, path: str) -> Response:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def respond(self, method: str, path: str) -> Response:
+        """The endpoint's answer (each server's handler defines it; nothing is served here)."""
+        return _plain(404, f"no endpoint at {path}")
 
     def error(self, status: int, message: str, retry_after_s: float | None = None) -> Response:
         return _plain(status, message)
