@@ -113,11 +113,8 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         runs_of[row] = (mask, spans, cols)
 
     slow = set(runs_of)
-    labels: list[tuple[list[int], str | None]] = []
-    for rows, group in _grouped(frame, runs_of, topology):
-        labels.append((rows, group))
     anomalies = []
-    for rows, group in labels:
+    for rows, group in _grouped(frame, runs_of, topology):
         mask = np.logical_or.reduce([runs_of[r][0] for r in rows])
         spans = sorted(s for r in rows for s in runs_of[r][1])
         cols = np.unique(np.concatenate([runs_of[r][2] for r in rows]))
