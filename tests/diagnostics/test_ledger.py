@@ -216,3 +216,22 @@ def test_a_compiled_models_warm_up_is_not_a_slowdown_or_a_straggler():
     faulty = job_spans("j", 4, 80, (Fault("compute", 2, 40, 60.0),), warmup=warmup, seed=4)
     found = [(a.kind, a.ranks, a.first_step) for a in diagnose(_job(faulty)).anomalies]
     assert ("straggler", [2], 40) in found
+
+
+def test_a_cpu_hungry_culprit_on_a_busy_host_is_still_the_jobs_straggler():
+    """On an oversubscribed host a rank whose compute grew waits in the run queue too;
+    but its training thread burns the extra CPU, which a starved rank does not."""
+    table = job_spans("j", 4, 80, (Fault("compute", 2, 30, 40.0),))
+    import json
+
+    rows = []
+    for attrs, rank, step in zip(table["attributes"].to_pylist(), table["rank"].to_pylist(),
+                                 table["step"].to_pylist(), strict=True):
+        values = json.loads(attrs)
+        if rank == 2 and step >= 30:  # it also waited for a CPU, as much as it grew
+            values["flare.step.cpu.runqueue_ms"] += 40.0
+        rows.append(json.dumps(values))
+    table = table.set_column(table.schema.get_field_index("attributes"), "attributes", pa.array(rows))
+    diagnosis = diagnose(_job(table))
+    assert [(a.ranks, a.cause) for a in diagnosis.anomalies if a.kind == "straggler"] == [([2], "compute")]
+    assert diagnosis.host_contention == []

@@ -24,7 +24,8 @@ from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 
 _TIMINGS = {semconv.STEP_DATALOADER_MS, semconv.STEP_GC_MS, semconv.STEP_PYCALL_MS,
             semconv.STEP_BACKWARD_MS, semconv.STEP_COMPUTE_MS,
-            semconv.STEP_OTHER_THREADS_CPU_MS, semconv.STEP_RUNQUEUE_MS, semconv.STEP_COLLECTIVE_WAIT_MS,
+            semconv.STEP_OTHER_THREADS_CPU_MS, semconv.STEP_RUNQUEUE_MS,
+            semconv.STEP_THREAD_CPU_MS, semconv.STEP_COLLECTIVE_WAIT_MS,
             semconv.STEP_GC_COUNT}
 
 

@@ -107,12 +107,35 @@ def means(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | sli
     mean keeps the erratic tail a median hides. `other_cpu` (CPU of the rank's other
     threads) rides along; NaN when the instrumentation did not report it."""
     out = {}
-    runqueue = frame.runqueue if frame.runqueue is not None else np.full_like(frame.other_cpu, np.nan)
-    for name, matrix in (*frame.parts.items(), ("other_cpu", frame.other_cpu), ("runqueue", runqueue)):
+    missing = np.full_like(frame.other_cpu, np.nan)
+    runqueue = frame.runqueue if frame.runqueue is not None else missing
+    thread_cpu = frame.thread_cpu if frame.thread_cpu is not None else missing
+    extra = (("other_cpu", frame.other_cpu), ("runqueue", runqueue), ("thread_cpu", thread_cpu))
+    for name, matrix in (*frame.parts.items(), *extra):
         per_step = nanmedian(matrix[np.asarray(rows)][:, cols].astype(np.float64), axis=0)
         value = np.nanmean(per_step) if np.isfinite(per_step).any() else 0.0
         out[name] = float(value)
-    for name, matrix in (("other_cpu", frame.other_cpu), ("runqueue", runqueue)):
+    for name, matrix in extra:
         if not np.isfinite(matrix[np.asarray(rows)][:, cols]).any():
             out[name] = math.nan
     return out
+
+
+# A slowdown whose growth is at least this share run-queue wait, and less than this share
+# CPU burnt by the training thread, was the host's doing (other work took the CPU).
+HOST_STARVED_SHARE = 0.5
+
+
+def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float],
+                 excess_ms: float) -> bool:
+    """Whether the subject's excess over the reference (peers, or its own past) is the
+    host's doing: it waited for a CPU (run-queue time) without burning more CPU itself.
+    A CPU-hungry culprit on an oversubscribed host waits in the run queue too, but its
+    thread burns the extra CPU; a rank the host starves does the same work, later."""
+    if not excess_ms > 0:
+        return False
+    runqueue = subject_mean.get("runqueue", math.nan) - reference_mean.get("runqueue", math.nan)
+    burnt = subject_mean.get("thread_cpu", math.nan) - reference_mean.get("thread_cpu", math.nan)
+    if not math.isfinite(runqueue) or runqueue < HOST_STARVED_SHARE * excess_ms:
+        return False
+    return not (math.isfinite(burnt) and burnt >= HOST_STARVED_SHARE * excess_ms)

@@ -35,7 +35,9 @@ THROTTLE = sc.STEP_GPU_THROTTLE
 OTHER_CPU = sc.STEP_OTHER_THREADS_CPU_MS
 # Time the training thread waited for a CPU: a host busy with other work.
 RUNQUEUE = sc.STEP_RUNQUEUE_MS
-STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_CPU, RUNQUEUE)
+THREAD_CPU = sc.STEP_THREAD_CPU_MS  # ...and the CPU it burnt: tells the two apart
+STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_CPU, RUNQUEUE,
+                   THREAD_CPU)
 
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
@@ -59,6 +61,7 @@ class StepFrame:
     throttle_reasons: np.ndarray  # (R, S) float64 holding the OR of the buckets' NVML masks
     other_cpu: np.ndarray  # (R, S) ms of CPU on the rank's other threads; NaN if unreported
     runqueue: np.ndarray | None = None  # (R, S) ms the training thread waited for a CPU
+    thread_cpu: np.ndarray | None = None  # (R, S) ms of CPU the training thread burnt
     # (S,) the real first and last step of each column and how many steps it holds:
     # sampled or imported jobs number their steps sparsely, so a column's key (`steps`)
     # and the bucket width do not say which steps exist.
@@ -186,6 +189,7 @@ def from_summary(table: Table, bucket: int) -> StepFrame:
         sm_clock_mhz=matrix(SM_CLOCK), throttle_reasons=matrix(THROTTLE, np.float64),
         other_cpu=matrix(OTHER_CPU),
         runqueue=matrix(RUNQUEUE) if RUNQUEUE in table.column_names else None,
+        thread_cpu=matrix(THREAD_CPU) if THREAD_CPU in table.column_names else None,
         **_real_steps(table, cols, len(steps), bucket),
     )
 

@@ -172,11 +172,15 @@ def _host_contention(anomalies: list[Anomaly]) -> tuple[list[Anomaly], list[Anom
     host = [a for a in anomalies if a.evidence.get("host_starved")]
     if not host:
         return anomalies, []
-    starved = {r for a in host for r in a.ranks}
-    kept = [a for a in anomalies if not a.evidence.get("host_starved")
-            and not (a.kind == "fail_slow" and a.ranks and set(a.ranks) <= starved
-                     and any(_overlap(a, h) for h in host))]
-    return kept, host
+    stragglers = [a for a in host if a.kind == "straggler"]
+    starved = {r for a in stragglers for r in a.ranks}
+
+    def explained(a: Anomaly) -> bool:  # a fail-slow of ranks a host-starved straggler covers
+        return (a.kind == "fail_slow" and bool(a.ranks) and set(a.ranks) <= starved
+                and any(_overlap(a, s) for s in stragglers))
+
+    kept = [a for a in anomalies if not a.evidence.get("host_starved") and not explained(a)]
+    return kept, [a for a in host if a.kind == "straggler" or not explained(a)]
 
 
 def _host_row(anomaly: Anomaly) -> dict:

@@ -68,6 +68,7 @@ def job_spans(
         parts = {}
         other_cpu_ms = {}
         runqueue_ms = {}
+        thread_cpu_ms = {}
         for rank in range(world):
             jitter = rng.normal(1.0, 0.02)
             if hiccups and rng.random() < hiccups:
@@ -78,6 +79,7 @@ def job_spans(
                 part["compute"] += warmup[step] * (0.5 + rng.random())
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
             runqueue = 0.2 * jitter  # the training thread waiting for a CPU
+            idle = 0.0  # wall time of the step the training thread did not burn CPU for
             for f in faults:
                 active = (f.rank == rank and step >= f.from_step
                           and (f.to_step is None or step < f.to_step)
@@ -98,15 +100,18 @@ def job_spans(
                     # thread is runnable but waits for a CPU (run-queue time).
                     part["compute"] += f.extra_ms
                     runqueue += 0.9 * f.extra_ms
+                    idle += f.extra_ms
                 elif f.kind == "busy_thread":
                     # A GIL-holding thread: the training thread's ops wait for the GIL
                     # (compute grows alone) while the other thread burns the CPU.
                     if step not in f.missed:
                         part["compute"] += f.extra_ms
+                        idle += f.extra_ms  # waiting for the GIL
                     other_cpu += f.extra_ms
             parts[rank] = part
             other_cpu_ms[rank] = other_cpu
             runqueue_ms[rank] = runqueue
+            thread_cpu_ms[rank] = sum(part.values()) - idle
         ready = {r: sum(p.values()) for r, p in parts.items()}
         live = [r for r in range(world) if stopped.get(r, 1 << 60) > step]
         if not live:
@@ -124,6 +129,7 @@ def job_spans(
                 sc.STEP_COMPUTE_MS: round(parts[rank]["compute"], 3),
                 sc.STEP_OTHER_THREADS_CPU_MS: round(other_cpu_ms[rank], 3),
                 sc.STEP_RUNQUEUE_MS: round(runqueue_ms[rank], 3),
+                sc.STEP_THREAD_CPU_MS: round(thread_cpu_ms[rank], 3),
                 sc.STEP_GC_MS: round(parts[rank]["gc"], 3),
                 sc.STEP_PYCALL_MS: round(parts[rank]["pycall"], 3),
                 sc.STEP_COLLECTIVE_WAIT_MS: round(wait, 3),

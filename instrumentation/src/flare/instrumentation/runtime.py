@@ -693,6 +693,7 @@ class Runtime:
                 max(0, process_cpu_ns - step_thread_cpu_ns) / 1e6, 3),
             semconv.STEP_DETAIL: detail,
         }
+        attributes[semconv.STEP_THREAD_CPU_MS] = round(max(0, step_thread_cpu_ns) / 1e6, 3)
         if run_delay_start is not None and run_delay_end is not None:
             attributes[semconv.STEP_RUNQUEUE_MS] = round(
                 max(0, run_delay_end - run_delay_start) / 1e6, 3)

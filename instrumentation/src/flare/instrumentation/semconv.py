@@ -68,6 +68,9 @@ STEP_OTHER_THREADS_CPU_MS = "flare.step.cpu.other_threads_ms"
 # Time the thread that runs the steps was runnable but waiting for a CPU (Linux
 # schedstat run_delay): a host busy with other work, not the rank's own threads.
 STEP_RUNQUEUE_MS = "flare.step.cpu.runqueue_ms"
+# CPU time of the thread that runs the steps, during the step: slower compute burns more
+# of it; a rank the host starves (or a GIL holder's victim) waits without burning it.
+STEP_THREAD_CPU_MS = "flare.step.cpu.thread_ms"
 STEP_DETAIL = "flare.step.detail"  # bool: children were recorded for this step
 STEP_GPU_SM_CLOCK_MHZ = "flare.step.gpu.clock.sm"
 STEP_GPU_THROTTLE = "flare.step.gpu.throttle_reasons"

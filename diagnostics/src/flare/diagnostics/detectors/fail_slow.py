@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
-from flare.diagnostics.causes import attribute, means, medians
+from flare.diagnostics.causes import attribute, host_starved, means, medians
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import ChangePoint, change_point, first_rise, mad, nanmedian
 
@@ -62,6 +62,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         now_work += now["wait"]
         past_work += past["wait"]
     mean_now, mean_past = means(frame, rows, after), means(frame, rows, before)
+    starved = bool(ranks) and host_starved(mean_now, mean_past, now_work - past_work)
     why = attribute(now, past, config.cause_min_share, now_work, past_work, mean_now, mean_past)
     if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
         # Without byte counts a longer least wait may be a slower fabric or a busier
@@ -93,6 +94,9 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         summary=summary,
         evidence={
             "onset_step": first, "lost_s": round(lost_ms / 1e3, 3),
+            **({"host_starved": True,
+                "runqueue_delta_ms": round(mean_now["runqueue"] - mean_past["runqueue"], 3)}
+               if starved else {}),
             "step_ms_before": round(point.before, 3), "step_ms_after": round(point.after, 3),
             "shift": round(point.shift, 4), "noise_units": round(point.score, 2),
             "consistency": round(point.consistency, 3),
