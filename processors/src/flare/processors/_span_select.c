@@ -118,8 +118,9 @@ static int keyvalue_parts(const uint8_t *p, size_t n, Field *key, Field *value, 
     return rc < 0 ? -1 : 0;
 }
 
-
-#define MAX_DEPTH 32
+/* Protobuf's recursion limit, as the store's reader (_otlp_fast.c): the receivers refuse
+ * anything deeper, so nothing they accept is left to the Python fallback for depth. */
+#define MAX_DEPTH 100
 
 static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth);
 
