@@ -235,3 +235,12 @@ def test_a_cpu_hungry_culprit_on_a_busy_host_is_still_the_jobs_straggler():
     diagnosis = diagnose(_job(table))
     assert [(a.ranks, a.cause) for a in diagnosis.anomalies if a.kind == "straggler"] == [([2], "compute")]
     assert diagnosis.host_contention == []
+
+
+def test_a_periodic_stall_stays_periodic_across_a_stretch_where_its_rank_is_slow():
+    faults = (Fault("gc", 3, 10, 400.0, every=10), Fault("compute", 3, 40, 30.0, to_step=65))
+    found = straggler.detect(_job(job_spans("j", 4, 120, faults)), DiagnosisConfig())
+    periodic = [a for a in found if a.evidence.get("pattern") == "periodic"]
+    assert [(a.ranks, a.evidence["period_steps"]) for a in periodic] == [([3], 10)]
+    assert periodic[0].evidence["stall_steps"] == list(range(10, 120, 10))
+    assert any(a.evidence.get("pattern") is None and a.first_step == 40 for a in found)

@@ -44,6 +44,8 @@ STALL_OF_LARGEST = 0.3
 STALL_REFERENCE = 3
 MIN_STALLS = 3
 MIN_PERIODIC_STALLS = 4
+# Inside a persistent run of the same rank, a stall is a loss this many times the run's.
+STALL_ABOVE_RUN = 2.0
 # ...and each stall lasts this long at least: a loaded host deschedules a rank for a
 # scheduler slice or two (a few ms to ~24 ms: CFS's latency target), now and then, on
 # any job; a collection, a checkpoint or an evaluation that matters lasts longer.
@@ -330,8 +332,13 @@ def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
             stalls &= book.lost_ms >= STALL_OF_LARGEST * float(np.median(top))
         for anomaly in persistent:
             if rank in anomaly.ranks:
+                # Inside the rank's persistent run its every step is a loss: only a step
+                # that stands out above the run's own level is a stall there too (a GC
+                # every 10 steps stays periodic across a stretch where the rank was slow).
                 lo, hi = frame.column(anomaly.first_step), frame.column(anomaly.last_step)
-                stalls[lo:hi + 1] = False
+                level = float(np.median(book.lost_ms[lo:hi + 1]))
+                inside = stalls[lo:hi + 1]
+                stalls[lo:hi + 1] = inside & (book.lost_ms[lo:hi + 1] >= STALL_ABOVE_RUN * level)
         cols = np.flatnonzero(stalls)
         if cols.size < MIN_STALLS:
             continue
