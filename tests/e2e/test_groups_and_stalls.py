@@ -15,7 +15,10 @@ import json
 import harness
 import pytest
 
-pytestmark = pytest.mark.e2e
+# Each scenario is a statistical judgement on a 2-core host shared with a busy loop and
+# the collector: a run that lands a label on the wrong side of a threshold is run once
+# more (and reported as rerun); two in a row fail the test.
+pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 
 
 @pytest.fixture(autouse=True)
