@@ -28,6 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from flare.collector.dead_letter import DeadLetter
 from flare.collector.telemetry import Counters
+from flare.collector.validate import point_count
 from flare.exporters.flare_store import FlareStoreExporter
 
 log = logging.getLogger(__name__)
@@ -291,10 +292,12 @@ class ExportGate:
     def _bury(self, delivery: _Delivery) -> None:
         """Out of the way of the batches behind it, never silently: a file, a count, a line."""
         request = delivery.request
-        payload = bytes(request) if isinstance(request, (bytes, bytearray, memoryview)) \
-            else request.SerializeToString()
-        count = _span_count(ExportTraceServiceRequest.FromString(payload)) if delivery.traces \
-            else _point_count(request)
+        is_bytes = isinstance(request, (bytes, bytearray, memoryview))
+        payload = bytes(request) if is_bytes else request.SerializeToString()
+        if delivery.traces:
+            count = _span_count(ExportTraceServiceRequest.FromString(payload) if is_bytes else request)
+        else:
+            count = point_count(request)
         where = None
         if self.dead_letter is not None:
             where = self.dead_letter.write(
@@ -318,12 +321,3 @@ class ExportGate:
 def _span_count(request: Any) -> int:
     return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
-
-def _point_count(request: Any) -> int:
-    total = 0
-    for rm in request.resource_metrics:
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
-                kind = metric.WhichOneof("data")
-                total += len(getattr(metric, kind).data_points) if kind else 0
-    return total

@@ -150,6 +150,12 @@ def _points(metric) -> int:
     return len(getattr(metric, kind).data_points) if kind else 0
 
 
+def point_count(req: ExportMetricsServiceRequest) -> int:
+    """Data points in a request (a metric without data counts none)."""
+    return sum(_points(metric) for rm in req.resource_metrics for sm in rm.scope_metrics
+               for metric in sm.metrics)
+
+
 def check_metrics(req: ExportMetricsServiceRequest) -> Checked:
     accepted = rejected = 0
     for rm in req.resource_metrics:
