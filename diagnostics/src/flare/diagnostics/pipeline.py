@@ -201,7 +201,7 @@ def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) 
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
-    book, _ = straggler.prepare(frame, config)
+    book, _ = straggler.ledger(job, frame, config)
     labels = [a for a in anomalies if a.kind == "straggler"
               or (a.kind == "fail_slow" and not a.ranks)]
     return ledgers.where_the_time_went(book, labels)

@@ -20,6 +20,7 @@ step's loss, from the ledger).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -71,7 +72,16 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
-    return find(frame, config, lambda: topologies.load(job, frame.ranks.tolist()))
+    return find(frame, config, lambda: topologies.load(job, frame.ranks.tolist()), ledger(job, frame, config))
+
+
+def ledger(job: JobData, frame: frames.StepFrame, config: DiagnosisConfig
+           ) -> tuple[ledgers.Ledger, np.ndarray]:
+    """`prepare`, once per diagnosis where the job data remembers it (the report's time
+    table reads the same ledger)."""
+    memo = getattr(job, "memo", None)
+    build = functools.partial(prepare, frame, config)
+    return memo(("ledger", frame.bucket), build) if callable(memo) else build()
 
 
 def prepare(frame: frames.StepFrame, config: DiagnosisConfig) -> tuple[ledgers.Ledger, np.ndarray]:
@@ -90,9 +100,11 @@ def prepare(frame: frames.StepFrame, config: DiagnosisConfig) -> tuple[ledgers.L
 
 
 def find(frame: frames.StepFrame, config: DiagnosisConfig,
-         topology: Callable[[], topologies.Topology] | None = None) -> list[Anomaly]:
-    """`topology` gives the job's groups, read only when two ranks or more are slow."""
-    book, deviation = prepare(frame, config)
+         topology: Callable[[], topologies.Topology] | None = None,
+         prepared: tuple[ledgers.Ledger, np.ndarray] | None = None) -> list[Anomaly]:
+    """`topology` gives the job's groups, read only when two ranks or more are slow;
+    `prepared` is `prepare(frame, config)` when already made."""
+    book, deviation = prepared if prepared is not None else prepare(frame, config)
     if not book.has_wait:
         return []
     persist = max(2, math.ceil(config.straggler_min_steps / frame.bucket))
