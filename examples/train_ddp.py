@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "only on steps where (step - fault_from) %% N == 0")
     parser.add_argument("--fault-ms", type=float, default=60.0,
                         help="added cost per step, in milliseconds")
+    parser.add_argument("--checksum", metavar="DIR",
+                        help="each rank writes a digest of its final parameters (its shard) to DIR/rank<R>.sha256")
     parser.add_argument("--step-times", metavar="PATH",
                         help="rank 0 writes each step's wall time (s) here as JSON")
     return parser.parse_args(argv)
@@ -145,6 +147,23 @@ def build_model(hidden: int) -> nn.Module:
         nn.Linear(hidden, hidden), nn.ReLU(),
         nn.Linear(hidden, CLASSES),
     )
+
+
+def write_checksum(model: nn.Module, rank: int, folder: str) -> None:
+    """The sha256 of the rank's own parameters (its shard, for FSDP2 or tensor parallel)
+    in `folder`/rank<R>.sha256: equal digests mean bit-identical training."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        local = getattr(parameter, "to_local", None)
+        tensor = (local() if callable(local) else parameter).detach().contiguous()
+        digest.update(name.encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{rank}.sha256"), "w") as handle:
+        handle.write(digest.hexdigest() + "\n")
 
 
 def burn_compute(seconds: float) -> None:
@@ -308,6 +327,8 @@ def main(argv=None) -> None:
     if rank == 0 and args.step_times:
         with open(args.step_times, "w") as handle:
             json.dump(step_times, handle)
+    if args.checksum:
+        write_checksum(model, rank, args.checksum)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from train_ddp import write_checksum
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--slow-rank", type=int, default=-1, help="-1: a healthy run")
     parser.add_argument("--slow-ms", type=float, default=80.0)
     parser.add_argument("--fault-from", type=int, default=20)
+    parser.add_argument("--checksum", metavar="DIR",
+                        help="each rank writes a digest of its final parameters (its shard) to DIR/rank<R>.sha256")
     return parser.parse_args(argv)
 
 
@@ -97,6 +100,8 @@ def main(argv=None) -> None:
         optimizer.zero_grad()
         if rank == 0 and step % 20 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+    if args.checksum:
+        write_checksum(model, rank, args.checksum)
     dist.barrier()
     dist.destroy_process_group()
 

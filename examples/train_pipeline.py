@@ -19,6 +19,11 @@ point-to-point messages (torch.distributed isend/recv):
 then each stage all-reduces its gradients over its data-parallel group (the stage's D
 replicas, a dist.new_group) and steps its optimizer.
 
+With --schedule gpipe|1f1b the same stages run under torch.distributed.pipelining
+(`PipelineStage` per rank on its replica's pipeline group, `ScheduleGPipe` or
+`Schedule1F1B`): the schedule moves activations and gradients with
+`batch_isend_irecv` and waits the returned works itself.
+
 Fault: --slow-stage S --slow-ms M --fault-from F: from step F on, every rank of stage S
 does about M ms more compute (real matrix work) per micro-batch, as a stage on a slower
 node or a badly balanced split of the layers would.
@@ -32,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from train_ddp import CLASSES, FEATURES, burn_compute
+from train_ddp import CLASSES, FEATURES, burn_compute, write_checksum
 
 STAGES = 2
 
@@ -45,12 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--schedule", choices=("manual", "gpipe", "1f1b"), default="manual",
+                        help="manual: the hand-written GPipe below; gpipe / 1f1b: "
+                             "torch.distributed.pipelining's schedules")
     parser.add_argument("--slow-stage", type=int, default=-1, choices=(-1, *range(STAGES)),
                         help="the stage whose every rank is slowed (-1: none)")
     parser.add_argument("--slow-ms", type=float, default=10.0,
                         help="added compute per micro-batch on the slow stage, in milliseconds")
     parser.add_argument("--fault-from", type=int, default=40,
                         help="first step (0-based) at which the slow stage is slow")
+    parser.add_argument("--checksum", metavar="DIR",
+                        help="each rank writes a digest of its final parameters (its shard) to DIR/rank<R>.sha256")
     return parser.parse_args(argv)
 
 
@@ -106,6 +116,46 @@ def last_stage_step(model, loss_fn, args, step: int, replica: int, peer: int,
     return total
 
 
+class SlowStage(nn.Module):
+    """The stage's layers, plus --slow-ms of compute per micro-batch forward while
+    `slow` is set (the pipelining schedules call the module once per micro-batch)."""
+
+    def __init__(self, layers: nn.Module, slow_ms: float) -> None:
+        super().__init__()
+        self.layers = layers
+        self.slow_ms = slow_ms
+        self.slow = False
+
+    def forward(self, x):
+        if self.slow:
+            burn_compute(self.slow_ms / 1000.0)
+        return self.layers(x)
+
+
+def scheduled_pipeline(args, model: nn.Module, stage: int, replica: int, replicas: int,
+                       loss_fn):
+    """A torch.distributed.pipelining schedule over this replica's two ranks."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    # every rank takes part in creating every group, in the same order
+    pipes = [dist.new_group([r, replicas + r], group_desc=f"pipeline{r}") for r in range(replicas)]
+    pipe_stage = PipelineStage(model, stage, STAGES, torch.device("cpu"), group=pipes[replica])
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    return schedule(pipe_stage, n_microbatches=args.micro_batches,
+                    loss_fn=lambda output, target: loss_fn(output, target) / args.micro_batches)
+
+
+def scheduled_step(schedule, args, step: int, stage: int, replica: int) -> float | None:
+    batches = [micro_batch(args.seed, replica, step, index, args.micro_batch_size)
+               for index in range(args.micro_batches)]
+    if stage == 0:
+        schedule.step(torch.cat([features for features, _ in batches]))
+        return None
+    losses: list = []
+    schedule.step(target=torch.cat([labels for _, labels in batches]), losses=losses)
+    return float(sum(loss.item() for loss in losses))
+
+
 def all_reduce_gradients(model: nn.Module, group, replicas: int) -> None:
     if replicas < 2:
         return
@@ -134,20 +184,26 @@ def main(argv=None) -> None:
     peer = rank + replicas if stage == 0 else rank - replicas
 
     torch.manual_seed(args.seed * STAGES + stage)  # the replicas of a stage start equal
-    model = build_stage(stage, args.hidden)
+    model = SlowStage(build_stage(stage, args.hidden), args.slow_ms)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
+    schedule = (scheduled_pipeline(args, model, stage, replica, replicas, loss_fn)
+                if args.schedule != "manual" else None)
 
     started = time.perf_counter()
     for step in range(args.steps):
         slow = stage == args.slow_stage and step >= args.fault_from
         optimizer.zero_grad(set_to_none=True)
-        if stage == 0:
-            first_stage_step(model, args, step, replica, peer, slow)
+        loss = None
+        if schedule is not None:
+            model.slow = slow
+            loss = scheduled_step(schedule, args, step, stage, replica)
+        elif stage == 0:
+            first_stage_step(model.layers, args, step, replica, peer, slow)
         else:
-            loss = last_stage_step(model, loss_fn, args, step, replica, peer, slow)
-            if replica == 0 and (step % 50 == 0 or step == args.steps - 1):
-                print(f"step {step} loss {loss:.4f}", flush=True)
+            loss = last_stage_step(model.layers, loss_fn, args, step, replica, peer, slow)
+        if loss is not None and replica == 0 and (step % 50 == 0 or step == args.steps - 1):
+            print(f"step {step} loss {loss:.4f}", flush=True)
         all_reduce_gradients(model, dp_groups[stage], replicas)
         optimizer.step()
 
@@ -155,6 +211,8 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"done: {args.steps} steps in {elapsed:.2f} s "
               f"({1000 * elapsed / max(args.steps, 1):.1f} ms/step)", flush=True)
+    if args.checksum:
+        write_checksum(model, rank, args.checksum)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -52,6 +52,14 @@ def two_nodes(script: Path, *args: object, nproc_per_node: int = 2) -> list[str]
     return ["bash", "-c", script_text]
 
 
+def run_plain(command: list[str], cwd: Path, timeout_s: float = 240) -> None:
+    """`command` as it runs without Flare (no OTEL_ or FLARE_ settings reach it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "FLARE_"))}
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 class FlareRun:
     """One `flare run --format json -o JOB.json` of `command` (what follows `--`), with
     its live alerts timestamped on arrival."""

@@ -70,3 +70,59 @@ def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store):
         "SELECT DISTINCT rank, CAST(attributes->'flare.step.pg.names' AS VARCHAR) FROM spans "
         "WHERE job = ? AND name = 'train.step'", [run.job])}
     assert all(len(json.loads(names)) == 2 for names in waits.values())  # the DP and TP groups
+
+
+def test_a_slow_stage_under_a_pipelining_schedule_is_named_as_the_stage(store):
+    """torch.distributed.pipelining's Schedule1F1B on 2 stages x 2 replicas: the
+    schedule's `batch_isend_irecv` works, waited by the schedule itself, are the P2P
+    waits; the pipeline groups (group_desc "pipeline<r>") give the stage."""
+    with harness.busy_core():
+        run = harness.FlareRun(store, "pp_1f1b", harness.torchrun(
+            harness.TRAIN_PIPELINE, "--schedule", "1f1b", "--steps", STEPS, "--slow-stage", 1,
+            "--slow-ms", 10, "--fault-from", ONSET))
+        report = run.finish()
+    print(f"\nE2E pipelining 1F1B, slow stage 1:\n{harness.describe(report)}")
+    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
+    assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2, 3], "compute")], harness.describe(report)
+    assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+    assert "pipeline stage 1" in stragglers[0]["summary"], stragglers[0]["summary"]
+    roles = {tuple(json.loads(r)) for (r,) in run.query(
+        "SELECT DISTINCT CAST(attributes->'flare.step.pg.roles' AS VARCHAR) FROM spans "
+        "WHERE job = ? AND name = 'train.step'", [run.job]) if r}
+    assert all("pipeline_parallel" in r for r in roles) and roles, roles
+
+
+def test_collectives_flare_cannot_see_give_wait_unknown_never_a_wrong_culprit(store):
+    """A custom communication path (`ProcessGroup.allreduce` called directly, as a C++
+    extension would): counted by sequence numbers, its wait unknown. Said once per rank
+    in the log and in the report; the slowdown keeps no claimed cause or wrong rank."""
+    run = harness.FlareRun(store, "untimed", [
+        *harness.torchrun(harness.ROOT / "tests" / "e2e" / "untimed_collectives_job.py",
+                          "--slow-rank", 2, "--fault-from", ONSET)])
+    report = run.finish()
+    print(f"\nE2E untimed collectives, slow rank 2:\n{harness.describe(report)}")
+    said = [line for line in run.stderr if "Flare cannot time" in line]
+    assert len(said) == 4 and {line.split("rank ")[1].split(":")[0] for line in said} == {"0", "1", "2", "3"}
+    assert report["wait_unknown"]["ranks"] == [0, 1, 2, 3], report.get("wait_unknown")
+    for anomaly in report["anomalies"]:
+        assert anomaly["cause"] not in ("compute", "communication"), harness.describe(report)
+        assert anomaly["ranks"] in ([], [2]), harness.describe(report)
+        if anomaly["kind"] in ("straggler", "fail_slow"):
+            assert anomaly["evidence"]["wait_unknown"]["ranks"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("example", ["ddp", "fsdp2_tp", "pipeline_1f1b"])
+def test_training_is_bit_identical_with_and_without_flare(store, example):
+    script, args = {
+        "ddp": (harness.TRAIN_DDP, ["--hidden", 128]),
+        "fsdp2_tp": (TRAIN_FSDP2, ["--tp", 2, "--layers", 2]),
+        "pipeline_1f1b": (harness.TRAIN_PIPELINE, ["--schedule", "1f1b"]),
+    }[example]
+    folders = {mode: store.parent / f"checksum_{example}_{mode}" for mode in ("plain", "flare")}
+    command = harness.torchrun(script, "--steps", 12, *args)
+    harness.run_plain([*command, "--checksum", str(folders["plain"])], cwd=store.parent)
+    harness.FlareRun(store, f"identical_{example}",
+                     [*command, "--checksum", str(folders["flare"])]).finish()
+    digests = {mode: {p.name: p.read_text() for p in folder.glob("rank*.sha256")}
+               for mode, folder in folders.items()}
+    assert len(digests["plain"]) == 4 and digests["plain"] == digests["flare"], digests

@@ -869,3 +869,50 @@ def test_a_bad_detail_rate_is_said_and_the_default_kept(monkeypatch, caplog, raw
         assert FlareConfig.from_env().detail_every == every
     said = [r.getMessage() for r in caplog.records if "FLARE_DETAIL_EVERY" in r.getMessage()]
     assert said == ([] if warned is None else [f"flare: ignoring FLARE_DETAIL_EVERY={raw!r} ({warned})"])
+
+
+def test_collectives_flare_cannot_time_are_counted_and_said_once(process_group, caplog):
+    """A collective issued past torch.distributed's Python API (here the ProcessGroup's
+    own method, as a C++ extension or a compiled graph would) advances the group's
+    sequence number but no wrapper saw it: the step says how many were not timed, the
+    rank's log says it once, and nothing is guessed about their wait."""
+    from torch.distributed import distributed_c10d
+
+    pg = distributed_c10d._get_default_group()
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.collectives"):
+        for _ in range(4):
+            dist.all_reduce(torch.ones(4))  # seen
+            pg.allreduce([torch.ones(4)]).wait()  # not seen
+            pg.allreduce([torch.ones(4)]).wait()
+            model(torch.randn(1, 2)).sum().backward()
+            optimizer.step()
+    steps = finished(process_group, semconv.SPAN_STEP)
+    for step in steps[1:3]:
+        assert list(step.attributes[semconv.STEP_PG_COUNTS]) == [3]
+        assert list(step.attributes[semconv.STEP_PG_UNTIMED]) == [2]
+        assert step.attributes[semconv.STEP_COLLECTIVE_UNTIMED] == 2
+    said = [r.getMessage() for r in caplog.records if "cannot time" in r.getMessage()]
+    assert len(said) == 1 and "process group 0" in said[0], said
+
+
+def test_every_collective_seen_leaves_no_untimed_count_and_roles_come_from_descriptions(
+        process_group):
+    tp = dist.new_group([0], group_desc="mesh_tp")
+    other = dist.new_group([0], group_desc="stage_links")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), group=tp)
+        dist.all_gather_object([None], {"a": 1})  # two all-gathers inside
+        dist.broadcast(torch.ones(2), src=0, group=other)
+        model(torch.randn(1, 2)).sum().backward()
+        optimizer.step()
+    step = finished(process_group, semconv.SPAN_STEP)[1].attributes
+    names = list(step[semconv.STEP_PG_NAMES])
+    roles = dict(zip(names, step[semconv.STEP_PG_ROLES], strict=True))
+    assert roles == {"0": "world", tp.group_name: "tensor_parallel", other.group_name: ""}, roles
+    assert semconv.STEP_PG_UNTIMED not in step
+    assert semconv.STEP_COLLECTIVE_UNTIMED not in step

@@ -36,8 +36,11 @@ OTHER_CPU = sc.STEP_OTHER_THREADS_CPU_MS
 # Time the training thread waited for a CPU: a host busy with other work.
 RUNQUEUE = sc.STEP_RUNQUEUE_MS
 THREAD_CPU = sc.STEP_THREAD_CPU_MS  # ...and the CPU it burnt: tells the two apart
+# Collectives whose wait no wrapper saw (C++-issued, a compiled graph): their wait is
+# inside compute, so compute cannot be told from waiting on those ranks.
+UNTIMED = sc.STEP_COLLECTIVE_UNTIMED
 STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_CPU, RUNQUEUE,
-                   THREAD_CPU)
+                   THREAD_CPU, UNTIMED)
 
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
@@ -61,6 +64,7 @@ class StepFrame:
     throttle_reasons: np.ndarray  # (R, S) float64 holding the OR of the buckets' NVML masks
     other_cpu: np.ndarray  # (R, S) ms of CPU on the rank's other threads; NaN if unreported
     runqueue: np.ndarray | None = None  # (R, S) ms the training thread waited for a CPU
+    untimed: np.ndarray | None = None  # (R, S) collectives per step Flare could not time
     thread_cpu: np.ndarray | None = None  # (R, S) ms of CPU the training thread burnt
     # (S,) the real first and last step of each column and how many steps it holds:
     # sampled or imported jobs number their steps sparsely, so a column's key (`steps`)
@@ -80,6 +84,11 @@ class StepFrame:
         busy thread starts, where the training thread's compute only drifts up)."""
         if cause == "cpu" and np.isfinite(self.other_cpu).any():
             return self.other_cpu
+        if cause == "compute" and self.runqueue is not None and np.isfinite(self.runqueue).any():
+            # Time runnable but waiting for a CPU is the host's, not the rank's compute:
+            # on a loaded host a descheduled stretch before the fault dated it early
+            # (step 11 for a slow pipeline stage from step 20, seen).
+            return self.parts["compute"] - np.nan_to_num(self.runqueue, nan=0.0)
         component = CAUSE_COMPONENT.get(cause)
         return None if component is None else self.parts[component]
 
@@ -190,6 +199,7 @@ def from_summary(table: Table, bucket: int) -> StepFrame:
         other_cpu=matrix(OTHER_CPU),
         runqueue=matrix(RUNQUEUE) if RUNQUEUE in table.column_names else None,
         thread_cpu=matrix(THREAD_CPU) if THREAD_CPU in table.column_names else None,
+        untimed=matrix(UNTIMED) if UNTIMED in table.column_names else None,
         **_real_steps(table, cols, len(steps), bucket),
     )
 

@@ -110,6 +110,10 @@ class Diagnosis:
     # Ranks the host starved of CPU (other work on the machine, not the job's doing):
     # reported beside the anomalies, not as one (see _host_contention).
     host_contention: list[dict] = dataclasses.field(default_factory=list)
+    # Ranks with collectives Flare could not time (issued from C++ or a compiled graph):
+    # their wait is unknown and inside compute; said once here and in the labels'
+    # evidence (see _wait_unknown).
+    wait_unknown: dict | None = None
 
     def to_json(self) -> dict:
         out = {
@@ -124,6 +128,8 @@ class Diagnosis:
             out["withdrawn_alerts"] = list(self.withdrawn)
         if self.host_contention:
             out["host_contention"] = list(self.host_contention)
+        if self.wait_unknown:
+            out["wait_unknown"] = dict(self.wait_unknown)
         if self.detector_errors:  # a partial report says so in itself, not only on stderr
             out["detector_errors"] = dict(self.detector_errors)
         return out
@@ -155,13 +161,52 @@ def diagnose(
             errors[name] = f"{type(exc).__name__}: {exc}"
             (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
     anomalies, host = _host_contention(order(merge(found)))
+    unknown = _wait_unknown(cached, config, anomalies)
     links = {a.key: evidence_spans(cached, a) for a in anomalies}
     for anomaly in anomalies:
         if not anomaly.trace_ids:
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
     return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached,
                      _time_lost(cached, config, anomalies + host),
-                     host_contention=[_host_row(a) for a in host])
+                     host_contention=[_host_row(a) for a in host], wait_unknown=unknown)
+
+
+WAIT_UNKNOWN_TEXT = ("collective(s) per step that Flare could not time (issued from C++ code or a compiled "
+                     "graph, not torch.distributed's Python API): their wait is unknown and "
+                     "reads as compute")
+
+
+def _wait_unknown(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) -> dict | None:
+    """Ranks whose steps report collectives no wrapper timed (`flare.step.collective_untimed`).
+    Their blocked time is inside compute, so a label that blames compute, or that was
+    told culprit from victim by waits, may rest on it: such labels keep their ranks but
+    their cause reads unknown, with the evidence, rather than a wrong claim."""
+    import numpy as np
+
+    from flare.diagnostics import frame as frames
+
+    frame = frames.load(job, config)
+    if frame is None or frame.untimed is None or not np.any(frame.untimed > 0):
+        return None
+    present = frame.untimed > 0
+    ranks = [int(r) for r in frame.ranks[present.any(axis=1)]]
+    per_step = float(np.nanmean(np.where(present, frame.untimed, np.nan)))
+    steps = frame.steps[present.any(axis=0)]
+    out = {"ranks": ranks, "collectives_per_step": round(per_step, 2),
+           "first_step": int(steps.min()), "last_step": int(steps.max() + frame.bucket - 1),
+           "note": WAIT_UNKNOWN_TEXT}
+    for anomaly in anomalies:
+        if anomaly.kind not in ("straggler", "fail_slow", "collective_slow"):
+            continue
+        anomaly.evidence["wait_unknown"] = {"ranks": ranks, "collectives_per_step": out["collectives_per_step"]}
+        if anomaly.cause in ("compute", "communication"):
+            anomaly.summary += (f" (cause not claimed: ranks {','.join(map(str, ranks))} ran "
+                                f"{out['collectives_per_step']:g} {WAIT_UNKNOWN_TEXT}; the "
+                                f"measured cause was {anomaly.cause})")
+            anomaly.evidence["measured_cause"] = anomaly.cause
+            anomaly.cause = "unknown"
+            anomaly.confidence = min(anomaly.confidence, 0.5)
+    return out
 
 
 def _host_contention(anomalies: list[Anomaly]) -> tuple[list[Anomaly], list[Anomaly]]:

@@ -43,7 +43,8 @@ def render(diagnosis: Diagnosis, job: JobData, config: DiagnosisConfig) -> str:
              f"<p>Backend {_e(diagnosis.backend)}; "
              + (f"steps {diagnosis.steps[0]}–{diagnosis.steps[1]}" if diagnosis.steps else "no steps")
              + (f"; {len(frame.ranks)} ranks" if frame is not None else "") + "</p>",
-             "<h2>Anomalies</h2>", _anomalies(diagnosis), _time_lost(diagnosis), _withdrawn(diagnosis)]
+             "<h2>Anomalies</h2>", _anomalies(diagnosis), _wait_unknown(diagnosis), _time_lost(diagnosis),
+             _withdrawn(diagnosis)]
     if frame is not None:
         parts += ["<h2>Step time, rank × step</h2>", _heat(frame.duration, frame, "ms per step"),
                   "<h2>Collective wait, rank × step</h2>",
@@ -77,6 +78,14 @@ def _time_lost(diagnosis: Diagnosis) -> str:
                    f"<td>{r['share']:.1%}</td></tr>" for r in rows)
     return ("<h2>Where the time went</h2><table><tr><th>who</th><th>cause</th><th>seconds</th>"
             f"<th>share of the run</th></tr>{body}</table>")
+
+
+def _wait_unknown(diagnosis: Diagnosis) -> str:
+    row = diagnosis.wait_unknown
+    if not row:
+        return ""
+    return (f"<p class='bad'><b>Wait unknown</b>: ranks {_e(', '.join(map(str, row['ranks'])))} "
+            f"ran {row['collectives_per_step']:g} {_e(row['note'])}.</p>")
 
 
 def _withdrawn(diagnosis: Diagnosis) -> str:

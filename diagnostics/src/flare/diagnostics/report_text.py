@@ -38,6 +38,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         lines.append("No anomalies found by the detectors that ran." if diagnosis.detector_errors
                      else "No anomalies found.")
         lines.extend(_host(diagnosis.host_contention))
+        lines.extend(_wait_unknown(diagnosis.wait_unknown))
         lines.extend(_withdrawn(diagnosis.withdrawn))
         return "\n".join(lines) + "\n"
     lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
@@ -55,12 +56,21 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      at {a.callsite}")
     lines.extend(_host(diagnosis.host_contention))
+    lines.extend(_wait_unknown(diagnosis.wait_unknown))
     lines.extend(_time_table(diagnosis.time_lost))
     lines.extend(_withdrawn(diagnosis.withdrawn))
     lines.append("")
     lines.append("IMPACT: share of the run's time the problem cost; CONF: confidence (0-1). "
                  "Evidence per label: --format json or html.")
     return "\n".join(lines) + "\n"
+
+
+def _wait_unknown(row: dict | None) -> list[str]:
+    if not row:
+        return []
+    return ["", f"Wait unknown: ranks {_ranks(row['ranks'])} steps "
+                f"{_steps(row['first_step'], row['last_step'])} ran "
+                f"{row['collectives_per_step']:g} {row['note']}."]
 
 
 def _host(rows: list[dict]) -> list[str]:

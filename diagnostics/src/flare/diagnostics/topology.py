@@ -44,21 +44,29 @@ def load(job: JobData, ranks: Iterable[int]) -> Topology:
     span = job.steps_range()
     if span is None:
         return Topology(everyone, {})
-    table = job.spans([sc.SPAN_STEP], attributes=[sc.STEP_PG_NAMES], columns=["rank", "resource"],
+    table = job.spans([sc.SPAN_STEP], attributes=[sc.STEP_PG_NAMES, sc.STEP_PG_ROLES],
+                      columns=["rank", "resource"],
                       first_step=span[0], last_step=span[0] + FIRST_STEPS - 1)
     groups: dict[str, set[int]] = {}
+    roles: dict[str, str] = {}  # pg name -> role, where the ranks said it
     seen: set[int] = set()
-    pg_names = (table.column(sc.STEP_PG_NAMES).to_pylist() if sc.STEP_PG_NAMES in table.column_names
-                else [None] * table.num_rows)
-    for rank, resource, names in zip(table.column("rank").to_pylist(),
-                                     table.column("resource").to_pylist(), pg_names, strict=True):
+
+    def column(name: str) -> list:
+        return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+
+    for rank, resource, names, pg_roles in zip(column("rank"), column("resource"),
+                                               column(sc.STEP_PG_NAMES), column(sc.STEP_PG_ROLES),
+                                               strict=True):
         if rank is None:
             continue
         rank = int(rank)
         if isinstance(names, list):
-            for name in names:
+            pg_roles = pg_roles if isinstance(pg_roles, list) and len(pg_roles) == len(names) else ()
+            for index, name in enumerate(names):
                 if isinstance(name, str) and name:
                     groups.setdefault(f"process group {name}", set()).add(rank)
+                    if pg_roles and isinstance(pg_roles[index], str) and pg_roles[index]:
+                        roles.setdefault(name, pg_roles[index])
         if rank in seen:
             continue
         seen.add(rank)
@@ -75,13 +83,44 @@ def load(job: JobData, ranks: Iterable[int]) -> Topology:
         if host:
             groups.setdefault(f"host {host}", set()).add(rank)
     descriptions = _descriptions(job, len(everyone))
-    groups = {(f"{name} ({descriptions[name[len('process group '):]]})"
-               if name.startswith("process group ") and name[len("process group "):] in descriptions
-               else name): members for name, members in groups.items()}
-    # Nodes and hosts first: the more concrete name when a node is also a group.
-    ordered = sorted(groups.items(), key=lambda item: not item[0].startswith(("node ", "host ")))
+    stages = _pipeline_stages(groups, roles)
+    groups = {_group_name(name, descriptions, roles): members for name, members in groups.items()}
+    # Nodes and hosts first: the more concrete name when a node is also a group; then
+    # pipeline stages (a stage is also a data-parallel group of the stage's replicas).
+    groups = {**stages, **groups}
+    ordered = sorted(groups.items(), key=lambda item: (not item[0].startswith(("node ", "host ")),
+                                                        not item[0].startswith("pipeline stage")))
     return Topology(everyone, {name: frozenset(m) for name, m in ordered
                                if 1 < len(m) < len(everyone)})
+
+
+ROLE_NAMES = {sc.ROLE_DATA: "data-parallel", sc.ROLE_TENSOR: "tensor-parallel",
+              sc.ROLE_PIPELINE: "pipeline", sc.ROLE_CONTEXT: "context-parallel",
+              sc.ROLE_EXPERT: "expert-parallel"}
+
+
+def _group_name(key: str, descriptions: dict[str, str], roles: dict[str, str]) -> str:
+    """"process group 5" as the report says it: with its role ("tensor-parallel group 5")
+    and its description where the ranks gave one."""
+    if not key.startswith("process group "):
+        return key
+    name = key[len("process group "):]
+    role = ROLE_NAMES.get(roles.get(name, ""))
+    head = f"{role} group {name}" if role else key
+    return f"{head} ({descriptions[name]})" if name in descriptions else head
+
+
+def _pipeline_stages(groups: dict[str, set[int]], roles: dict[str, str]) -> dict[str, set[int]]:
+    """Pipeline stage k: the k-th rank of every pipeline group (a group's ranks in order
+    are its stages, as torch.distributed.pipelining and Megatron build them)."""
+    stages: dict[str, set[int]] = {}
+    for name, role in roles.items():
+        members = groups.get(f"process group {name}")
+        if role != sc.ROLE_PIPELINE or not members:
+            continue
+        for stage, rank in enumerate(sorted(members)):
+            stages.setdefault(f"pipeline stage {stage}", set()).add(rank)
+    return stages
 
 
 def _descriptions(job: JobData, world: int) -> dict[str, str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -137,7 +138,8 @@ class CollectiveRecord:
         return self.pg.name if self.pg else "?"
 
 
-def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict) -> None:
+def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict,
+                   roles: dict[str, str] | None = None, said: set[str] | None = None) -> None:
     # (Loops, not comprehensions: see CollectiveTracker._add_backward.)
     names = list(totals_pg)
     for name, seq in now_seqs.items():
@@ -146,12 +148,15 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
     if len(names) > 1:
         names.sort()
     counts, waits, sizes, last_seqs, device = [], [], [], [], []
+    role_list: list[str] | None = None
+    untimed: list[int] | None = None
     count_sum = bytes_sum = 0
     any_device = False
-    for name in names:
+    for index, name in enumerate(names):
         totals = totals_pg.get(name)
         now = now_seqs.get(name)
         delta = 0 if now is None else now - started.get(name, now)
+        role = roles.get(name, "") if roles else ""
         if totals is not None:
             count = max(delta, totals.python_count)
             nbytes = totals.bytes
@@ -159,10 +164,30 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
             device_ms = round(totals.device_ns / 1e6, 3)
             any_device = any_device or device_ms != 0
             device.append(device_ms)
+            unseen = 0 if totals.cpp_accounted else delta - max(totals.covered, totals.python_count)
+            if not role and totals.p2p_count and totals.p2p_count == totals.python_count:
+                role = semconv.ROLE_PIPELINE  # the step's traffic on it was point-to-point
         else:
             count, nbytes = delta, 0
             waits.append(0.0)
             device.append(0.0)
+            unseen = delta
+        if unseen > 0:
+            if untimed is None:
+                untimed = [0] * len(names)
+            untimed[index] = unseen
+            if said is not None and name not in said and len(said) < 64:
+                said.add(name)  # once per group and tracker
+                _log.warning(
+                    "flare: rank %s: %d collective(s) of process group %s were issued where Flare "
+                    "cannot time them (C++ code or a compiled graph, not torch.distributed's "
+                    "Python API); the group is counted by its sequence numbers, its wait "
+                    "is unknown (flare.step.pg.untimed) and reads as compute",
+                    os.environ.get("RANK", "?"), unseen, name)
+        if role:
+            if role_list is None:
+                role_list = [""] * len(names)
+            role_list[index] = role
         counts.append(count)
         sizes.append(nbytes)
         count_sum += count
@@ -176,6 +201,11 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
         summary[semconv.STEP_PG_WAIT_MS] = waits
         summary[semconv.STEP_PG_BYTES] = sizes
         summary[semconv.STEP_PG_LAST_SEQ] = last_seqs
+        if role_list is not None:
+            summary[semconv.STEP_PG_ROLES] = role_list
+        if untimed is not None:
+            summary[semconv.STEP_PG_UNTIMED] = untimed
+            summary[semconv.STEP_COLLECTIVE_UNTIMED] = sum(untimed)
     summary[semconv.STEP_COLLECTIVE_COUNT] = count_sum
     summary[semconv.STEP_COLLECTIVE_BYTES] = bytes_sum
 
@@ -229,6 +259,7 @@ class CollectiveTracker:
         self._pending: dict[int, tuple[object, CollectiveRecord]] = {}
         self._local = threading.local()
         self._device_timer = None  # created at the first CUDA collective
+        self._said_untimed: set[str] = set()  # groups whose unseen collectives were logged
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -334,13 +365,15 @@ class CollectiveTracker:
                 spec.argument(args, kwargs, "async_op", spec.async_index))
             nbytes, dtype = _nbytes(data)
             seq = tracker.groups.sequence(pg)
+            advance = (seq - seq_before if seq is not None and seq_before is not None
+                       and seq > seq_before else 1)
             record = CollectiveRecord(spec.op, info, seq if spec.op not in P2P else None,
                                       nbytes, dtype, start, end, site, is_async,
                                       peer if isinstance(peer, int) else None,
                                       device_token=device_token)
             if device_token is not None and not is_async:
                 tracker._device_end(record)
-            tracker._launched(record, result)
+            tracker._launched(record, result, advance)
             return result
 
         traced._flare_traced = True
@@ -374,9 +407,12 @@ class CollectiveTracker:
         return wait
 
     # ------------------------------------------------------------------ accounting
-    def _launched(self, record: CollectiveRecord, result) -> None:
+    def _launched(self, record: CollectiveRecord, result, advance: int = 1) -> None:
         totals = self.runtime.totals.pg_totals(record.pg_name)
         totals.python_count += 1
+        totals.covered += advance
+        if record.op in P2P:
+            totals.p2p_count += 1
         totals.bytes += record.nbytes
         if self.runtime.step_detail:
             step = self.runtime.totals
@@ -518,7 +554,9 @@ class CollectiveTracker:
                 busiest, most = name, advance
             nbytes = gradient_bytes.get(name, 0)
             if nbytes:
-                totals.pg_totals(name).bytes += nbytes
+                group = totals.pg_totals(name)
+                group.bytes += nbytes
+                group.cpp_accounted = True  # DDP's reducer: its wait is the tail below
         if graph_done and busiest is not None and _issued_from_cpp(totals, busiest):
             totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
 
@@ -526,12 +564,12 @@ class CollectiveTracker:
     def on_step_start(self, step: int, detail: bool) -> None:
         pass  # the runtime reads the step's starting sequence numbers itself
 
-    @staticmethod
-    def add_step_summary(summary: dict, totals) -> None:
+    def add_step_summary(self, summary: dict, totals) -> None:
         """The always-on per-group arrays of a step's summary, from its totals and the
         sequence numbers at its start and end (a Runtime summary adder: it runs when
         the span is built, possibly on the finisher thread)."""
-        _add_pg_arrays(summary, totals.pg, totals.seq_start or {}, totals.seq_end or {})
+        _add_pg_arrays(summary, totals.pg, totals.seq_start or {}, totals.seq_end or {},
+                       self.groups.roles, self._said_untimed)
 
     def on_step_end(self, step: int, detail: bool, span) -> None:
         if detail:

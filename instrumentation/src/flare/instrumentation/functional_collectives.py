@@ -109,6 +109,7 @@ class FunctionalCollectives:
                 return result
             totals = runtime.totals.pg_totals(name)
             totals.python_count += 1
+            totals.covered += 1
             # The call itself blocks where the backend runs it at once (gloo on CPU
             # waits for every member inside it); elsewhere it is the enqueue.
             totals.wait_ns += issued_ns

@@ -4,9 +4,39 @@ numbers, cached so the per-collective cost is a dict lookup and one C++ call."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
+from flare.instrumentation import semconv
+
 _log = logging.getLogger(__name__)
+
+
+# A group's role from its description (`group_desc`): a DeviceMesh dimension's
+# "mesh_<dim>" (torchtitan's dp_shard, dp_replicate, cp, tp, pp, ep), Megatron's
+# "TENSOR_MODEL_PARALLEL_GROUP" and the like, or a user's own name ("pipeline0").
+_ROLE_WORDS = {
+    **dict.fromkeys(("tp", "tensor"), semconv.ROLE_TENSOR),
+    **dict.fromkeys(("pp", "pipe", "pipeline"), semconv.ROLE_PIPELINE),
+    **dict.fromkeys(("cp", "context"), semconv.ROLE_CONTEXT),
+    **dict.fromkeys(("ep", "expert", "moe"), semconv.ROLE_EXPERT),
+    **dict.fromkeys(("dp", "data", "fsdp", "ddp", "hsdp", "zero", "shard", "replicate"),
+                    semconv.ROLE_DATA),
+}
+_WORD = re.compile(r"[a-z]+")
+
+
+def role_of(desc: str) -> str:
+    """The parallelism a group serves, from its description; "" when it cannot be told.
+    The first role word wins ("DATA_PARALLEL_GROUP_WITH_CP" is data parallel)."""
+    desc = desc.lower()
+    if desc in ("default_pg", "world"):
+        return semconv.ROLE_WORLD
+    for word in _WORD.findall(desc.removeprefix("mesh_")):
+        role = _ROLE_WORDS.get(word)
+        if role:
+            return role
+    return ""
 
 
 @dataclass(frozen=True)
@@ -15,6 +45,7 @@ class PgInfo:
     desc: str
     ranks: tuple[int, ...]
     backend: str
+    role: str = ""
 
     @property
     def size(self) -> int:
@@ -35,6 +66,7 @@ class ProcessGroups:
         self._snapshot_groups: tuple = ()
         self._pg_registry: dict | None = None  # c10d's dict of live groups (see _registry)
         self._snapshot_named: list[tuple[object, str]] = []
+        self.roles: dict[str, str] = {}  # group name -> role, of the groups known by role
 
     def resolve(self, group):
         """The ProcessGroup object a `group=` argument means (None: the default group)."""
@@ -59,10 +91,12 @@ class ProcessGroups:
             backend = str(self._dist.get_backend(pg))
         except Exception:
             backend = "unknown"
-        info = PgInfo(name=str(getattr(pg, "group_name", "") or "?"),
-                      desc=str(getattr(pg, "group_desc", "") or ""),
-                      ranks=ranks, backend=backend)
+        desc = str(getattr(pg, "group_desc", "") or "")
+        info = PgInfo(name=str(getattr(pg, "group_name", "") or "?"), desc=desc,
+                      ranks=ranks, backend=backend, role=role_of(desc))
         self._info[id(pg)] = (pg, info)
+        if info.role and len(self.roles) < 4096:
+            self.roles[info.name] = info.role
         return info
 
     def sequence(self, pg) -> int | None:
@@ -73,8 +107,10 @@ class ProcessGroups:
             return int(pg._get_sequence_number_for_group())
         except Exception:
             self._no_sequence.add(id(pg))
-            _log.info("flare: process group %s has no sequence numbers; its collectives "
-                      "are counted from Python only", getattr(pg, "group_name", "?"))
+            _log.warning("flare: process group %s (backend %s) has no sequence numbers: its "
+                         "collectives are counted from Python only, and any it issues "
+                         "from C++ are not seen (their wait reads as compute)",
+                         getattr(pg, "group_name", "?"), self.info(pg).backend)
             return None
 
     def all_groups(self) -> list:

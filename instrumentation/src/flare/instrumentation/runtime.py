@@ -47,6 +47,12 @@ class PgTotals:
     python_count: int = 0
     bytes: int = 0
     device_ns: int = 0  # CUDA only: device time of collectives that completed this step
+    # Sequence numbers covered by calls Flare timed (a wrapped call may advance it more
+    # than once), and whether C++-issued ones were accounted (DDP's reducer: its wait is
+    # the tail of backward): what is left of the group's advance was not seen at all.
+    covered: int = 0
+    p2p_count: int = 0
+    cpp_accounted: bool = False
 
 
 @dataclass(slots=True)
