@@ -8,7 +8,10 @@
 # 2. tests/gpu/check_gpu_results.py checks the store and the diagnosis: kernel spans,
 #    issue latency, GEMM TFLOPS, void share, device-timed NCCL collectives, NVML metrics
 #    and step clock state, and the slowdown labelled on rank 1;
-# 3. benchmarks/kernel_window_overhead.py on the GPU.
+# 3. FSDP2 and FSDP2 + tensor parallel (train_gpu.py --parallel) on NCCL, the last rank
+#    slowed when there are 2 GPUs or more: tests/gpu/check_parallel.py checks the groups,
+#    their waits and device times, nothing untimed, and the slow rank named;
+# 4. benchmarks/kernel_window_overhead.py on the GPU.
 #
 # Environment: PYTHON (default python3, whose torch must see the GPU). If Flare is not
 # importable there, a venv with --system-site-packages is made and the five Flare
@@ -80,6 +83,27 @@ print(f"{'PASS' if timed else 'FAIL'} NCCL collectives timed on the device {{'sp
 sys.exit(0 if comm and timed else 1)
 PY
 fi
+
+echo "== FSDP2 and FSDP2 + tensor parallel on NCCL (one GPU per rank)"
+for PAR in fsdp2 fsdp2_tp; do
+  N=$(( GPUS >= 4 ? 4 : GPUS ))
+  NGROUPS=1
+  if [ "$PAR" = fsdp2_tp ]; then
+    N=$(( N / 2 * 2 )); NGROUPS=2
+    if [ "$N" -lt 2 ]; then echo "N/A  $PAR: needs 2 GPUs, this host has $GPUS"; continue; fi
+  fi
+  SLOW=$(( N >= 2 ? N - 1 : -1 ))  # one rank: a healthy run, the groups and timings still checked
+  PSTORE="$OUT/gpu-$PAR.duckdb"
+  rm -f "$PSTORE"
+  timeout 240 "$PY" -m flare.diagnostics.cli run --store "$PSTORE" --job "gpu-$PAR" --format json \
+    -o "$OUT/diagnosis-$PAR.json" -- "$PY" -m torch.distributed.run --nproc_per_node "$N" \
+    tests/gpu/train_gpu.py --parallel "$PAR" --steps 150 --slow-rank "$SLOW" --slow-from 50 \
+    --batch 2048 --backend nccl > "$OUT/run-$PAR.log" 2>&1
+  echo "flare run ($PAR, $N ranks) exit status $?"
+  "$PY" tests/gpu/check_parallel.py --store "$PSTORE" --job "gpu-$PAR" \
+    --diagnosis "$OUT/diagnosis-$PAR.json" --slow-rank "$SLOW" --slow-from 50 --groups "$NGROUPS" \
+    || STATUS=1
+done
 
 echo "== kernel window overhead on the GPU"
 timeout 240 "$PY" benchmarks/kernel_window_overhead.py --steps 300 \

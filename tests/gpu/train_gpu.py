@@ -30,7 +30,36 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-from", type=int, default=60)
     parser.add_argument("--extra-gemms", type=int, default=24)
     parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp2", "fsdp2_tp"), default="ddp",
+                        help="fsdp2: fully_shard per layer; fsdp2_tp: a (world/2 x 2) "
+                             "DeviceMesh, layer pairs column/row tensor-parallel, then FSDP2 "
+                             "(both need NCCL: one GPU per rank)")
     return parser.parse_args()
+
+
+def _sharded(model: nn.Sequential, parallel: str, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if parallel == "fsdp2":
+        mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("dp",))
+    else:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        if world % 2:
+            raise SystemExit("--parallel fsdp2_tp needs an even number of ranks")
+        full = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                for i in range(len(model) - len(model) % 2)}
+        parallelize_module(model, full["tp"], plan)
+        mesh = full["dp"]
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def main() -> None:
@@ -47,8 +76,11 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)])
-    model = DistributedDataParallel(model.to(device=device, dtype=torch.bfloat16),
-                                    device_ids=[device.index] if backend == "nccl" else None)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    if args.parallel == "ddp":
+        model = DistributedDataParallel(model, device_ids=[device.index] if backend == "nccl" else None)
+    else:
+        model = _sharded(model, args.parallel, world)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.dim, device=device, dtype=torch.bfloat16)
     extra = torch.randn(args.dim, args.dim, device=device, dtype=torch.bfloat16)
@@ -64,7 +96,7 @@ def main() -> None:
         optimizer.step()
         torch.cuda.synchronize()  # a real loop syncs on .item() for logging
     if rank == 0:
-        print(f"train_gpu: {args.steps} steps, backend {backend}, world {world}")
+        print(f"train_gpu: {args.steps} steps, {args.parallel}, backend {backend}, world {world}")
     dist.destroy_process_group()
 
 
