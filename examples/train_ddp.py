@@ -258,12 +258,17 @@ def load_shard(step: int, fault: Fault) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Started without a launcher (`python examples/train_ddp.py`): one process, no DDP.
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)  # same initial weights on every rank
     fault = Fault(args, rank)
 
     subgroup = None
+    if args.fault in ("hang_subgroup", "extra_comm") and not distributed:
+        raise SystemExit(f"--fault {args.fault} needs torchrun (several ranks)")
     if args.fault == "hang_subgroup":
         if len(args.fault_rank) != 1 or args.fault_rank[0] not in (0, 1) or world_size < 2:
             raise SystemExit("--fault hang_subgroup needs --fault-rank 0 or 1 and >= 2 ranks")
@@ -273,7 +278,9 @@ def main(argv=None) -> None:
     # the calibrating collections) is part of no step: the first faulty one, or step 0,
     # in which the other ranks would wait for it.
     gc_pressure = GcPressure(fault.seconds) if fault.kind == "gc" and fault.on_this_rank else None
-    if args.compile:  # torch.compile over DDP: the first steps compile (seconds each);
+    if not distributed:
+        model = torch.compile(build_model(args.hidden)) if args.compile else build_model(args.hidden)
+    elif args.compile:  # torch.compile over DDP: the first steps compile (seconds each);
         # dynamo's DDP optimizer wants the default bucket sizes
         model = torch.compile(DistributedDataParallel(build_model(args.hidden)))
     else:
@@ -329,8 +336,9 @@ def main(argv=None) -> None:
             json.dump(step_times, handle)
     if args.checksum:
         write_checksum(model, rank, args.checksum)
-    dist.barrier()
-    dist.destroy_process_group()
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

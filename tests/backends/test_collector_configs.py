@@ -3,16 +3,15 @@ front is checked for the structure the upstream loadbalancing exporter documents
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
 from flare.collector import config as config_mod
+from flare.collector import shipped
 from flare.collector.errors import ConfigError
 from flare.collector.service import Collector
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "otel-collector" / "config"
+CONFIG_DIR = shipped.folder()
 
 
 @pytest.mark.parametrize(("name", "forward"), [("jaeger.yaml", "otlp/jaeger"), ("tempo.yaml", "otlp/tempo")])
@@ -41,7 +40,7 @@ def test_flare_configs_load_and_run(name, forward, tmp_path, monkeypatch):
 def test_loadbalancing_front_has_the_upstream_shape():
     """otelcol-contrib cannot run here; check what its loadbalancing exporter's README
     (opentelemetry-collector-contrib exporter/loadbalancingexporter) requires."""
-    doc = yaml.safe_load((CONFIG_DIR / "loadbalancing-front.yaml").read_text())
+    doc = yaml.safe_load((CONFIG_DIR / "loadbalancing.yaml").read_text())
     lb = doc["exporters"]["loadbalancing"]
     assert lb["routing_key"] == "traceID"  # all ranks of a step meet in one collector
     assert set(lb["protocol"]) == {"otlp"}

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flare.collector import config
+from flare.collector import config, shipped
 from flare.collector.__main__ import main
 from flare.collector.errors import ConfigError
 from flare.collector.service import Collector
 
 REPO = Path(__file__).resolve().parents[2]
-EMBEDDED = REPO / "otel-collector" / "config" / "embedded.yaml"
+EMBEDDED = shipped.resolve("embedded")
 
 
 def test_env_substitution_types_whole_values_and_keeps_text():
@@ -158,3 +158,34 @@ def test_bearer_token_file_guards_the_http_receiver(tmp_path):
     missing["receivers"]["otlp"]["protocols"]["http"]["auth"] = {"bearer_token_file": str(tmp_path / "nope")}
     with pytest.raises(ConfigError, match=r"cannot read auth\.bearer_token_file"):
         Collector(missing).start()
+
+
+def test_a_default_may_be_a_reference_so_one_host_setting_moves_every_endpoint():
+    value = "${env:FLARE_METRICS_HOST:-${env:FLARE_HOST:-127.0.0.1}}:${env:FLARE_METRICS_PORT:-8888}"
+    assert config.substitute_env(value, {}) == "127.0.0.1:8888"
+    assert config.substitute_env(value, {"FLARE_HOST": "0.0.0.0"}) == "0.0.0.0:8888"
+    assert config.substitute_env(value, {"FLARE_HOST": "0.0.0.0",
+                                         "FLARE_METRICS_HOST": "10.1.2.3"}) == "10.1.2.3:8888"
+
+
+@pytest.mark.parametrize("name", ["embedded", "jaeger", "tempo"])
+def test_every_listening_endpoint_of_a_shipped_config_follows_flare_host(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLARE_HOST", "0.0.0.0")
+    monkeypatch.setenv("FLARE_STORE", str(tmp_path / "s.duckdb"))
+    doc = config.load_file(shipped.resolve(name))
+    endpoints = [doc["receivers"]["otlp"]["protocols"][p]["endpoint"] for p in ("grpc", "http")]
+    endpoints += [options["endpoint"] for ext, options in doc["extensions"].items()
+                  if ext.startswith(("flare_metrics", "flare_query"))]
+    assert len(endpoints) >= 3 and all(e.startswith("0.0.0.0:") for e in endpoints), endpoints
+
+
+def test_shipped_configs_are_found_by_name_and_a_wrong_name_is_one_line(capsys):
+    assert main(["--config", "tempo", "--print-config"]) == 0
+    assert "otlp/tempo" in capsys.readouterr().out
+    assert main(["--config", "loadbalancing", "--print-config"]) == 0
+    assert "loadbalancing" in capsys.readouterr().out
+    assert main(["--config", "loadbalancing"]) == 2
+    assert "otelcol-contrib" in capsys.readouterr().err
+    assert main(["--config", "nope"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert shipped.dashboard().exists()

@@ -126,3 +126,21 @@ def test_training_is_bit_identical_with_and_without_flare(store, example):
     digests = {mode: {p.name: p.read_text() for p in folder.glob("rank*.sha256")}
                for mode, folder in folders.items()}
     assert len(digests["plain"]) == 4 and digests["plain"] == digests["flare"], digests
+
+
+def test_a_single_process_job_without_torchrun_is_diagnosed(store):
+    """`flare run -- python train.py`: no launcher, no RANK. The process flare run
+    started is the job's one rank (its DataLoader workers are not); no cross-rank label,
+    the job's own slowdown is labelled."""
+    run = harness.FlareRun(store, "single", [str(a) for a in (
+        harness.BIN / "python", harness.TRAIN_DDP, "--steps", 60, "--hidden", 256,
+        "--fault", "input", "--fault-rank", 0, "--fault-from", ONSET, "--fault-ms", 40,
+        "--num-workers", 1)])
+    report = run.finish()
+    print(f"\nE2E single process, slow input from step {ONSET}:\n{harness.describe(report)}")
+    assert sorted(run.step_ms()[ONSET]) == [0]  # one rank, the trainer itself
+    kinds = {(a["kind"], a["cause"]) for a in report["anomalies"]}
+    assert ("fail_slow", "input") in kinds, harness.describe(report)
+    assert not any(a["kind"] == "straggler" for a in report["anomalies"])
+    slow = next(a for a in report["anomalies"] if a["kind"] == "fail_slow")
+    assert abs(slow["first_step"] - ONSET) <= 3, harness.describe(report)

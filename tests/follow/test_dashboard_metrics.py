@@ -20,7 +20,7 @@ from flare.diagnostics import writeback
 from flare.diagnostics.model import Anomaly
 from flare.diagnostics.synthetic import Fault, job_spans
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "otel-collector" / "dashboards" / "flare.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "otel-collector" / "src" / "flare" / "collector" / "configs" / "flare-dashboard.json"
 
 
 def scrape(endpoint: str) -> dict[tuple[str, frozenset], float]:

@@ -106,3 +106,27 @@ def test_sdk_runs_the_detector_from_its_entry_point(clean_env):
     clean_env.delenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS")
     identity.current_identity.cache_clear()
     assert semconv.RANK not in Resource.create().attributes
+
+
+@pytest.mark.parametrize(("argv", "launcher"), [
+    (["/venv/bin/torchrun", "--nproc_per_node", "4", "train.py"], True),
+    (["/venv/bin/python3", "-m", "torch.distributed.run", "train.py"], True),
+    (["python", "-m", "torch.distributed.launch", "train.py"], True),
+    (["/usr/bin/deepspeed", "train.py"], True),
+    (["/venv/bin/python", "train.py"], False),
+    (["python", "-m", "mypackage.train"], False),
+])
+def test_launchers_are_told_from_training_scripts(argv, launcher):
+    assert identity.is_launcher(argv) is launcher
+
+
+def test_a_process_flare_run_started_without_rank_is_a_single_process_job(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(identity, "is_launcher", lambda argv=None: False)
+    monkeypatch.setenv("FLARE_RUN_PID", str(os.getppid()))
+    assert identity.in_training_rank()
+    monkeypatch.setenv("FLARE_RUN_PID", str(os.getppid() + 1))  # a grandchild: a worker
+    assert not identity.in_training_rank()
+    monkeypatch.setenv("FLARE_RUN_PID", str(os.getppid()))
+    monkeypatch.setattr(identity, "is_launcher", lambda argv=None: True)  # torchrun itself
+    assert not identity.in_training_rank()

@@ -265,6 +265,9 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         "OTEL_LOGS_EXPORTER": "none",
         "OTEL_EXPERIMENTAL_RESOURCE_DETECTORS": "otel,flare",
         sc.ENV_JOB_ID: job,
+        # A command that is not a launcher (`flare run -- python train.py`) is a job of
+        # one process: the instrumentation knows it by its parent, this process.
+        sc.ENV_RUN_PID: str(os.getpid()),
     })
     # Alerts are only as fresh as the batches ranks send: each rank's finisher hands its
     # step spans over and exports them every max(2 s, this delay). The SDK's default of

@@ -32,10 +32,37 @@ def _int_env(name: str, default: int = 0) -> int:
         return default
 
 
+# Python launchers of ranks (`torchrun`, `python -m torch.distributed.run`, DeepSpeed,
+# Accelerate): never a training process themselves.
+LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "deepspeed",
+             "accelerate", "accelerate-launch")
+
+
+def is_launcher(argv: list[str] | None = None) -> bool:
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv) if argv is None else argv
+    for index, arg in enumerate(argv[:4]):
+        name = os.path.basename(arg)
+        if name in LAUNCHERS:
+            return True
+        if arg == "-m" and index + 1 < len(argv) and argv[index + 1] in LAUNCHERS:
+            return True
+    return False
+
+
+def single_process_job() -> bool:
+    """A process `flare run` started itself (its parent is `flare run`), with no RANK, that
+    is not a launcher: a job of one process, rank 0 of a world of 1. Its own children
+    (DataLoader workers) and a launcher's ranks have other parents."""
+    run_pid = os.environ.get(semconv.ENV_RUN_PID, "").strip()
+    return (run_pid.isdigit() and int(run_pid) == os.getppid()
+            and not os.environ.get("RANK", "").strip() and not is_launcher())
+
+
 def in_training_rank() -> bool:
-    """True in a rank process started by torchrun or another launcher (RANK is set),
-    False in the torchrun agent and other helper processes."""
-    return os.environ.get("RANK", "").strip().isdigit()
+    """True in a rank process started by torchrun or another launcher (RANK is set), or
+    in a single-process job under `flare run`; False in the torchrun agent and other
+    helper processes."""
+    return os.environ.get("RANK", "").strip().isdigit() or single_process_job()
 
 
 def script_name() -> str:

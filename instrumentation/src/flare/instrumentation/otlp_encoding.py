@@ -358,7 +358,7 @@ def probe_spans() -> list:
     scopes = (InstrumentationScope("flare.probe", "1.0", "https://schema/s"), None)
     attributes = {"f": 1.25, "neg": -7, "big": _INT64_MAX, "s": "ß-x", "t": True, "no": False,
                   "zero": 0, "empty": "", "fl": (0.5, -2.0), "il": (1, -2, 3), "sl": ("a", ""),
-                  "bl": (True, False), "nl": (), "none": None, "b": b"\x00\x01"}
+                  "bl": (True, False), "nl": (), "b": b"\x00\x01"}
     spans = []
     for i, (kind, status) in enumerate((
             (SpanKind.INTERNAL, Status(StatusCode.UNSET)),

@@ -280,3 +280,6 @@ HANG_THREAD = "flare.hang.thread"
 HEARTBEAT_STEP_OPEN_S = "flare.heartbeat.step_open_s"
 ENV_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 ENV_RANK_PID = "FLARE_RANK_PID"  # set by an instrumented rank; its child processes stay quiet
+# Set by `flare run` to its own pid: a process it started directly, with no RANK and not
+# a launcher, is a single-process job (rank 0 of 1).
+ENV_RUN_PID = "FLARE_RUN_PID"

@@ -92,6 +92,9 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         self._parts: list = []
         self._runtime = None
         if not in_training_rank() or _is_helper_of_a_rank():
+            from flare.instrumentation.launcher import keep_for_children
+
+            keep_for_children()  # a launcher (torchrun): its ranks are instrumented too
             return
         try:
             import torch

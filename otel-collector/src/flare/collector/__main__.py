@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from flare.collector import shipped
 from flare.collector.errors import ConfigError, StartError
 
 PROG = "flare collector"
@@ -31,8 +32,12 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Run the Flare OTLP collector (receivers, rank correlation, store, forwarding).",
     )
-    parser.add_argument("--config", required=True, metavar="FILE",
-                        help="collector configuration in the otelcol shape (see otel-collector/config/)")
+    parser.add_argument("--config", required=True, metavar="FILE|NAME",
+                        help="collector configuration in the otelcol shape: a file, or one "
+                             f"shipped with Flare by name ({', '.join(shipped.NAMES)}; "
+                             "`flare collector --print-config NAME` shows it)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the configuration --config names and exit")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="log verbosity on stderr (default: info)")
     return parser
@@ -67,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     from flare.collector.service import Collector
 
     try:
-        collector = Collector.from_config_file(args.config)
+        path = shipped.resolve(args.config, printing=args.print_config)
+        if args.print_config:
+            sys.stdout.write(path.read_text())
+            return 0
+        collector = Collector.from_config_file(str(path))
         collector.start()
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -9,7 +9,8 @@
       pipelines:  {traces[/<name>]: {receivers, processors, exporters}, metrics…}
       flush_interval, drain_timeout, queue_max_size      (Flare additions)
 
-`${env:VAR}` and `${env:VAR:-default}` are substituted in every string value (a value
+`${env:VAR}` and `${env:VAR:-default}` are substituted in every string value (the
+default may itself be one `${env:…}` reference; a value
 that is only a reference takes the type its text reads as, so ports stay integers);
 `$$` is a literal `$`. Everything is checked before anything starts: an unknown
 component, option or bad value is one `ConfigError` sentence naming where it is.
@@ -44,7 +45,9 @@ DEFAULT_MAX_BODY = 64 << 20
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
 
-_ENV_REF = re.compile(r"\$\$|\$\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# A default may itself be one reference: ${env:FLARE_METRICS_HOST:-${env:FLARE_HOST:-127.0.0.1}}
+_ENV_REF = re.compile(r"\$\$|\$\{env:([A-Za-z_][A-Za-z0-9_]*)"
+                      r"(?::-((?:[^}$]|\$\{env:[A-Za-z_][A-Za-z0-9_]*(?::-[^}$]*)?\})*))?\}")
 
 # ---------------------------------------------------------------- typed configuration
 @dataclass
@@ -155,7 +158,7 @@ def _expand(match: re.Match[str], env) -> str:
         if default is None:
             log.warning("environment variable %s is not set; using an empty value", name)
             return ""
-        return default
+        return _ENV_REF.sub(lambda m: _expand(m, env), default) if "$" in default else default
     return value
 
 

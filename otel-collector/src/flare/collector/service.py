@@ -1,6 +1,6 @@
 """The collector as an object: build from a configuration, start, flush, stop.
 
-    collector = Collector.from_config_file("otel-collector/config/embedded.yaml")
+    collector = Collector.from_config_file(str(shipped.resolve("embedded")))
     collector.start()            # replays the write-ahead log tail, then listens
     collector.grpc_endpoint      # "127.0.0.1:4317" (the bound port when 0 was asked)
     collector.flush()            # everything acknowledged so far is in the store
@@ -285,7 +285,7 @@ class Collector:
             self._extensions["flare_metrics"] = ext
             if self.store_path:
                 # Per-rank step time, wait and culprit share for the Grafana dashboard
-                # (otel-collector/dashboards/flare.json), read from the store per scrape.
+                # (the shipped dashboard, flare/collector/configs/flare-dashboard.json), read from the store per scrape.
                 self._rank_gauges = _Throttled(RankGauges(self.store_path), RANK_GAUGES_EVERY_S)
                 self.registry.register_gauge_source(self._rank_gauges)
         if cfg.query_endpoint is not None:

@@ -64,7 +64,7 @@ def _wire_schema(root, counted) -> tuple[tuple[bytes, ...], int] | None:
                 code = 6 + index[name]
             else:
                 # A group, or a repeated number (packed on the wire), is left to protobuf.
-                repeated_number = field.is_repeated and scalar.get(field.type) in (1, 2, 3)
+                repeated_number = _is_repeated(field) and scalar.get(field.type) in (1, 2, 3)
                 code = 0 if repeated_number else scalar.get(field.type, 0)
             if code > 255:
                 return None
@@ -73,6 +73,15 @@ def _wire_schema(root, counted) -> tuple[tuple[bytes, ...], int] | None:
     if len(tables) > 256 or counted.full_name not in index:
         return None
     return tuple(tables), index[counted.full_name]
+
+
+def _is_repeated(field) -> bool:
+    """`FieldDescriptor.is_repeated` (protobuf >= 5.28, where `label` is deprecated), or
+    the `label` of the protobuf 4 the declared floors bring."""
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is not None:
+        return bool(repeated)
+    return field.label == field.LABEL_REPEATED
 
 
 _TRACES_SCHEMA = (

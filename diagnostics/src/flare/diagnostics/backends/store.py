@@ -89,10 +89,16 @@ class StoreBackend:
                 self._open()
             started = time.monotonic()
             try:
-                # A cursor of its own: open_reader leaves its version check result on `con`.
-                relation = self._con.cursor().sql(sql, params=list(params))
-                table = Table.from_numpy(relation.fetchnumpy()) if relation is not None \
-                    else Table({})
+                # A cursor of its own: open_reader leaves its version check result on
+                # `con`. Held until the result is read: DuckDB < 1.3 closes a collected
+                # cursor's connection under the relation still reading from it.
+                cursor = self._con.cursor()
+                try:
+                    relation = cursor.sql(sql, params=list(params))
+                    table = Table.from_numpy(relation.fetchnumpy()) if relation is not None \
+                        else Table({})
+                finally:
+                    cursor.close()
             except BaseException:
                 self._release()
                 raise

@@ -1,0 +1,54 @@
+"""Ranks started by an instrumented launcher stay instrumented.
+
+`opentelemetry-instrument torchrun … train.py` instruments torchrun's own process
+through a `sitecustomize` on PYTHONPATH, and torchrun's children — the ranks — through
+the same PYTHONPATH. Before opentelemetry-instrumentation 0.63b0 that `sitecustomize`
+took its folder off PYTHONPATH for good as it ran (against a loop of processes spawned
+while initialising), so no rank was instrumented and the job sent nothing; 0.63b0 puts
+it back once initialised (open-telemetry/opentelemetry-python-contrib#4469). Under an
+older version Flare, loaded in the launcher as an instrumentor, puts it back itself,
+as the newer versions do: after initialisation, only when it was there at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+_log = logging.getLogger(__name__)
+
+RESTORES_ITSELF = (0, 63)  # opentelemetry-instrumentation 0.63b0
+
+
+def _version() -> tuple[int, int] | None:
+    try:
+        from opentelemetry.instrumentation.version import __version__
+    except ImportError:
+        return None
+    match = re.match(r"(\d+)\.(\d+)", __version__)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def keep_for_children(environ=os.environ) -> bool:
+    """Put the auto-instrumentation folder back on PYTHONPATH when this process was
+    started through it and an older opentelemetry-instrumentation took it off; True
+    when it did."""
+    version = _version()
+    if version is None or version >= RESTORES_ITSELF:
+        return False
+    site = sys.modules.get("sitecustomize")
+    try:
+        from opentelemetry.instrumentation import auto_instrumentation
+    except ImportError:
+        return False
+    folder = os.path.dirname(os.path.abspath(auto_instrumentation.__file__))
+    started_through_it = site is not None and os.path.dirname(
+        os.path.abspath(getattr(site, "__file__", "") or "")) == folder
+    current = environ.get("PYTHONPATH", "")
+    if not started_through_it or folder in current.split(os.pathsep):
+        return False
+    environ["PYTHONPATH"] = folder + os.pathsep + current if current else folder
+    _log.debug("flare: auto-instrumentation kept on PYTHONPATH for this process's children")
+    return True
