@@ -63,6 +63,10 @@ def test_dead_forward_target_does_not_stall_the_store(collector_process, helpers
     metrics = proc.scrape()
     assert metrics.get("flare_collector_exporter_sent_requests", 0) == 0
     assert metrics["flare_collector_exporter_retries"] + metrics["flare_collector_exporter_failed_requests"] > 0
+    assert metrics["flare_collector_exporter_failing"] == 1
+    # said, but not once per retry: the first failure at once, then every 30 s at most
+    said = [line for line in proc.log().splitlines() if "is failing" in line]
+    assert 1 <= len(said) <= 2 and f"127.0.0.1:{dead_port}" in said[0], said
     started = time.monotonic()
     assert proc.terminate() == 0  # the forwarder gets its shutdown_timeout, then gives up
     assert time.monotonic() - started < 8

@@ -133,12 +133,14 @@ def _report_forwarding(collector, target: str | None) -> None:
             continue  # the store
         counters = exporter.metrics()
         lost = int(counters.get("dropped_items", 0))
-        if lost:
+        failing = exporter.failing_for_s()
+        if lost or failing is not None:
             failed = int(counters.get("failed_requests", 0))
             reason = exporter.last_error or "the target did not take them"
+            still = f", still failing after {failing:.0f} s" if failing is not None else ""
             print(f"flare: forwarding to {target} lost {lost} spans and points "
-                  f"({failed} requests failed; last error: {reason}); the store has them all",
-                  file=sys.stderr)
+                  f"({failed} requests failed{still}; last error: {reason}); the store has "
+                  "them all", file=sys.stderr)
 
 
 def _url(endpoint: str) -> str:

@@ -19,6 +19,7 @@ import collections
 import email.utils
 import gzip
 import http.client
+import logging
 import random
 import ssl
 import threading
@@ -33,6 +34,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from flare.processors import options
+
+log = logging.getLogger("flare.exporters.otlp")
+FAILING_LOG_EVERY_S = 30.0  # a target that keeps failing is logged at most this often
 
 _GRPC_METHODS = {
     "traces": "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
@@ -330,6 +334,10 @@ class OtlpExporter:
             "failed_requests", "rejected_items", "retries",
         ), 0.0)
         self.last_error = ""
+        # While the target fails: since when (monotonic), how many attempts, last log time
+        self._failing_since: float | None = None
+        self._failed_attempts = 0
+        self._logged_at = 0.0
         self._thread = threading.Thread(target=self._run, name="flare-otlp-forward", daemon=True)
         self._thread.start()
 
@@ -383,7 +391,42 @@ class OtlpExporter:
             out = dict(self._counters)
             out["queue_requests"] = float(len(self._queue))
             out["queue_bytes"] = float(self._queued_bytes)
+            out["failing"] = 1.0 if self._failing_since is not None else 0.0
         return out
+
+    def failing_for_s(self) -> float | None:
+        """Seconds the target has been failing, None while it takes what is sent."""
+        since = self._failing_since
+        return None if since is None else time.monotonic() - since
+
+    def _note_failure(self, error: SendError) -> None:
+        """A failed attempt: said at once the first time, then at most every 30 s while
+        the target keeps failing (a forward target that is down must not stay silent,
+        nor flood the log)."""
+        now = time.monotonic()
+        with self._cond:
+            self._failed_attempts += 1
+            first = self._failing_since is None
+            if first:
+                self._failing_since = now
+            due = first or now - self._logged_at >= FAILING_LOG_EVERY_S
+            if due:
+                self._logged_at = now
+            attempts, queued = self._failed_attempts, len(self._queue)
+            since = now - self._failing_since
+        if due:
+            log.warning("forwarding to %s is failing%s: %s (%d attempts over %.0f s, %d requests "
+                        "queued; the store keeps everything)", self.endpoint,
+                        "" if error.retryable else " (not retryable)", error, attempts, since, queued)
+
+    def _note_success(self) -> None:
+        with self._cond:
+            if self._failing_since is None:
+                return
+            attempts, since = self._failed_attempts, time.monotonic() - self._failing_since
+            self._failing_since, self._failed_attempts = None, 0
+        log.warning("forwarding to %s works again after %d failed attempts over %.0f s",
+                    self.endpoint, attempts, since)
 
     def shutdown(self) -> None:
         self.wait_idle(self.shutdown_timeout_s)
@@ -423,6 +466,7 @@ class OtlpExporter:
                 rejected = self._sender.send(item)
             except SendError as exc:
                 self.last_error = str(exc)
+                self._note_failure(exc)
                 elapsed = time.monotonic() - started
                 delay = exc.retry_after_s
                 if delay is None:
@@ -442,6 +486,7 @@ class OtlpExporter:
                         self._counters["dropped_items"] += item.items
                         return
                 continue
+            self._note_success()
             with self._cond:
                 self._counters["sent_requests"] += 1
                 self._counters["sent_items"] += item.items - rejected
