@@ -149,6 +149,10 @@ def test_go_durations():
 @pytest.fixture(scope="module")
 def read_endpoint(store_path):
     """The collector's `flare_query` extension over the module's store."""
+    yield from _serve(store_path)
+
+
+def _serve(store_path):
     from flare.collector.config import embedded_config
     from flare.collector.service import Collector
 
@@ -186,3 +190,48 @@ def test_adapter_and_endpoint_agree_on_a_busy_window(read_endpoint):
     """Depth far below the trace count: the adapter's window splitting still sees all."""
     backend = JaegerBackend(read_endpoint, search_depth=7)
     assert backend.fetch("jobA", ["train.step"]).num_rows == 4 * 30
+
+
+def _under_one_service(table, service: str):
+    """The table's spans as sent with OTEL_SERVICE_NAME=service (the job only in flare.job.id)."""
+    import pyarrow as pa
+
+    resources = []
+    for text in table.column("resource").to_pylist():
+        resource = json.loads(text) if text else {}
+        resource[sc.SERVICE_NAME] = service
+        resources.append(json.dumps(resource))
+    table = table.set_column(table.schema.get_field_index("service"), "service",
+                             pa.array([service] * table.num_rows, pa.string()))
+    return table.set_column(table.schema.get_field_index("resource"), "resource",
+                            pa.array(resources, pa.string()))
+
+
+def test_two_jobs_under_one_service_are_two_jobs_in_the_store_and_through_jaeger(tmp_path):
+    """Jobs launched with only OTEL_SERVICE_NAME=trainer (or the SDK's unknown_service)
+    used to merge on the Jaeger path: jobs are their flare.job.id on every backend, and
+    each gives the same diagnosis there as from the store."""
+    from flare.diagnostics import pipeline
+
+    path = tmp_path / "two.duckdb"
+    with store.writer(path) as con:
+        store.insert_spans(con, _under_one_service(job_spans(
+            "jobB", world=4, steps=30, start_ns=START_NS, faults=(Fault("compute", rank=1, from_step=10),)),
+            "trainer"))
+        store.insert_spans(con, _under_one_service(job_spans(
+            "jobC", world=4, steps=30, start_ns=START_NS + 10**9, seed=3,
+            faults=(Fault("compute", rank=3, from_step=12),)), "trainer"))
+    direct = open_backend(f"store:{path}")
+    generator = _serve(str(path))
+    url = next(generator)
+    try:
+        jaeger = open_backend(f"jaeger+{url}")
+        assert direct.jobs() == jaeger.jobs() == ["jobB", "jobC"]
+        for job in ("jobB", "jobC"):
+            want = [(a.kind, a.ranks, a.cause) for a in pipeline.diagnose(direct.job_data(job)).anomalies]
+            got = [(a.kind, a.ranks, a.cause) for a in pipeline.diagnose(jaeger.job_data(job)).anomalies]
+            assert want == got and want, (job, want, got)
+        jaeger.close()
+    finally:
+        direct.close()
+        next(generator, None)

@@ -39,6 +39,20 @@ def test_jobs_from_v2_tag_values_then_v1(recorded_server, tempo_fixture):
     assert "shop-backend" in backend.jobs()
 
 
+def test_jobs_are_flare_job_ids_where_tempo_holds_them(recorded_server):
+    """Two jobs under one service name (OTEL_SERVICE_NAME=trainer) are two jobs, as in
+    the store: listed by flare.job.id, each searched by it."""
+    recorded_server.answer("/api/v2/search/tag/resource.flare.job.id/values", {
+        "tagValues": [{"type": "string", "value": "train-20261201-101500-ab12"},
+                      {"type": "string", "value": "train-20261201-113000-cd34"}]})
+    recorded_server.answer("/api/v2/search/tag/resource.service.name/values", {
+        "tagValues": [{"type": "string", "value": "trainer"}]})
+    backend = open_backend(f"tempo+{recorded_server.url}")
+    assert backend.jobs() == ["train-20261201-101500-ab12", "train-20261201-113000-cd34"]
+    assert traceql_filter("train-20261201-101500-ab12", None, None, None, None).startswith(
+        '{ (resource.flare.job.id = "train-20261201-101500-ab12" || resource.service.name = ')
+
+
 def test_traceql_search_then_trace_by_id(recorded_server, tempo_fixture):
     recorded_server.answer("/api/search", tempo_fixture("search_traceql_service_name.json"))
     recorded_server.answer(f"/api/v2/traces/{DOC_TRACE}", tempo_fixture("trace_v2_by_id.json"))
@@ -54,7 +68,8 @@ def test_traceql_search_then_trace_by_id(recorded_server, tempo_fixture):
     assert json.loads(row["attributes"]) == {"my.span.attr": "some value"}
     assert row["end_ns"] - row["start_ns"] == 698_000_000_000
     search = next(q for p, q, _ in recorded_server.requests if p == "/api/search")
-    assert search["q"] == ['{ resource.service.name = "my.service" && (name = "I am a span!") }']
+    assert search["q"] == ['{ (resource.flare.job.id = "my.service" || resource.service.name = '
+                           '"my.service") && (name = "I am a span!") }']
     assert search["limit"] == ["50"] and search["spss"] == ["1"]
     assert int(search["start"][0]) < int(search["end"][0])
 
@@ -88,7 +103,8 @@ def test_v1_trace_endpoint_when_v2_is_absent(recorded_server, tempo_fixture):
 def test_traceql_filter_pushes_job_names_steps_and_ranks():
     q = traceql_filter("job \"x\"", ["train.step", "collective.*"], 10, 20, [3, 1])
     assert q == (
-        '{ resource.service.name = "job \\"x\\"" && (name = "train.step" || '
+        '{ (resource.flare.job.id = "job \\"x\\"" || resource.service.name = "job \\"x\\"") && '
+        '(name = "train.step" || '
         'name =~ "collective\\\\..*") && span.flare.step >= 10 && span.flare.step <= 20 && '
         "(resource.flare.rank = 1 || resource.flare.rank = 3) }"
     )

@@ -202,3 +202,18 @@ def test_an_errors_call_site_is_said_once(tmp_path, capsys):
     assert main(["diagnose", "--store", str(path)]) == 0
     out = capsys.readouterr().out
     assert "error" in out and out.count("train.py:42 in load_shard") == 1, out
+
+
+def test_flare_jobs_lists_every_job_with_its_steps_and_times(tmp_path, capsys):
+    path = tmp_path / "jobs.duckdb"
+    _store(path, job_spans("alpha", world=4, steps=20, start_ns=1_700_000_000_000_000_000),
+           job_spans("beta", world=2, steps=10, start_ns=1_700_000_100_000_000_000))
+    assert main(["jobs", "--store", str(path), "--format", "json"]) == 0
+    rows = {r["job"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["alpha"]["ranks"] == 4 and (rows["alpha"]["first_step"], rows["alpha"]["last_step"]) == (0, 19)
+    assert rows["beta"]["ranks"] == 2 and rows["beta"]["first_step_time"] == "2023-11-14T22:15:00Z"
+    assert main(["jobs", "--store", str(path)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("JOB") and [line.split()[0] for line in text[1:]] == ["alpha", "beta"]
+    assert main(["jobs", "--store", str(tmp_path / "missing.duckdb")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1

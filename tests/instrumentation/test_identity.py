@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 from datetime import timedelta
@@ -37,6 +38,8 @@ def test_job_id_chain(clean_env):
     assert identity.resolve_job_id() == "4242"
     clean_env.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's placeholder: skipped
     assert identity.resolve_job_id() == "4242"
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "0b0e4a9c-3d2f-4b1e-9c1a-2f3e4d5c6b7a")  # --standalone's
+    assert identity.resolve_job_id() == "4242"
     clean_env.setenv("TORCHELASTIC_RUN_ID", "run-7")
     assert identity.resolve_job_id() == "run-7"
     clean_env.setenv("FLARE_JOB_ID", "explicit")
@@ -60,13 +63,26 @@ def test_ranks_agree_on_a_job_id_through_the_c10d_store(clean_env):
     assert server.get(identity.STORE_KEY_JOB_ID).decode() == results[0]
 
 
+def test_with_nothing_set_the_job_is_named_by_its_script_and_start_and_is_the_service(clean_env):
+    job = identity.resolve_job_id()
+    assert re.fullmatch(rf"{re.escape(identity.script_name())}-\d{{8}}-\d{{6}}-[0-9a-f]{{4}}", job), job
+    assert identity.job_id_source() == "derived"
+    identity.current_identity.cache_clear()
+    clean_env.setenv("FLARE_JOB_ID", "named")
+    assert identity.current_identity().service_name == "named"  # no OTEL_SERVICE_NAME: the job
+    identity.current_identity.cache_clear()
+    clean_env.setenv("OTEL_SERVICE_NAME", "trainer")
+    assert identity.current_identity().service_name == "trainer"
+    identity.current_identity.cache_clear()
+
+
 def test_job_id_without_a_store_is_still_shared(clean_env, caplog):
     clean_env.setenv("MASTER_ADDR", "127.0.0.1")
     clean_env.setenv("MASTER_PORT", str(free_port()))  # nobody listens
     clean_env.setenv("WORLD_SIZE", "4")
     clean_env.setattr(identity, "STORE_TIMEOUT_S", 0.5)
     first = identity.resolve_job_id()
-    assert first == identity.resolve_job_id() and first.startswith("job-")
+    assert first == identity.resolve_job_id() and first.startswith(f"{identity.script_name()}-")
     assert any("c10d store" in r.getMessage() for r in caplog.records)
 
 

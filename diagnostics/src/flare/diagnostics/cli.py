@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     add_diagnose_options(diagnose)
     diagnose.set_defaults(handler=diagnose_command, command_parser=diagnose)
 
+    jobs = sub.add_parser(
+        "jobs", help="list the jobs a store or trace backend holds, with their first and last steps",
+        description="List the jobs a Flare store, Jaeger or Tempo holds (the names --job takes), "
+                    "with their ranks and first and last step times.")
+    source = jobs.add_mutually_exclusive_group()
+    source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
+    source.add_argument("--backend", metavar="SPEC",
+                        help="store:PATH, jaeger+http(s)://HOST:PORT or tempo+http(s)://HOST:PORT")
+    jobs.add_argument("--format", choices=("text", "json"), default="text")
+    jobs.set_defaults(handler=jobs_command, command_parser=jobs)
+
     kineto = sub.add_parser(
         "import-kineto", help="import PyTorch profiler (Kineto) traces into a store",
         description="Import PyTorch profiler (Kineto) traces, one rank per file, into a store "
@@ -149,6 +160,56 @@ def pick_job(backend: Backend, job: str | None, what: str = "job") -> str:
     if len(jobs) > 1:
         raise UserError(f"{backend.name} holds {len(jobs)} jobs; choose one with --job: {', '.join(jobs[:20])}")
     return jobs[0]
+
+
+def job_rows(backend: Backend) -> list[dict]:
+    """Per job: ranks, first and last step numbers, and the UTC times they started and
+    ended (from the train.step spans; a job with no step yet has None there)."""
+    from flare.instrumentation import semconv as sc
+
+    rows = []
+    for job in backend.jobs():
+        data = backend.job_data(job)
+        activity = data.rank_activity([sc.SPAN_STEP]).to_pylist()
+        steps = data.steps_range()
+        starts = [r["first_start_ns"] for r in activity if r.get("first_start_ns") is not None]
+        ends = [r["last_end_ns"] for r in activity if r.get("last_end_ns") is not None]
+        rows.append({"job": job, "ranks": len(activity),
+                     "first_step": steps[0] if steps else None, "last_step": steps[1] if steps else None,
+                     "first_step_time": _utc(min(starts)) if starts else None,
+                     "last_step_time": _utc(max(ends)) if ends else None})
+    return rows
+
+
+def _utc(ns: int) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def jobs_command(args: argparse.Namespace) -> int:
+    from flare.diagnostics.backends import BackendError
+
+    backend = open_user_backend(backend_spec(args))
+    try:
+        rows = job_rows(backend)
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        backend.close()
+    if args.format == "json":
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"{backend.name} holds no jobs yet")
+        return 0
+    width = max(len("JOB"), *(len(r["job"]) for r in rows))
+    print(f"{'JOB':<{width}}  {'RANKS':>5}  {'STEPS':<13}  {'FIRST STEP (UTC)':<20}  LAST STEP (UTC)")
+    for r in rows:
+        steps = "-" if r["first_step"] is None else f"{r['first_step']}-{r['last_step']}"
+        print(f"{r['job']:<{width}}  {r['ranks']:>5}  {steps:<13}  {r['first_step_time'] or '-':<20}  "
+              f"{r['last_step_time'] or '-'}")
+    return 0
 
 
 def diagnose_command(args: argparse.Namespace) -> int:

@@ -11,9 +11,10 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import socket
 import sys
-import uuid
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,9 +72,18 @@ def script_name() -> str:
     return name[:-3] if name.endswith(".py") else name
 
 
+def readable_job_id(now: float | None = None) -> str:
+    """`<script>-<UTC start time>-<4 hex>`, e.g. `train-20261201-221530-3f2a`: what a
+    user who set nothing recognises in every backend's job list."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in script_name()) or "job"
+    return f"{name}-{stamp}-{os.urandom(2).hex()}"  # two jobs started in one second differ
+
+
 def _job_id_from_store() -> str | None:
-    """Agree on a job id through the launcher's c10d TCPStore: every rank offers a
-    random candidate with compare_set and all of them read back the first one."""
+    """Agree on a job id through the launcher's c10d TCPStore: every rank offers its
+    readable candidate (script and start time) with compare_set and all of them read
+    back the first one."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
         return None
@@ -82,7 +92,7 @@ def _job_id_from_store() -> str | None:
 
         store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=timedelta(seconds=STORE_TIMEOUT_S))
-        winner = store.compare_set(STORE_KEY_JOB_ID, "", uuid.uuid4().hex[:16])
+        winner = store.compare_set(STORE_KEY_JOB_ID, "", readable_job_id())
         return winner.decode() if isinstance(winner, bytes) else str(winner)
     except Exception as error:  # no store, wrong port, no torch: fall back
         _log.warning("flare: could not agree on a job id through the c10d store "
@@ -94,19 +104,32 @@ def _job_id_from_store() -> str | None:
 def _job_id_from_rendezvous() -> str:
     """Same on every rank of a launch without any communication (last resort)."""
     key = "|".join(os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
-    return "job-" + hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+    return f"{script_name()}-" + hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
+
+
+_GENERATED_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def job_id_source() -> str:
+    """Where the job id comes from: "FLARE_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+    or "derived" (no setting: the readable default agreed through the launcher)."""
+    if os.environ.get(semconv.ENV_JOB_ID, "").strip():
+        return semconv.ENV_JOB_ID
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    # torchrun's own "none", and the UUID `--standalone` makes up, are not a user's name
+    if run_id and run_id.lower() != "none" and not _GENERATED_RUN_ID.fullmatch(run_id.lower()):
+        return "TORCHELASTIC_RUN_ID"
+    if os.environ.get("SLURM_JOB_ID", "").strip():
+        return "SLURM_JOB_ID"
+    return "derived"
 
 
 def resolve_job_id() -> str:
-    explicit = os.environ.get(semconv.ENV_JOB_ID, "").strip()
-    if explicit:
-        return explicit
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
-    if run_id and run_id.lower() != "none":
-        return run_id
-    slurm = os.environ.get("SLURM_JOB_ID", "").strip()
-    if slurm:
-        return slurm
+    source = job_id_source()
+    if source != "derived":
+        return os.environ[source].strip()
+    if not os.environ.get("MASTER_ADDR"):  # one process: nobody to agree with
+        return readable_job_id()
     return _job_id_from_store() or _job_id_from_rendezvous()
 
 
@@ -179,7 +202,9 @@ class ProcessIdentity:
         }
 
 
-def _service_name() -> str:
+def explicit_service_name() -> str | None:
+    """The service name the user set (OTEL_SERVICE_NAME, or service.name in
+    OTEL_RESOURCE_ATTRIBUTES), None when unset."""
     explicit = os.environ.get("OTEL_SERVICE_NAME", "").strip()
     if explicit:
         return explicit
@@ -187,11 +212,12 @@ def _service_name() -> str:
         key, _, value = item.partition("=")
         if key.strip() == semconv.SERVICE_NAME and value.strip():
             return value.strip()
-    return script_name()
+    return None
 
 
 @functools.lru_cache(maxsize=1)
 def current_identity() -> ProcessIdentity:
+    job_id = resolve_job_id()
     local_rank = _int_env("LOCAL_RANK")
     gpu_index = _gpu_index(local_rank)
     return ProcessIdentity(
@@ -200,8 +226,10 @@ def current_identity() -> ProcessIdentity:
         world_size=_int_env("WORLD_SIZE", 1),
         node_rank=_int_env("GROUP_RANK", _int_env("NODE_RANK", _int_env("SLURM_NODEID"))),
         restart_count=_int_env("TORCHELASTIC_RESTART_COUNT"),
-        job_id=resolve_job_id(),
-        service_name=_service_name(),
+        job_id=job_id,
+        # Unset, the service is the job: Jaeger and Tempo list jobs by service, and two
+        # jobs must not merge under the SDK's `unknown_service:python3`.
+        service_name=explicit_service_name() or job_id,
         host_name=socket.gethostname(),
         pid=os.getpid(),
         gpu_index=gpu_index,

@@ -13,6 +13,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Collection
 
@@ -68,6 +69,16 @@ class _FirstStepListener:
         pass
 
 
+def _say_job(identity) -> None:
+    """Rank 0 names the job it derived (no FLARE_JOB_ID, run or Slurm id), once: the
+    name to give `flare diagnose --job`, and the same in every backend."""
+    from flare.instrumentation.identity import job_id_source
+
+    if identity.rank == 0 and job_id_source() == "derived":
+        print(f"flare: job {identity.job_id} (rank 0 of {identity.world_size}; set FLARE_JOB_ID "
+              "to name it)", file=sys.stderr, flush=True)
+
+
 def _adopt_flare_resource(provider, identity) -> None:
     """The SDK ran without Flare's resource detector (`OTEL_EXPERIMENTAL_RESOURCE_DETECTORS`
     lacks `flare`): the resource has no job, so a collector files every such process
@@ -78,7 +89,10 @@ def _adopt_flare_resource(provider, identity) -> None:
     current = getattr(provider, "_resource", None)
     if not isinstance(current, Resource):
         return
-    provider._resource = current.merge(Resource(identity.resource_attributes()))
+    attributes = identity.resource_attributes()
+    if str(current.attributes.get(semconv.SERVICE_NAME, "")).startswith("unknown_service"):
+        attributes[semconv.SERVICE_NAME] = identity.service_name  # the job, not the SDK's default
+    provider._resource = current.merge(Resource(attributes))
     _log.info("flare: 'flare' is not in OTEL_EXPERIMENTAL_RESOURCE_DETECTORS; Flare's "
               "resource attributes were added to the tracer provider's resource")
 
@@ -103,6 +117,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         add_plumbing_dir(torch.__file__)
         provider = kwargs.get("tracer_provider") or trace.get_tracer_provider()
         identity = current_identity()
+        _say_job(identity)
         resource = getattr(provider, "resource", None)
         has_rank = resource is not None and semconv.RANK in (resource.attributes or {})
         if not has_rank:

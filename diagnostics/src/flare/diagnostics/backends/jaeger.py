@@ -543,10 +543,14 @@ def split_window(lo: int, hi: int) -> list[tuple[int, int]]:
 
 _JAEGER_OWN_SERVICES = {"jaeger-query", "jaeger-all-in-one", "jaeger", "jaeger-collector"}
 _MIN_WINDOW_NS = 1_000_000  # below 1 ms a full answer cannot be split further
+MAX_SERVICES_READ = 50  # services whose job ids jobs() reads; the rest are jobs by name
+JOB_PROBE_TRACES = 20  # recent step traces read per service to learn its job ids
 
 
 class JaegerBackend:
-    """`jaeger+http(s)://HOST:16686`: jobs are Jaeger services (`service.name`)."""
+    """`jaeger+http(s)://HOST:16686`: jobs are the `flare.job.id` values of each service's
+    recent steps (a service holding no Flare spans is a job by its name): the store's
+    job names, also when several jobs share one `service.name`."""
 
     def __init__(
         self,
@@ -570,6 +574,8 @@ class JaegerBackend:
         self.search_depth = max(1, int(search_depth))
         self._api_v3: bool | None = None
         self._clocks: dict[str, StepClock] = {}
+        # job -> (service, attributes that select it there), learned by jobs()
+        self._where: dict[str, tuple[str, dict[str, str]]] = {}
 
     # -- discovery
 
@@ -588,8 +594,33 @@ class JaegerBackend:
             _, doc = self.http.get_json("/api/services")
             services = _expect_list(doc, "data", "Jaeger /api/services")
         # Jaeger's own services, and the anomaly spans written back: not jobs
-        return sorted(str(s) for s in services
-                      if s not in _JAEGER_OWN_SERVICES and s != sc.DIAGNOSTICS_SERVICE)
+        services = sorted(str(s) for s in services
+                          if s not in _JAEGER_OWN_SERVICES and s != sc.DIAGNOSTICS_SERVICE)
+        where: dict[str, tuple[str, dict[str, str]]] = {}
+        for service in services[:MAX_SERVICES_READ]:
+            ids = self._job_ids(service)
+            for job in ids:
+                where.setdefault(job, (service, {} if job == service else {sc.JOB_ID: job}))
+            if not ids:
+                where.setdefault(service, (service, {}))
+        for service in services[MAX_SERVICES_READ:]:
+            where.setdefault(service, (service, {}))
+        self._where = where
+        return sorted(where)
+
+    def _job_ids(self, service: str) -> list[str]:
+        """The `flare.job.id` of the service's recent steps (one search, a few traces)."""
+        now = time.time_ns()
+        rows = SpanRows()
+        depth, self.search_depth = self.search_depth, JOB_PROBE_TRACES
+        try:
+            self._search_once(service, sc.SPAN_STEP, {}, (now - int(self.lookback_s * 1e9), now), rows)
+        finally:
+            self.search_depth = depth
+        table = rows.table()
+        if "job" not in table.column_names:
+            return []
+        return sorted({str(j) for j in table.column("job").to_pylist() if j})
 
     def operations(self, service: str) -> list[str]:
         if self.api_v3():
@@ -688,14 +719,17 @@ class JaegerBackend:
         window = clock.window(
             first_step, last_step, (now - int(self.lookback_s * 1e9), now + 60_000_000_000)
         )
-        attributes: dict[str, str] = {}
+        if job not in self._where:
+            self.jobs()
+        service, attributes = self._where.get(job, (job, {}))
+        attributes = dict(attributes)
         if first_step is not None and first_step == last_step:
             attributes[sc.STEP] = str(first_step)
         if ranks is not None and len(ranks) == 1:
             attributes[sc.RANK] = str(ranks[0])
         rows = SpanRows()
         for operation in operations_to_search(names):
-            self.search(job, operation, attributes, window, rows)
+            self.search(service, operation, attributes, window, rows)
         table = rows.table(names or None, first_step, last_step, ranks)
         clock.learn(table)
         return table

@@ -58,7 +58,9 @@ def traceql_filter(
     ranks: Sequence[int] | None,
 ) -> str:
     """One TraceQL spanset filter selecting the spans diagnosis asked for."""
-    terms = [f"resource.service.name = {traceql_string(job)}"]
+    # A job is its `flare.job.id`; spans that carry none (not Flare's) by service name
+    terms = [f"(resource.{sc.JOB_ID} = {traceql_string(job)} || "
+             f"resource.service.name = {traceql_string(job)})"]
     if names:
         alternatives = [
             f"name =~ {traceql_string(_regex_prefix(n[:-1]))}" if n.endswith("*")
@@ -143,11 +145,18 @@ class TempoBackend:
     # -- discovery
 
     def jobs(self) -> list[str]:
-        status, doc = self.http.get_json(
-            "/api/v2/search/tag/resource.service.name/values", allow=(404,)
-        )
+        """The `flare.job.id` values Tempo holds (the store's job names); where it holds
+        none (spans not made by Flare), the service names."""
+        jobs = self._tag_values(sc.JOB_ID)
+        return jobs if jobs else self._tag_values("service.name")
+
+    def _tag_values(self, tag: str) -> list[str]:
+        status, doc = self.http.get_json(f"/api/v2/search/tag/resource.{tag}/values", allow=(404,))
         if status == 404:
-            _, doc = self.http.get_json("/api/search/tag/service.name/values")
+            status, doc = self.http.get_json(f"/api/search/tag/{tag}/values",
+                                             allow=(404,) if tag == sc.JOB_ID else ())
+            if status == 404:
+                return []
         if not isinstance(doc, dict) or not isinstance(doc.get("tagValues", []), list):
             raise BackendError("Tempo answered tag values that are not a list")
         values = [v.get("value") if isinstance(v, dict) else v for v in doc.get("tagValues", [])]
