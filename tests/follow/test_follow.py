@@ -71,10 +71,10 @@ def test_polls_are_incremental_and_labels_are_written_once(tmp_path):
     assert len(written) == len(labels)
     # The dashboard's per-rank gauges, from the window: rank 2 is the culprit.
     metrics = service.metrics.prometheus()
-    culprit = dict(re.findall(r'flare_rank_culprit_ratio\{job="jobF",rank="(\d)"\} (\S+)', metrics))
+    culprit = dict(re.findall(r'flare_rank_culprit_ratio\{flare_job="jobF",rank="(\d)"\} (\S+)', metrics))
     assert max(culprit, key=lambda r: float(culprit[r])) == "2" and float(culprit["2"]) > 0.5
     assert len(re.findall(r"^flare_rank_step_seconds\{", metrics, re.M)) == 4
-    assert 'flare_anomalies{job="jobF",kind="straggler",rank="2"} 1' in metrics
+    assert 'flare_anomalies{flare_job="jobF",kind="straggler",rank="2"} 1' in metrics
     assert out.getvalue().count("flare: [fail_slow] ranks 2 cause compute from step 40") == 1
     # A restarted service reads the labels back and does not repeat them.
     again = FollowService(f"store:{path}", "jobF", out=io.StringIO())

@@ -201,7 +201,7 @@ def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
         if wait is not None and (row["step"] not in least or wait < least[row["step"]][0]):
             least[row["step"]] = (wait, row["rank"])
     for rank, values in sorted(recent.items()):
-        labels = {"job": data.job, "rank": str(rank)}
+        labels = {"flare_job": data.job, "rank": str(rank)}
         out.append(("flare_rank_step_seconds", labels,
                     sum(d for d, _ in values) / len(values) / 1e3))
         waits = [w for _, w in values if w is not None]
@@ -212,7 +212,7 @@ def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
         for _, rank in least.values():
             counts[rank] = counts.get(rank, 0) + 1
         for rank, count in sorted(counts.items()):
-            out.append(("flare_rank_culprit_ratio", {"job": data.job, "rank": str(rank)},
+            out.append(("flare_rank_culprit_ratio", {"flare_job": data.job, "rank": str(rank)},
                         count / len(least)))
     return out
 
@@ -314,7 +314,7 @@ class FollowMetrics:
                 for kind, count in sorted(self.anomalies.items())
             ]
             samples = list(self.rank_gauges) + [
-                ("flare_anomalies", {"job": job, "kind": kind, "rank": rank}, float(count))
+                ("flare_anomalies", {"flare_job": job, "kind": kind, "rank": rank}, float(count))
                 for (job, kind, rank), count in sorted(self.anomalies_by_rank.items())
             ]
             typed: set[str] = set()
@@ -546,6 +546,17 @@ class AmbiguousJob(Exception):
     """No --job, and the backend holds several: a usage error (exit 2)."""
 
 
+def health_endpoint_from_env(environ=None) -> str:
+    """Where /healthz and /metrics listen: FLARE_FOLLOW_HOST, else FLARE_HOST (the one
+    host setting every Flare endpoint follows), else loopback; on FLARE_FOLLOW_PORT,
+    else a free port (printed at start)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    host = env.get("FLARE_FOLLOW_HOST") or env.get("FLARE_HOST") or "127.0.0.1"
+    return f"{host}:{env.get('FLARE_FOLLOW_PORT') or 0}"
+
+
 def main(
     backend_spec: str,
     job: str | None,
@@ -554,11 +565,15 @@ def main(
     otlp_endpoint: str | None,
     out: TextIO | None,
     *,
-    health_endpoint: str | None = "127.0.0.1:0",
+    health_endpoint: str | None = "",
     backend_opts: dict[str, Any] | None = None,
     stop: threading.Event | None = None,
 ) -> int:
-    """Run the follow service until SIGINT/SIGTERM (or `stop`); the exit status."""
+    """Run the follow service until SIGINT/SIGTERM (or `stop`); the exit status.
+    `health_endpoint` "" is the deployment default (`health_endpoint_from_env`), None
+    serves none."""
+    if health_endpoint == "":
+        health_endpoint = health_endpoint_from_env()
     out = out or sys.stdout
     if interval_s <= 0:
         print("flare: --interval must be positive", file=sys.stderr)

@@ -575,8 +575,8 @@ class RankGauges:
     correlator named it the culprit, and the write-back anomalies by kind and rank.
     Names start with `flare_` so the registry keeps them as they are:
 
-        flare_rank_step_seconds{job,rank}   flare_rank_wait_seconds{job,rank}
-        flare_rank_culprit_ratio{job,rank}  flare_anomalies{job,kind,rank}
+        flare_rank_step_seconds{flare_job,rank}   flare_rank_wait_seconds{flare_job,rank}
+        flare_rank_culprit_ratio{flare_job,rank}  flare_anomalies{flare_job,kind,rank}
 
     A scrape that finds the store held by a flush answers the previous values rather
     than waiting.
@@ -620,7 +620,7 @@ class RankGauges:
         ).fetchall()
         out = []
         for job, rank, step_s, wait_s in rows:
-            labels = {"job": str(job), "rank": str(rank)}
+            labels = {"flare_job": str(job), "rank": str(rank)}
             out.append(("flare_rank_step_seconds", labels, float(step_s)))
             if wait_s is not None:
                 out.append(("flare_rank_wait_seconds", labels, float(wait_s)))
@@ -640,7 +640,7 @@ class RankGauges:
             """,
             [since, self.culprit_steps, self.culprit_steps],
         ).fetchall()
-        return [("flare_rank_culprit_ratio", {"job": str(j), "rank": str(r)}, float(v))
+        return [("flare_rank_culprit_ratio", {"flare_job": str(j), "rank": str(r)}, float(v))
                 for j, r, v in rows]
 
     def _anomalies(self, con: Any) -> list[tuple[str, dict[str, str], float]]:
@@ -653,5 +653,5 @@ class RankGauges:
             for rank in attrs.get("flare.anomaly.ranks") or ["none"]:
                 key = (str(job), kind, str(rank))
                 counts[key] = counts.get(key, 0) + 1
-        return [("flare_anomalies", {"job": j, "kind": k, "rank": r}, float(n))
+        return [("flare_anomalies", {"flare_job": j, "kind": k, "rank": r}, float(n))
                 for (j, k, r), n in counts.items()]

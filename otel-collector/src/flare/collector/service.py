@@ -41,6 +41,9 @@ from flare.collector.wal import SIGNAL_METRICS, SIGNAL_TRACES, WriteAheadLog
 from flare.collector.worker import Worker, is_durable, parse_record
 
 log = logging.getLogger(__name__)
+# Counters the dashboard plots, exported from the start: Prometheus's rate() and
+# increase() over a series that does not exist yet return nothing at all.
+_ZERO_FROM_START = ("accepted_spans", "refused_spans", "unauthenticated_requests")
 
 STORE_EXPORTER_TYPE = "flare_store"
 _COUNTER_HELP = {
@@ -123,6 +126,8 @@ class Collector:
         self.counters = self.registry.counters
         for name, text in _COUNTER_HELP.items():
             self.counters.describe(name, text)
+        for name in _ZERO_FROM_START:  # a panel shows 0, not "No data", until it happens
+            self.counters.add(name, 0.0)
         from flare import exporters as exporter_pkg
         from flare import processors as processor_pkg
 
