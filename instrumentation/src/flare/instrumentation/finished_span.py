@@ -164,6 +164,10 @@ class FinishedSpans:
             return None
         if type(tracer) is not SdkTracer:
             return None
+        from flare.instrumentation.sdk_gate import internals_ok
+
+        if not internals_ok():  # an SDK Flare was not tested with: Tracer.start_span
+            return None
         emitter = cls(tracer)
         return emitter if emitter.usable() else None
 

@@ -32,7 +32,12 @@ def _drop_export_errors(record: logging.LogRecord) -> bool:
 
 
 def _span_exporters(tracer_provider) -> list:
-    """The exporters behind a TracerProvider's processors (SDK internals; [] if unknown)."""
+    """The exporters behind a TracerProvider's processors (SDK internals, version-gated;
+    [] if unknown)."""
+    from flare.instrumentation.sdk_gate import internals_ok
+
+    if not internals_ok():
+        return []
     processors = getattr(getattr(tracer_provider, "_active_span_processor", None),
                          "_span_processors", ())
     exporters = []

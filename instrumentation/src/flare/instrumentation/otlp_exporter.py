@@ -33,6 +33,10 @@ _log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=1)
 def writer_matches_sdk() -> bool:
+    from flare.instrumentation.sdk_gate import internals_ok
+
+    if not internals_ok():  # the probe reads the SDK's internal encoder
+        return False
     try:
         same = otlp_encoding.matches_sdk(otlp_encoding.probe_spans())
     except Exception as error:  # an SDK whose internals moved: use it as it is

@@ -10,11 +10,13 @@ from opentelemetry.sdk.resources import Resource, ResourceDetector
 
 from flare.instrumentation import semconv
 from flare.instrumentation.identity import current_identity, in_training_rank
+from flare.instrumentation.sdk_gate import torch_supported
 
 
 class FlareResourceDetector(ResourceDetector):
     def detect(self) -> Resource:
         if not in_training_rank():
+            torch_supported()  # said here: the instrumentor of an old torch never runs
             return Resource.get_empty()
         identity = current_identity()
         attributes = identity.resource_attributes()

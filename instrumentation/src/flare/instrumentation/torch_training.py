@@ -86,9 +86,11 @@ def _adopt_flare_resource(provider, identity) -> None:
     step's trace id from it. Flare's attributes are merged into the SDK provider's
     resource, which its tracers take when created (there is no public setter); tracers
     made before keep the old one. The spans keep their own rank attributes too."""
+    from flare.instrumentation.sdk_gate import internals_ok
+
     current = getattr(provider, "_resource", None)
-    if not isinstance(current, Resource):
-        return
+    if not isinstance(current, Resource) or not internals_ok():
+        return  # the spans carry Flare's attributes themselves (span_fallback_attributes)
     attributes = identity.resource_attributes()
     if str(current.attributes.get(semconv.SERVICE_NAME, "")).startswith("unknown_service"):
         attributes[semconv.SERVICE_NAME] = identity.service_name  # the job, not the SDK's default

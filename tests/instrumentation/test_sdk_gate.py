@@ -1,0 +1,64 @@
+"""An SDK outside the tested versions: one warning, the public API everywhere, the same
+step spans. Torch older than the floor: one warning where the instrumentor cannot say it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from test_instrumentor import finished, make_provider, rank_env, train  # noqa: F401
+
+from flare.instrumentation import finished_span, flush_deadline, sdk_gate, semconv
+from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+
+
+@pytest.fixture
+def untested_sdk(monkeypatch):
+    sdk_gate.internals_ok.cache_clear()
+    monkeypatch.setattr(sdk_gate, "sdk_version", lambda: (1, 99))
+    yield
+    sdk_gate.internals_ok.cache_clear()
+
+
+def test_the_tested_range_is_the_compat_checks():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "compat" / "check_versions.py"
+    spec = importlib.util.spec_from_file_location("check_versions", path)
+    check_versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_versions)
+    floor = tuple(int(p) for p in check_versions.FLOORS["opentelemetry-sdk"].split(".")[:2])
+    assert sdk_gate.TESTED[0] == floor
+    # The dev set-up takes the newest SDK: a newer one than the gate knows wants
+    # `tests/compat/check_versions.py newest` run and sdk_gate.TESTED raised.
+    assert sdk_gate.TESTED[0] <= sdk_gate.sdk_version() <= sdk_gate.TESTED[1]
+
+
+def test_an_untested_sdk_takes_the_public_path_and_says_so_once(rank_env, untested_sdk, caplog):  # noqa: F811
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_gate"):
+        instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+        try:
+            assert finished_span.FinishedSpans.for_tracer(
+                provider.get_tracer("x")) is None  # no hand-over of built spans
+            assert flush_deadline._span_exporters(provider) == []
+            train(4)
+        finally:
+            instrumentor.uninstrument()
+    steps = finished(exporter, semconv.SPAN_STEP)
+    assert len(steps) >= 3 and all(s.attributes[semconv.RANK] == 0 for s in steps)
+    said = [r for r in caplog.records if "outside the versions" in r.getMessage()]
+    assert len(said) == 1 and "1.99" in said[0].getMessage()
+
+
+def test_torch_older_than_the_floor_is_said(monkeypatch, caplog):
+    import importlib.metadata
+
+    sdk_gate.torch_supported.cache_clear()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0.1")
+    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_gate"):
+        assert sdk_gate.torch_supported() is False
+    sdk_gate.torch_supported.cache_clear()
+    assert any("torch 2.0 is older than 2.1" in r.getMessage() for r in caplog.records)
