@@ -285,46 +285,31 @@ class FollowMetrics:
         self.anomalies_by_rank: dict[tuple[str, str, str], int] = {}  # (job, kind, rank)
 
     def prometheus(self) -> str:
+        from flare.collector.telemetry import Family, render
+
         with self.lock:
-            lines = [
-                "# TYPE flare_follow_polls_total counter",
-                f"flare_follow_polls_total {self.polls}",
-                "# TYPE flare_follow_poll_errors_total counter",
-                f"flare_follow_poll_errors_total {self.poll_errors}",
-                "# TYPE flare_follow_write_errors_total counter",
-                f"flare_follow_write_errors_total {self.write_errors}",
-                "# TYPE flare_follow_backend_up gauge",
-                f"flare_follow_backend_up {self.backend_up}",
-                "# TYPE flare_follow_last_poll_seconds gauge",
-                f"flare_follow_last_poll_seconds {self.last_poll_s:.6f}",
-                "# TYPE flare_follow_last_success_timestamp_seconds gauge",
-                f"flare_follow_last_success_timestamp_seconds {self.last_success_unix:.3f}",
-                "# TYPE flare_follow_complete_step gauge",
-                f"flare_follow_complete_step {self.steps_complete}",
-                "# TYPE flare_follow_window_spans gauge",
-                f"flare_follow_window_spans {self.window_rows}",
-                "# TYPE flare_follow_fetched_spans_total counter",
-                f"flare_follow_fetched_spans_total {self.fetched_rows}",
-                "# TYPE flare_follow_pending_anomalies gauge",
-                f"flare_follow_pending_anomalies {self.pending}",
-                "# TYPE flare_follow_anomalies_total counter",
-            ]
-            lines += [
-                f'flare_follow_anomalies_total{{kind="{kind}"}} {count}'
-                for kind, count in sorted(self.anomalies.items())
-            ]
+            families = {
+                "flare_follow_polls_total": Family("counter", [({}, self.polls)]),
+                "flare_follow_poll_errors_total": Family("counter", [({}, self.poll_errors)]),
+                "flare_follow_write_errors_total": Family("counter", [({}, self.write_errors)]),
+                "flare_follow_backend_up": Family("gauge", [({}, self.backend_up)]),
+                "flare_follow_last_poll_seconds": Family("gauge", [({}, self.last_poll_s)]),
+                "flare_follow_last_success_timestamp_seconds": Family(
+                    "gauge", [({}, self.last_success_unix)]),
+                "flare_follow_complete_step": Family("gauge", [({}, self.steps_complete)]),
+                "flare_follow_window_spans": Family("gauge", [({}, self.window_rows)]),
+                "flare_follow_fetched_spans_total": Family("counter", [({}, self.fetched_rows)]),
+                "flare_follow_pending_anomalies": Family("gauge", [({}, self.pending)]),
+                "flare_follow_anomalies_total": Family(
+                    "counter", [({"kind": kind}, count) for kind, count in sorted(self.anomalies.items())]),
+            }
             samples = list(self.rank_gauges) + [
                 ("flare_anomalies", {"flare_job": job, "kind": kind, "rank": rank}, float(count))
                 for (job, kind, rank), count in sorted(self.anomalies_by_rank.items())
             ]
-            typed: set[str] = set()
             for name, labels, value in samples:
-                if name not in typed:
-                    lines.append(f"# TYPE {name} gauge")
-                    typed.add(name)
-                rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-                lines.append(f"{name}{{{rendered}}} {value:.6g}")
-            return "\n".join(lines) + "\n"
+                families.setdefault(name, Family("gauge", [])).points.append((labels, value))
+        return render(families)
 
     def health(self) -> tuple[int, dict[str, Any]]:
         with self.lock:
@@ -336,10 +321,6 @@ class FollowMetrics:
                 "complete_step": self.steps_complete,
                 "last_error": self.last_error or None,
             }
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class HealthServer:

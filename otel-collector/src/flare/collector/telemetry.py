@@ -9,6 +9,7 @@ at scrape time, so nothing is computed unless someone looks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -76,6 +77,35 @@ class Counters:
         return self._help.get(name)
 
 
+@dataclasses.dataclass
+class Family:
+    """One metric of a Prometheus page: its type, its (labels, value) points, its help."""
+
+    kind: str  # "counter" or "gauge"
+    points: list[tuple[Mapping[str, str], float]]
+    help: str | None = None
+
+
+def render(families: Mapping[str, Family]) -> str:
+    """The Prometheus text exposition of `families`, by name: the one writer behind
+    every Flare `/metrics` (the collector's, the follow service's)."""
+    lines: list[str] = []
+    for name in sorted(families):
+        family = families[name]
+        if family.help:
+            lines.append(f"# HELP {name} {family.help}")
+        lines.append(f"# TYPE {name} {family.kind}")
+        for labels, value in family.points:
+            if labels:
+                rendered = ",".join(
+                    f'{metric_name(k)}="{_escape(str(v))}"' for k, v in sorted(labels.items())
+                )
+                lines.append(f"{name}{{{rendered}}} {_format_value(value)}")
+            else:
+                lines.append(f"{name} {_format_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
 class Registry:
     """Counters plus gauge sources, exposed as one Prometheus text page."""
 
@@ -111,28 +141,13 @@ class Registry:
         return out
 
     def render(self) -> str:
-        lines: list[str] = []
-        by_name: dict[str, tuple[str, list[tuple[Mapping[str, str], float]]]] = {}
+        families: dict[str, Family] = {}
         for name, labels, value in self.counters.samples():
-            by_name.setdefault(PREFIX + metric_name(name) + "_total", ("counter", []))[1].append(
-                (labels, value)
-            )
+            full = PREFIX + metric_name(name) + "_total"
+            if full not in families:
+                families[full] = Family("counter", [], self.counters.help_text(name))
+            families[full].points.append((labels, value))
         for name, labels, value in self.gauges():
-            full = name if name.startswith("flare_") else PREFIX + metric_name(name)
-            by_name.setdefault(metric_name(full), ("gauge", []))[1].append((labels, value))
-        for name in sorted(by_name):
-            kind, points = by_name[name]
-            base = name[: -len("_total")] if kind == "counter" else name
-            text = self.counters.help_text(base[len(PREFIX):]) if kind == "counter" else None
-            if text:
-                lines.append(f"# HELP {name} {text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in points:
-                if labels:
-                    rendered = ",".join(
-                        f'{metric_name(k)}="{_escape(str(v))}"' for k, v in sorted(labels.items())
-                    )
-                    lines.append(f"{name}{{{rendered}}} {_format_value(value)}")
-                else:
-                    lines.append(f"{name} {_format_value(value)}")
-        return "\n".join(lines) + "\n"
+            full = metric_name(name if name.startswith("flare_") else PREFIX + metric_name(name))
+            families.setdefault(full, Family("gauge", [])).points.append((labels, value))
+        return render(families)
