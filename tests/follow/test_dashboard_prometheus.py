@@ -108,6 +108,14 @@ def test_every_dashboard_query_returns_the_jobs_series_from_a_real_prometheus(tm
         # both targets were scraped, under Prometheus's own job label
         scraped = {r["metric"]["job"] for r in _query(base, f'flare_rank_step_seconds{{flare_job="{JOB}"}}')}
         assert scraped == {"flare-collector", "flare-follow"}, scraped
+        # one culprit gauge: the collector (from the correlator) and the follow service
+        # (from its window) name the culprit by the same rule
+        top = {}
+        for series in _query(base, f'flare_rank_culprit_ratio{{flare_job="{JOB}"}}'):
+            target, rank = series["metric"]["job"], series["metric"]["rank"]
+            if float(series["value"][1]) > top.get(target, ("", -1.0))[1]:
+                top[target] = (rank, float(series["value"][1]))
+        assert {t: r for t, (r, _) in top.items()} == {"flare-collector": "2", "flare-follow": "2"}, top
     finally:
         if prometheus is not None:
             prometheus.terminate()

@@ -180,7 +180,8 @@ def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
     Same names and meaning as the collector's `query_api.RankGauges`, so the dashboard
     works with either scrape target: mean step time and collective wait over the last
     `recent_steps` complete steps, and each rank's share of the last `culprit_steps`
-    steps in which it waited least (the culprit, ARCHITECTURE §4).
+    steps in which it was the culprit by the correlator's own rule
+    (`correlation_windows.culprit`: least collective wait, ARCHITECTURE §4).
     """
     last = data.complete_step
     if last < 0:
@@ -190,16 +191,22 @@ def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
                               last_step=last)
     if table.num_rows == 0:
         return []
+    from flare.processors.correlation_windows import RankStep, culprit
+
     rows = table.to_pylist()
     out: list[tuple[str, dict[str, str], float]] = []
     recent: dict[int, list[tuple[float, float | None]]] = {}
-    least: dict[int, tuple[float, int]] = {}
+    by_step: dict[int, dict[int, RankStep]] = {}
     for row in rows:
         if row["step"] > last - recent_steps:
             recent.setdefault(row["rank"], []).append((row["duration_ms"], row[wait_key]))
         wait = row[wait_key]
-        if wait is not None and (row["step"] not in least or wait < least[row["step"]][0]):
-            least[row["step"]] = (wait, row["rank"])
+        by_step.setdefault(row["step"], {})[row["rank"]] = RankStep(
+            b"", b"", int(row["start_ns"]), int(row["end_ns"]),
+            None if wait is None or wait != wait else float(wait))
+    # The culprit of a step as the collector's correlator names it (least collective
+    # wait, ties to the later finisher), so both scrape targets show the same gauge.
+    least = {step: culprit(ranks)[0] for step, ranks in by_step.items() if len(ranks) > 1}
     for rank, values in sorted(recent.items()):
         labels = {"flare_job": data.job, "rank": str(rank)}
         out.append(("flare_rank_step_seconds", labels,
@@ -209,7 +216,7 @@ def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
             out.append(("flare_rank_wait_seconds", labels, sum(waits) / len(waits) / 1e3))
     if least:
         counts: dict[int, int] = {}
-        for _, rank in least.values():
+        for rank in least.values():
             counts[rank] = counts.get(rank, 0) + 1
         for rank, count in sorted(counts.items()):
             out.append(("flare_rank_culprit_ratio", {"flare_job": data.job, "rank": str(rank)},
