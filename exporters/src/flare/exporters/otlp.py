@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import email.utils
 import gzip
-import http.client
 import logging
 import random
 import ssl
@@ -33,6 +32,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from flare.exporters.http_client import HttpConnection, TransportError
 from flare.processors import options
 
 log = logging.getLogger("flare.exporters.otlp")
@@ -209,44 +209,25 @@ class _HttpSender:
             self._ssl = tls.ssl_context() if tls is not None and self._https else None
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"otlp.tls: cannot use the certificate files: {exc}") from None
-        self._host = parsed.hostname
-        self._port = parsed.port or (443 if self._https else 80)
-        self._origin = f"{parsed.scheme}://{parsed.netloc}"
+        self._conn = HttpConnection(endpoint, timeout_s, self._ssl)
         self._headers = {"Content-Type": "application/x-protobuf", **headers}
-        self._timeout_s = timeout_s
         self._gzip = compression == "gzip"
-        self._conn: http.client.HTTPConnection | None = None
-
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            if self._https:
-                self._conn = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=self._timeout_s, context=self._ssl
-                )
-            else:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
-        return self._conn
 
     def send(self, item: _Item) -> int:
         body = gzip.compress(item.payload, compresslevel=1) if self._gzip else item.payload
         headers = dict(self._headers)
         if self._gzip:
             headers["Content-Encoding"] = "gzip"
-        url = self._origin + self._paths[item.signal]
+        url = self._conn.origin + self._paths[item.signal]
         try:
-            conn = self._connection()
-            conn.request("POST", self._paths[item.signal], body=body, headers=headers)
-            response = conn.getresponse()
-            data = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()  # a broken connection is reopened on the next try
-            raise SendError(f"cannot reach {url}: {exc}", True) from None
-        if response.will_close:
-            self.close()
-        if not 200 <= response.status < 300:
+            status, reply_headers, data = self._conn.request(
+                "POST", self._paths[item.signal], body=body, headers=headers)
+        except TransportError as exc:
+            raise SendError(f"cannot reach {url}: {exc.reason}", True) from None
+        if not 200 <= status < 300:
             raise SendError(
-                f"HTTP {response.status} from {url}", response.status in _RETRYABLE_HTTP,
-                _parse_retry_after(response.getheader("Retry-After")),
+                f"HTTP {status} from {url}", status in _RETRYABLE_HTTP,
+                _parse_retry_after(reply_headers.get("Retry-After")),
             )
         try:
             return _rejected(_RESPONSES[item.signal].FromString(data)) if data else 0
@@ -254,9 +235,7 @@ class _HttpSender:
             return 0  # a 2xx with an unreadable body still means accepted
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._conn.close()
 
 
 def _parse_retry_after(value: str | None) -> float | None:

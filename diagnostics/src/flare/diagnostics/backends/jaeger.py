@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import http.client
 import json
 import os
 import ssl
@@ -31,6 +30,7 @@ import pyarrow as pa
 
 from flare.diagnostics.backends import BackendError
 from flare.exporters import store
+from flare.exporters.http_client import HttpConnection, TransportError
 from flare.instrumentation import semconv as sc
 
 # ---------------------------------------------------------------- HTTP
@@ -56,7 +56,7 @@ class HttpClient:
     ) -> None:
         try:
             parsed = urllib.parse.urlsplit(base_url)
-            port = parsed.port  # raises on a port that is not a number in 0-65535
+            _ = parsed.port  # raises on a port that is not a number in 0-65535
         except ValueError as exc:
             raise BackendError(f"{product} URL {base_url!r} is not http(s)://HOST:PORT "
                                f"({str(exc).lower()})") from None
@@ -72,85 +72,44 @@ class HttpClient:
             raise BackendError("a client certificate needs both cert_file and key_file")
         self.product = product
         self.base_url = base_url.rstrip("/")
-        self._scheme = parsed.scheme
-        self._host = parsed.hostname
-        self._port = port or (443 if parsed.scheme == "https" else 80)
-        self._prefix = parsed.path.rstrip("/")
-        self._timeout_s = timeout_s
         self._headers = {"Accept": "application/json", "User-Agent": "flare-diagnostics"}
         if bearer_token:
             self._headers["Authorization"] = f"Bearer {bearer_token}"
-        self._ssl: ssl.SSLContext | None = None
+        context: ssl.SSLContext | None = None
         if parsed.scheme == "https":
             try:
-                self._ssl = ssl.create_default_context(cafile=ca_file)
+                context = ssl.create_default_context(cafile=ca_file)
                 if cert_file:
-                    self._ssl.load_cert_chain(cert_file, key_file)
+                    context.load_cert_chain(cert_file, key_file)
             except (OSError, ssl.SSLError) as exc:
                 raise BackendError(f"cannot load TLS files for {product}: {exc}") from exc
         elif ca_file or cert_file:
             raise BackendError(f"TLS options given but the {product} URL is not https://")
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn = HttpConnection(base_url, timeout_s, context)
         self.requests = 0
 
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            if self._ssl is not None:
-                self._conn = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=self._timeout_s, context=self._ssl
-                )
-            else:
-                self._conn = http.client.HTTPConnection(
-                    self._host, self._port, timeout=self._timeout_s
-                )
-        return self._conn
-
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._conn.close()
 
     def get(self, path: str, params: Mapping[str, Any] | None = None) -> tuple[int, bytes]:
         """GET `path`; returns (status, body). Transport failures are BackendErrors."""
-        target = self._prefix + path
+        target = self._conn.prefix + path
         if params:
             target += "?" + urllib.parse.urlencode(
                 {k: v for k, v in params.items() if v is not None}
             )
-        last_exc: Exception | None = None
-        for attempt in range(2):
-            conn = self._connection()
-            try:
-                conn.request("GET", target, headers=self._headers)
-                resp = conn.getresponse()
-                body = resp.read()
-                self.requests += 1
-                if resp.getheader("Connection", "").lower() == "close":
-                    self.close()
-                return resp.status, body
-            except ssl.SSLError as exc:
-                self.close()
-                raise BackendError(
-                    f"TLS handshake with {self.product} at {self.base_url} failed: "
-                    f"{exc.reason or exc}"
-                ) from exc
-            except TimeoutError as exc:
-                self.close()
-                raise BackendError(
-                    f"{self.product} at {self.base_url} did not answer within "
-                    f"{self._timeout_s:g} s"
-                ) from exc
-            except (OSError, http.client.HTTPException) as exc:
-                # A keep-alive connection the server already closed fails once; retry.
-                self.close()
-                last_exc = exc
-                if attempt == 0 and isinstance(
-                    exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
-                ):
-                    continue
-                break
-        reason = getattr(last_exc, "strerror", None) or str(last_exc) or type(last_exc).__name__
-        raise BackendError(f"cannot reach {self.product} at {self.base_url}: {reason}")
+        try:
+            status, _, body = self._conn.request("GET", target, headers=self._headers)
+        except TransportError as exc:
+            where = f"{self.product} at {self.base_url}"
+            if exc.kind == "tls":
+                raise BackendError(f"TLS handshake with {where} failed: {exc.reason}") from None
+            if exc.kind == "timeout":
+                raise BackendError(f"{where} did not answer within "
+                                   f"{self._conn.timeout_s:g} s") from None
+            raise BackendError(f"cannot reach {where}: {exc.reason}") from None
+        self.requests += 1
+        return status, body
 
     def get_json(
         self, path: str, params: Mapping[str, Any] | None = None, *, allow: Iterable[int] = ()
