@@ -28,6 +28,7 @@ def test_fsdp2_names_the_slow_rank(store, slow_ms):
             "--fault-from", ONSET))
         report = run.finish()
     print(f"\nE2E fsdp2 slow rank 2 (+{slow_ms} ms):\n{harness.describe(report)}")
+    assert "wait_unknown" not in report  # every FSDP2 collective was seen from Python
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
     assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
@@ -50,6 +51,7 @@ def test_a_healthy_compiled_job_gives_no_label(store):
     first = sorted(steps)[0]
     assert max(steps[first].values()) > 5 * sorted(max(v.values()) for v in steps.values())[len(steps) // 2]
     assert report["anomalies"] == [], harness.describe(report)
+    assert "wait_unknown" not in report  # DDP's reducer is accounted, compiled or not
 
 
 def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store):
@@ -63,6 +65,7 @@ def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store):
             "--slow-ms", 80, "--fault-from", ONSET))
         report = run.finish()
     print(f"\nE2E fsdp2 + tp, slow rank 2:\n{harness.describe(report)}")
+    assert "wait_unknown" not in report  # DTensor's functional collectives included
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
     assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
@@ -82,6 +85,7 @@ def test_a_slow_stage_under_a_pipelining_schedule_is_named_as_the_stage(store):
             "--slow-ms", 10, "--fault-from", ONSET))
         report = run.finish()
     print(f"\nE2E pipelining 1F1B, slow stage 1:\n{harness.describe(report)}")
+    assert "wait_unknown" not in report
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2, 3], "compute")], harness.describe(report)
     assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)

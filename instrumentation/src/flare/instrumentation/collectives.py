@@ -164,7 +164,7 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
             device_ms = round(totals.device_ns / 1e6, 3)
             any_device = any_device or device_ms != 0
             device.append(device_ms)
-            unseen = 0 if totals.cpp_accounted else delta - max(totals.covered, totals.python_count)
+            unseen = 0 if totals.cpp_accounted else delta - totals.covered
             if not role and totals.p2p_count and totals.p2p_count == totals.python_count:
                 role = semconv.ROLE_PIPELINE  # the step's traffic on it was point-to-point
         else:
