@@ -504,6 +504,7 @@ _JAEGER_OWN_SERVICES = {"jaeger-query", "jaeger-all-in-one", "jaeger", "jaeger-c
 _MIN_WINDOW_NS = 1_000_000  # below 1 ms a full answer cannot be split further
 MAX_SERVICES_READ = 50  # services whose job ids jobs() reads; the rest are jobs by name
 JOB_PROBE_TRACES = 20  # recent step traces read per service to learn its job ids
+JOB_DISCOVERY_S = 60.0  # an unknown job sends fetch back to jobs() at most this often
 
 
 class JaegerBackend:
@@ -535,6 +536,7 @@ class JaegerBackend:
         self._clocks: dict[str, StepClock] = {}
         # job -> (service, attributes that select it there), learned by jobs()
         self._where: dict[str, tuple[str, dict[str, str]]] = {}
+        self._where_at = -float("inf")  # when jobs() last learned them (monotonic)
 
     # -- discovery
 
@@ -564,7 +566,7 @@ class JaegerBackend:
                 where.setdefault(service, (service, {}))
         for service in services[MAX_SERVICES_READ:]:
             where.setdefault(service, (service, {}))
-        self._where = where
+        self._where, self._where_at = where, time.monotonic()
         return sorted(where)
 
     def _job_ids(self, service: str) -> list[str]:
@@ -678,8 +680,8 @@ class JaegerBackend:
         window = clock.window(
             first_step, last_step, (now - int(self.lookback_s * 1e9), now + 60_000_000_000)
         )
-        if job not in self._where:
-            self.jobs()
+        if job not in self._where and time.monotonic() - self._where_at > JOB_DISCOVERY_S:
+            self.jobs()  # a job not seen yet: learn the services' jobs again, not per fetch
         service, attributes = self._where.get(job, (job, {}))
         attributes = dict(attributes)
         if first_step is not None and first_step == last_step:
