@@ -162,6 +162,9 @@ def diagnose(
             (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
     anomalies, host = _host_contention(order(merge(found)))
     unknown = _wait_unknown(cached, config, anomalies)
+    from flare.diagnostics import hotspots
+
+    hotspots.attach(cached, anomalies)
     links = {a.key: evidence_spans(cached, a) for a in anomalies}
     for anomaly in anomalies:
         if not anomaly.trace_ids:

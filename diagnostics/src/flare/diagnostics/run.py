@@ -93,20 +93,24 @@ def main(argv: list[str]) -> int:
     writeback_endpoint = _url(collector.grpc_endpoint or "")
     print(f"flare: job {job}: collecting into {args.store} (OTLP/HTTP {endpoint})",
           file=sys.stderr)
-    monitor = None if args.no_diagnose else LiveMonitor(args.store, job)
+    capture = None if args.no_diagnose else CaptureRequests()
+    monitor = None if args.no_diagnose else LiveMonitor(args.store, job, on_alert=capture.on_alert)
     child = None
     stopped: list[int] = []  # the signal flare run got and passed on (Ctrl-C, SIGTERM)
     try:
         # A JSON or HTML report on stdout stays parseable: the job's own stdout goes to
         # stderr then.
         machine_report = args.format != "text" and not args.output
-        child = _launch(command, job, endpoint, stdout=sys.stderr if machine_report else None)
+        child = _launch(command, job, endpoint, stdout=sys.stderr if machine_report else None,
+                        capture_file=capture.pattern if capture else None)
         if monitor:
             monitor.start()
         status = _wait(child, on_interrupt=monitor.mute if monitor else None, stopped=stopped)
     finally:
         if monitor:
             monitor.stop()
+        if capture:
+            capture.close()  # a rank still capturing stops: its request is gone
         if child is not None and child.poll() is None:
             child.kill()
     collector.flush()
@@ -256,7 +260,8 @@ def _instrument_command() -> list[str]:
     return [found]
 
 
-def child_environment(job: str, endpoint: str, base: dict[str, str] | None = None) -> dict[str, str]:
+def child_environment(job: str, endpoint: str, base: dict[str, str] | None = None,
+                      capture_file: str | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update({
         "OTEL_SERVICE_NAME": env.get("OTEL_SERVICE_NAME") or job,
@@ -271,6 +276,8 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         # one process: the instrumentation knows it by its parent, this process.
         sc.ENV_RUN_PID: str(os.getpid()),
     })
+    if capture_file:  # where live labels ask their ranks for a capture (CaptureRequests)
+        env[sc.ENV_CAPTURE_FLAG_FILE] = capture_file
     # Alerts are only as fresh as the batches ranks send: each rank's finisher hands its
     # step spans over and exports them every max(2 s, this delay). The SDK's default of
     # 5 s, set here so that the instrumentation overhead benchmark runs what flare run
@@ -282,11 +289,13 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
     return env
 
 
-def _launch(command: list[str], job: str, endpoint: str, stdout=None) -> subprocess.Popen:
+def _launch(command: list[str], job: str, endpoint: str, stdout=None,
+            capture_file: str | None = None) -> subprocess.Popen:
     try:
         # Its own process group: Ctrl-C reaches Flare, which passes it on and still
         # gets to drain the collector and print the report.
-        return subprocess.Popen(_instrument_command() + command, env=child_environment(job, endpoint),
+        return subprocess.Popen(_instrument_command() + command,
+                                env=child_environment(job, endpoint, capture_file=capture_file),
                                 process_group=0, stdout=stdout)
     except OSError as exc:
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
@@ -380,11 +389,45 @@ _REPORTED_KINDS = ("hang", "error")
 INTERRUPTED_STATUS = 128 + signal.SIGINT  # the shell's status for a command stopped by Ctrl-C
 
 
+class CaptureRequests:
+    """Asks the ranks of a live label, and one healthy peer, for a targeted capture
+    (`flare.instrumentation.stack_capture`): one request file per rank in a folder of
+    its own, `capture.{rank}` holding the steps wanted. Each rank set is asked once;
+    `close()` removes the folder, which stops any capture still running."""
+
+    KINDS = ("straggler", "fail_slow", "dataloader_stall", "gc_pause", "collective_slow")
+
+    def __init__(self, steps: int = 20) -> None:
+        import tempfile
+
+        self.steps = steps
+        self.folder = tempfile.mkdtemp(prefix="flare-capture-")
+        self.pattern = os.path.join(self.folder, "capture.{rank}")
+        self.asked: set[int] = set()
+        self.requests: list[tuple[list[int], int | None]] = []  # (culprits, peer)
+
+    def on_alert(self, anomaly, diagnosis) -> None:
+        culprits = sorted(int(r) for r in anomaly.ranks)
+        if anomaly.kind not in self.KINDS or not culprits or set(culprits) <= self.asked:
+            return
+        labelled = {int(r) for a in diagnosis.anomalies for r in a.ranks}
+        ranks = diagnosis.job_data.ranks() if diagnosis.job_data is not None else []
+        peer = next((int(r) for r in sorted(ranks) if int(r) not in labelled), None)
+        for rank in [*culprits, *([] if peer is None or peer in self.asked else [peer])]:
+            with open(os.path.join(self.folder, f"capture.{rank}"), "w") as handle:
+                handle.write(str(self.steps))
+            self.asked.add(rank)
+        self.requests.append((culprits, peer))
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class LiveMonitor:
     """Re-diagnoses what has been stored so far and prints each new anomaly once."""
 
     def __init__(self, store_path: str, job: str, interval_s: float = LIVE_INTERVAL_S,
-                 out=None) -> None:
+                 out=None, on_alert=None) -> None:
         self.store_path = store_path
         self.job = job
         self.interval_s = interval_s
@@ -396,6 +439,8 @@ class LiveMonitor:
         # find it, so a label that one pass's partial data produced (and the next drops)
         # never reaches the user
         self._previous: set[tuple] = set()
+        self.on_alert = on_alert  # (anomaly, diagnosis) for each alert, after it is printed
+        self.located: dict[tuple, str] = {}  # alerted label -> the line it was given
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flare-live", daemon=True)
 
@@ -450,5 +495,18 @@ class LiveMonitor:
                 self.alerted.append(anomaly)
                 fresh.append(anomaly)
                 print(report_text.live_alert_line(self.job, anomaly),
+                      file=self.out, flush=True)
+                if self.on_alert is not None:
+                    try:
+                        self.on_alert(anomaly, diagnosis)
+                    except OSError as exc:  # a capture request that cannot be written
+                        print(f"flare: capture request failed: {exc}", file=self.out)
+        for anomaly in diagnosis.anomalies:  # an alerted label a capture has located since
+            identity = (anomaly.kind, tuple(anomaly.ranks), anomaly.cause)
+            if (identity in self.seen and identity not in self.located
+                    and anomaly.evidence.get("hotspots") and anomaly.callsite):
+                self.located[identity] = anomaly.callsite
+                print(f"{time.strftime('%H:%M:%S')} flare: [{anomaly.kind}] ranks "
+                      f"{','.join(map(str, anomaly.ranks))} at {anomaly.callsite}",
                       file=self.out, flush=True)
         return fresh

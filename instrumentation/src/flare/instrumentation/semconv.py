@@ -39,6 +39,11 @@ SPAN_HANG = "flare.hang"
 SPAN_HEARTBEAT = "flare.heartbeat"
 SPAN_ERROR = "flare.error"  # an error outside any step (e.g. during init)
 SPAN_STEP_RANKS = "train.step.ranks"  # emitted by the correlator
+SPAN_CAPTURE = "flare.capture"  # a captured step's sampled stack (stack_capture.py)
+CAPTURE_FRAMES = "flare.capture.frames"  # string[]: "file:line in function"
+CAPTURE_SAMPLES = "flare.capture.samples"  # int[]: samples per frame
+CAPTURE_TOTAL = "flare.capture.total"  # int: samples in the step
+CAPTURE_INTERVAL_MS = "flare.capture.interval_ms"  # double
 SPAN_COLLECTIVE_RANKS = "collective.ranks"  # emitted by the correlator per (pg, seq)
 # service.name of the anomaly spans `flare diagnose` writes back: not a job
 DIAGNOSTICS_SERVICE = "flare-diagnostics"
@@ -236,6 +241,7 @@ ENV_HEARTBEAT_S = "FLARE_HEARTBEAT_S"
 # seconds the exit-time flush may take before the exporters are stopped (default 5)
 ENV_EXIT_FLUSH_TIMEOUT_S = "FLARE_EXIT_FLUSH_TIMEOUT_S"
 ENV_DETAIL_FLAG_FILE = "FLARE_DETAIL_FLAG_FILE"
+ENV_CAPTURE_FLAG_FILE = "FLARE_CAPTURE_FLAG_FILE"  # "{rank}" in it: the rank
 ENV_KERNEL_WINDOWS = "FLARE_KERNEL_WINDOWS"  # auto (default: with CUDA only), 1 (also CPU-only), 0 (off)
 ENV_NVML_INTERVAL_S = "FLARE_NVML_INTERVAL_S"  # NVML poll period; "0" turns NVML off
 # Client credentials for `flare diagnose --backend jaeger+https://…|tempo+https://…`

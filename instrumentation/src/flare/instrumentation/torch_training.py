@@ -153,6 +153,13 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             self._install(part)
         runtime.add_step_listener(_FirstStepListener(runtime, python_calls))
         self._watchdog = Watchdog(runtime, self._flush, collectives)
+        capture_file = os.environ.get(semconv.ENV_CAPTURE_FLAG_FILE)
+        if capture_file:
+            from flare.instrumentation.stack_capture import StackCapture
+
+            capture = StackCapture(runtime, capture_file)
+            self._install(capture)
+            self._watchdog.capture = capture
         self._watchdog.start()
         self._install_detail_signal(runtime)
         self._install_gpu_layer(runtime)

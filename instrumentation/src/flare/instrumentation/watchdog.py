@@ -32,6 +32,7 @@ _log = logging.getLogger(__name__)
 # checked twice per limit).
 TICK_S = 5.0
 FLAG_POLL_S = 5.0
+CAPTURE_POLL_S = 1.0  # a capture request is a stat() a second: it answers a live label
 FLUSH_TIMEOUT_MS = 5000
 
 
@@ -46,6 +47,8 @@ class Watchdog:
         self._last_heartbeat = 0.0
         self._last_flag_poll = 0.0
         self.hang_reports = 0
+        self.capture = None  # a StackCapture to poll for requests, when configured
+        self._last_capture_poll = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="flare-watchdog", daemon=True)
@@ -87,6 +90,9 @@ class Watchdog:
         if config.detail_flag_file and monotonic_s - self._last_flag_poll >= FLAG_POLL_S:
             self._last_flag_poll = monotonic_s
             self.runtime.detail_flag_present = os.path.exists(config.detail_flag_file)
+        if self.capture is not None and monotonic_s - self._last_capture_poll >= CAPTURE_POLL_S:
+            self._last_capture_poll = monotonic_s
+            self.capture.poll()
         if config.heartbeat_s and monotonic_s - self._last_heartbeat >= config.heartbeat_s:
             self._last_heartbeat = monotonic_s
             self.emit_heartbeat(now_ns)

@@ -1,0 +1,67 @@
+"""From a label to the line: where the culprit's time goes that its peers' does not.
+
+Captured steps (`flare.capture` children, `flare.instrumentation.stack_capture`) hold,
+per rank and step, the lines its training thread was sampled on. For a label with ranks,
+each line's time per captured step is compared between the label's ranks (the culprit)
+and the other ranks captured over the same steps (the peer): the lines the culprit
+spends more on, in ms per step, are the label's `hotspots`, and the first is its
+`callsite` ("examples/train_ddp.py:155 in burn_compute: +58 ms/step (culprit 61 ms,
+peer 3 ms)"). Without a captured peer the culprit's own lines are listed, peer 0.
+"""
+
+from __future__ import annotations
+
+from flare.diagnostics.model import Anomaly, JobData
+from flare.instrumentation import semconv as sc
+
+TOP = 5
+MIN_DELTA_MS = 1.0
+
+
+def attach(job: JobData, anomalies: list[Anomaly]) -> None:
+    """Add `hotspots` (and a `callsite` where none is set) to labels with captures."""
+    with_ranks = [a for a in anomalies if a.ranks and a.kind != "hang" and a.kind != "error"]
+    if not with_ranks or not job.count([sc.SPAN_CAPTURE]):
+        return
+    table = job.spans([sc.SPAN_CAPTURE], attributes=[sc.CAPTURE_FRAMES, sc.CAPTURE_SAMPLES,
+                                                     sc.CAPTURE_INTERVAL_MS],
+                      columns=["rank", "step"])
+    rows = [r for r in table.to_pylist() if isinstance(r.get(sc.CAPTURE_FRAMES), list)
+            and isinstance(r.get(sc.CAPTURE_SAMPLES), list) and r.get("rank") is not None]
+    for anomaly in with_ranks:
+        hotspots = _compare(rows, set(anomaly.ranks), anomaly.first_step, anomaly.last_step)
+        if not hotspots:
+            continue
+        anomaly.evidence["hotspots"] = hotspots
+        top = hotspots[0]
+        if anomaly.callsite is None:
+            anomaly.callsite = (f"{top['frame']}: +{top['delta_ms']:.0f} ms/step (culprit "
+                                f"{top['culprit_ms']:.0f} ms, peer {top['peer_ms']:.0f} ms)")
+
+
+def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int | None) -> list[dict]:
+    sides: dict[bool, tuple[dict[str, float], set]] = {True: ({}, set()), False: ({}, set())}
+    for row in rows:
+        step = row.get("step")
+        if step is not None and ((first is not None and step < first)
+                                 or (last is not None and step > last)):
+            continue
+        ms, steps = sides[int(row["rank"]) in culprits]
+        steps.add((row["rank"], step))
+        interval = float(row.get(sc.CAPTURE_INTERVAL_MS) or 10.0)
+        for frame, count in zip(row[sc.CAPTURE_FRAMES], row[sc.CAPTURE_SAMPLES], strict=False):
+            ms[frame] = ms.get(frame, 0.0) + float(count) * interval
+    culprit_ms, culprit_steps = sides[True]
+    peer_ms, peer_steps = sides[False]
+    if not culprit_steps:
+        return []
+    out = []
+    for frame, total in culprit_ms.items():
+        mine = total / len(culprit_steps)
+        theirs = peer_ms.get(frame, 0.0) / len(peer_steps) if peer_steps else 0.0
+        if mine - theirs >= MIN_DELTA_MS:
+            out.append({"frame": frame, "culprit_ms": round(mine, 1), "peer_ms": round(theirs, 1),
+                        "delta_ms": round(mine - theirs, 1), "culprit_steps": len(culprit_steps),
+                        "peer_steps": len(peer_steps)})
+    out.sort(key=lambda h: -h["delta_ms"])
+    return out[:TOP]

@@ -1,0 +1,140 @@
+"""Targeted capture: where a rank's own time goes, line by line, for a few steps, on request.
+
+Asked through `FLARE_CAPTURE_FLAG_FILE` (a path; `{rank}` in it becomes the rank, so a
+request names its ranks): when the file appears or changes, the rank captures the next
+K steps (the file's content, default 20; at most 1,000). Those are detail steps whose
+training thread's Python stack is sampled every 10 ms by a thread of its own
+(`sys._current_frames`, as py-spy's in-process cousins do); each sample counts the
+innermost frame of the user's code (`callsite.user_frame`: outside torch, Flare and
+the standard library — the line that called into the slow kernel, the blocking
+collective or the data loader). Each captured step gets one `flare.capture` child: the
+frames and their sample counts. Capture stops after K steps or when the file goes away
+(the requester ended), and nothing is sampled on a rank that was not asked.
+
+`flare run` writes the file for the culprit ranks of a live label and one healthy peer;
+the diagnosis compares the two (`flare.diagnostics.hotspots`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+from flare.instrumentation import semconv
+from flare.instrumentation.callsite import user_frame
+from flare.instrumentation.runtime import Runtime
+
+_log = logging.getLogger(__name__)
+
+INTERVAL_S = 0.01
+DEFAULT_STEPS = 20
+MAX_STEPS = 1000
+TOP_FRAMES = 30
+
+
+def requested_steps(path: str) -> int:
+    """K from the request file: its content as an integer, else the default."""
+    try:
+        with open(path) as handle:
+            text = handle.read(32).strip()
+    except OSError:
+        return 0
+    try:
+        return max(1, min(MAX_STEPS, int(text))) if text else DEFAULT_STEPS
+    except ValueError:
+        return DEFAULT_STEPS
+
+
+class StackCapture:
+    """A step listener (detail steps): samples while a capture is on, one child per step."""
+
+    ordinary_steps = ()
+
+    def __init__(self, runtime: Runtime, flag_file: str) -> None:
+        self.runtime = runtime
+        self.path = flag_file.replace("{rank}", str(runtime.identity.rank))
+        self.steps_left = 0
+        self._seen: float | None = None  # mtime of the request being served
+        self._counts: dict[tuple[str, int, str], int] = {}
+        self._samples = 0
+        self._lock = threading.Lock()
+        self._sampling = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._target: int | None = None  # the training thread
+
+    # ------------------------------------------------------------ requests (watchdog thread)
+    def poll(self) -> None:
+        """Called by the watchdog about once a second: a new request starts a capture, a
+        removed one stops it."""
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError:
+            if self._seen is not None:
+                self._seen, self.steps_left = None, 0
+            return
+        if mtime == self._seen:
+            return
+        self._seen = mtime
+        self.steps_left = requested_steps(self.path)
+        if self.steps_left:
+            _log.info("flare: capture of %d steps requested (%s)", self.steps_left, self.path)
+            self.runtime.request_detail()
+
+    # ------------------------------------------------------------ steps (training thread)
+    def install(self) -> None:
+        self.runtime.add_step_listener(self)
+
+    def uninstall(self) -> None:
+        self.runtime.remove_step_listener(self)
+        self._sampling.clear()
+
+    def on_step_start(self, step: int, detail: bool) -> None:
+        if self.steps_left <= 0:
+            return
+        self._target = threading.get_ident()
+        with self._lock:
+            self._counts, self._samples = {}, 0
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="flare-stack-sampler", daemon=True)
+            self._thread.start()
+        self._sampling.set()
+
+    def on_step_end(self, step: int, detail: bool, span) -> None:
+        if not self._sampling.is_set():
+            return
+        self._sampling.clear()
+        with self._lock:
+            counts, samples = self._counts, self._samples
+            self._counts, self._samples = {}, 0
+        self.steps_left -= 1
+        if self.steps_left > 0:
+            self.runtime.request_detail()  # the next step is captured too
+        if not samples:
+            return
+        top = sorted(counts.items(), key=lambda item: -item[1])[:TOP_FRAMES]
+        now = time.time_ns()
+        self.runtime.emit_child(semconv.SPAN_CAPTURE, self.runtime.step_start_ns, now, {
+            semconv.CAPTURE_FRAMES: [f"{f}:{line} in {name}" for (f, line, name), _ in top],
+            semconv.CAPTURE_SAMPLES: [count for _, count in top],
+            semconv.CAPTURE_TOTAL: samples,
+            semconv.CAPTURE_INTERVAL_MS: INTERVAL_S * 1e3,
+        })
+
+    # ------------------------------------------------------------ the sampler thread
+    def _run(self) -> None:
+        frames_of = sys._current_frames
+        while True:
+            self._sampling.wait()
+            target = self._target
+            frame = frames_of().get(target) if target is not None else None
+            if frame is not None:
+                code_frame = user_frame(frame)
+                key = (code_frame.f_code.co_filename, code_frame.f_lineno, code_frame.f_code.co_name)
+                with self._lock:
+                    self._counts[key] = self._counts.get(key, 0) + 1
+                    self._samples += 1
+            del frame
+            time.sleep(INTERVAL_S)

@@ -1,0 +1,27 @@
+"""Culprit against peer, line by line, from captured steps."""
+
+from __future__ import annotations
+
+from flare.diagnostics import hotspots
+from flare.instrumentation import semconv as sc
+
+
+def _capture(rank, step, frames):
+    return {"rank": rank, "step": step, sc.CAPTURE_FRAMES: list(frames),
+            sc.CAPTURE_SAMPLES: list(frames.values()), sc.CAPTURE_INTERVAL_MS: 10.0}
+
+
+def test_the_culprits_extra_line_comes_first_with_both_sides_per_step():
+    rows = []
+    for step in range(40, 44):
+        rows.append(_capture(2, step, {"train.py:88 in slow_layer": 6, "train.py:120 in main": 1}))
+        rows.append(_capture(0, step, {"train.py:120 in main": 6, "train.py:88 in slow_layer": 0}))
+    rows.append(_capture(2, 10, {"train.py:5 in before": 50}))  # before the label: not counted
+    found = hotspots._compare(rows, {2}, 40, 60)
+    assert found[0] == {"frame": "train.py:88 in slow_layer", "culprit_ms": 60.0, "peer_ms": 0.0,
+                        "delta_ms": 60.0, "culprit_steps": 4, "peer_steps": 4}
+    assert [h["frame"] for h in found] == ["train.py:88 in slow_layer"]  # main: the peer's more
+
+
+def test_without_captures_of_the_labels_ranks_there_is_nothing_to_say():
+    assert hotspots._compare([_capture(0, 41, {"a.py:1 in f": 5})], {2}, 40, 60) == []
