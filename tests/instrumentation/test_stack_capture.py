@@ -46,9 +46,13 @@ def test_a_request_captures_k_steps_and_names_the_busy_line(rank_env, tmp_path):
         instrumentor.uninstrument()
     captures = finished(exporter, semconv.SPAN_CAPTURE)
     assert len(captures) == 4
+    # Over the captured steps the busy line leads (one step alone, on a loaded host,
+    # may catch the sampler mostly outside it: its first step began mid-capture setup).
+    totals: dict[str, int] = {}
     for span in captures:
-        frames = list(span.attributes[semconv.CAPTURE_FRAMES])
-        counts = list(span.attributes[semconv.CAPTURE_SAMPLES])
-        top = frames[counts.index(max(counts))]
-        assert top.startswith(f"{__file__}:") and top.endswith("in slow_part"), frames
         assert span.attributes[semconv.CAPTURE_TOTAL] >= 1
+        for frame, count in zip(span.attributes[semconv.CAPTURE_FRAMES],
+                                span.attributes[semconv.CAPTURE_SAMPLES], strict=True):
+            totals[frame] = totals.get(frame, 0) + count
+    top = max(totals, key=totals.get)
+    assert top.startswith(f"{__file__}:") and top.endswith("in slow_part"), totals

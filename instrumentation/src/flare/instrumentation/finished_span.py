@@ -25,6 +25,7 @@ It is used only when that is indistinguishable from the SDK path:
 from __future__ import annotations
 
 import logging
+import threading
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -52,6 +53,9 @@ def _noop_processor_hooks():
     return starts, endings - {None}
 
 
+_FIRST_CONTEXT_LOCK = threading.Lock()
+
+
 class PendingStepSpan(NonRecordingSpan):
     """The step span while its listeners run: a context to parent children with, and
     `set_attribute(s)` that land in the attributes the span will be emitted with. The
@@ -65,9 +69,16 @@ class PendingStepSpan(NonRecordingSpan):
         self.pending_attributes = attributes
 
     def get_span_context(self) -> SpanContext:
-        if self._context is None:
-            self._context = self._context_factory()
-        return self._context
+        context = self._context
+        if context is None:
+            # The finisher and a listener's own thread (a kernel window's conversion)
+            # may both ask first: two ids made at once gave the window's kernels a
+            # parent the step span never had. Rare, so one lock for all is enough.
+            with _FIRST_CONTEXT_LOCK:
+                context = self._context
+                if context is None:
+                    context = self._context = self._context_factory()
+        return context
 
     def is_recording(self) -> bool:
         return True
