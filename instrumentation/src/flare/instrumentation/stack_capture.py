@@ -7,7 +7,9 @@ training thread's Python stack is sampled every 10 ms by a thread of its own
 (`sys._current_frames`, as py-spy's in-process cousins do); each sample counts the
 innermost frame of the user's code (`callsite.user_frame`: outside torch, Flare and
 the standard library — the line that called into the slow kernel, the blocking
-collective or the data loader). Each captured step gets one `flare.capture` child: the
+collective or the data loader); any other thread of the user's that burnt CPU since the
+last sample (a GIL-holding logger) is counted too, as "[thread NAME] file", so a `cpu`
+label names the hog's line. Each captured step gets one `flare.capture` child: the
 frames and their sample counts. Capture stops after K steps or when the file goes away
 (the requester ended), and nothing is sampled on a rank that was not asked.
 
@@ -33,6 +35,13 @@ INTERVAL_S = 0.01
 DEFAULT_STEPS = 20
 MAX_STEPS = 1000
 TOP_FRAMES = 30
+_OWN_THREADS = ("flare-", "Otel", "pt_", "QueueFeederThread")  # Flare's, the SDK's, torch's
+
+
+def _plumbing(frame) -> bool:
+    from flare.instrumentation.callsite import _is_plumbing
+
+    return _is_plumbing(frame.f_code.co_filename)
 
 
 def requested_steps(path: str) -> int:
@@ -126,15 +135,48 @@ class StackCapture:
     # ------------------------------------------------------------ the sampler thread
     def _run(self) -> None:
         frames_of = sys._current_frames
+        me = threading.get_ident()
+        cpu_seen: dict[int, int] = {}  # other thread -> its CPU clock at the last sample
+        names: dict[int, str] = {}
         while True:
-            self._sampling.wait()
+            if not self._sampling.is_set():
+                cpu_seen.clear()
+                self._sampling.wait()
+                names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
             target = self._target
-            frame = frames_of().get(target) if target is not None else None
-            if frame is not None:
-                code_frame = user_frame(frame)
-                key = (code_frame.f_code.co_filename, code_frame.f_lineno, code_frame.f_code.co_name)
+            frames = frames_of()
+            keys = []
+            for ident, frame in frames.items():
+                if ident == target:
+                    code = user_frame(frame)
+                    keys.append((code.f_code.co_filename, code.f_lineno, code.f_code.co_name))
+                elif ident != me and self._busy(ident, cpu_seen):
+                    # another thread that burnt CPU since the last sample (a GIL holder,
+                    # a busy logger): its own line, marked with its name
+                    code = user_frame(frame)
+                    if code is frame and _plumbing(frame):
+                        continue  # library machinery (exporters, the profiler), not the user's
+                    name = names.get(ident, str(ident))
+                    if name.startswith(_OWN_THREADS):
+                        continue
+                    keys.append((f"[thread {name}] {code.f_code.co_filename}", code.f_lineno,
+                                 code.f_code.co_name))
+            del frames
+            if keys:
                 with self._lock:
-                    self._counts[key] = self._counts.get(key, 0) + 1
+                    for key in keys:
+                        self._counts[key] = self._counts.get(key, 0) + 1
                     self._samples += 1
-            del frame
             time.sleep(INTERVAL_S)
+
+    @staticmethod
+    def _busy(ident: int, cpu_seen: dict[int, int]) -> bool:
+        """Whether the thread burnt at least half a sampling interval of CPU since the
+        last look (Linux thread CPU clocks; elsewhere other threads are not sampled)."""
+        try:
+            now = time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError, OverflowError):
+            return False
+        before = cpu_seen.get(ident)
+        cpu_seen[ident] = now
+        return before is not None and now - before >= INTERVAL_S * 0.5e9
