@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
+
+from flare.instrumentation.sdk_gate import major_minor
 
 _log = logging.getLogger(__name__)
 
@@ -27,8 +28,7 @@ def _version() -> tuple[int, int] | None:
         from opentelemetry.instrumentation.version import __version__
     except ImportError:
         return None
-    match = re.match(r"(\d+)\.(\d+)", __version__)
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    return major_minor(__version__)
 
 
 def keep_for_children(environ=os.environ) -> bool:

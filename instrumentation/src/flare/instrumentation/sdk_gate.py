@@ -36,7 +36,7 @@ TESTED = ((1, 28), (1, 45))
 TORCH_FLOOR = (2, 1)
 
 
-def _major_minor(text: str) -> tuple[int, int] | None:
+def major_minor(text: str) -> tuple[int, int] | None:
     match = re.match(r"(\d+)\.(\d+)", text or "")
     return (int(match.group(1)), int(match.group(2))) if match else None
 
@@ -46,7 +46,7 @@ def sdk_version() -> tuple[int, int] | None:
         from opentelemetry.sdk.version import __version__
     except ImportError:
         return None
-    return _major_minor(__version__)
+    return major_minor(__version__)
 
 
 @functools.cache
@@ -72,7 +72,7 @@ def torch_supported() -> bool:
     except ImportError:  # pragma: no cover
         return True
     try:
-        installed = _major_minor(version("torch"))
+        installed = major_minor(version("torch"))
     except PackageNotFoundError:
         return True  # no torch: nothing to instrument, nothing to say
     if installed is None or installed >= TORCH_FLOOR:

@@ -573,11 +573,8 @@ class JaegerBackend:
         """The `flare.job.id` of the service's recent steps (one search, a few traces)."""
         now = time.time_ns()
         rows = SpanRows()
-        depth, self.search_depth = self.search_depth, JOB_PROBE_TRACES
-        try:
-            self._search_once(service, sc.SPAN_STEP, {}, (now - int(self.lookback_s * 1e9), now), rows)
-        finally:
-            self.search_depth = depth
+        self._search_once(service, sc.SPAN_STEP, {}, (now - int(self.lookback_s * 1e9), now), rows,
+                          depth=JOB_PROBE_TRACES)
         table = rows.table()
         if "job" not in table.column_names:
             return []
@@ -634,15 +631,17 @@ class JaegerBackend:
         attributes: Mapping[str, str],
         window_ns: tuple[int, int],
         rows: SpanRows,
+        depth: int | None = None,
     ) -> int:
         lo, hi = window_ns
+        depth = self.search_depth if depth is None else depth
         if self.api_v3():
             params: dict[str, Any] = {
                 "query.service_name": service,
                 "query.operation_name": operation,
                 "query.start_time_min": rfc3339(lo),
                 "query.start_time_max": rfc3339(hi),
-                "query.search_depth": self.search_depth,
+                "query.search_depth": depth,
             }
             if attributes:
                 params["query.attributes"] = json.dumps(dict(attributes))
@@ -657,7 +656,7 @@ class JaegerBackend:
             "operation": operation,
             "start": lo // 1000,
             "end": hi // 1000,
-            "limit": self.search_depth,
+            "limit": depth,
         }
         if attributes:
             params["tags"] = json.dumps(dict(attributes))
