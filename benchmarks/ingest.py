@@ -293,7 +293,7 @@ def main() -> int:
     size = sum(map(len, payloads))
     print(f"{n_spans} spans in {len(payloads)} requests, {size / n_spans:.0f} B/span on the wire, "
           f"a store flush (one transaction) every {args.flush_every} requests; best of {args.repeat}; "
-          f"C decoder {'loaded' if otlp_columns._otlp_fast else 'NOT BUILT'}")
+          f"C decoder {'loaded' if otlp_columns._otlp_wire else 'NOT BUILT'}")
     results = measure(payloads, n_spans, args.repeat, args.flush_every,
                       {i: INDEX_CANDIDATES[i] for i in args.index})
     ceiling = results["parse only (ceiling)"][0]

@@ -46,7 +46,7 @@ def d(v: float) -> AnyValue:
 def decoder(request, monkeypatch):
     """Every test runs with the C decoder (when built) and with the Python reference."""
     if request.param == "python_reference":
-        monkeypatch.setattr(otlp_columns, "_otlp_fast", None)
+        monkeypatch.setattr(otlp_columns, "_otlp_wire", None)
     return request.param
 
 

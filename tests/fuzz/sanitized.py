@@ -1,13 +1,15 @@
-"""Flare's C modules built with warnings as errors and AddressSanitizer + UBSan, and the
-mutation fuzzer run over them.
+"""Flare's C module built with warnings as errors and AddressSanitizer + UBSan, and the
+mutation fuzzer run over it.
 
-`build(directory)` compiles the three modules (`_otlp_fast`, `_span_select`,
-`_otlp_attributes`) with `-Wall -Wextra -Werror -fsanitize=address,undefined`
+`build(directory)` compiles the OTLP wire module (`flare.instrumentation._otlp_wire`:
+the store's decoder, the correlator's picker and link writer, the receivers' checks,
+the attribute writer) with `-Wall -Wextra -Werror -fsanitize=address,undefined`
 (unused parameters are allowed: CPython's method signatures have them). Run as a
-script, under `LD_PRELOAD=<libasan>`, this file puts the sanitized builds in place of
-the installed ones and feeds them the mutations (`otlp_mutations.check_in_process`:
-every C reader sees every mutation, acknowledged or not) and random attribute maps for
-the ranks' encoder; a sanitizer finding aborts the process with its report on stderr.
+script, under `LD_PRELOAD=<libasan>`, this file puts the sanitized build in place of
+the installed one and feeds it the mutations (`otlp_mutations.check_in_process`:
+every C reader sees every mutation, acknowledged or not), random attribute maps for
+the attribute writer and random windows for the link writer; a sanitizer finding
+aborts the process with its report on stderr.
 
     python tests/fuzz/sanitized.py BUILD_DIR SEED COUNT      # prints a JSON line of counts
 
@@ -30,10 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = {
-    "flare.exporters._otlp_fast": REPO / "exporters/src/flare/exporters/_otlp_fast.c",
-    "flare.processors._span_select": REPO / "processors/src/flare/processors/_span_select.c",
-    "flare.instrumentation._otlp_attributes":
-        REPO / "instrumentation/src/flare/instrumentation/_otlp_attributes.c",
+    "flare.instrumentation._otlp_wire": REPO / "instrumentation/src/flare/instrumentation/_otlp_wire.c",
 }
 CFLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
           "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror"]
@@ -90,7 +89,8 @@ def run(build_dir: Path, seed: int, count: int, timeout_s: float = 600) -> subpr
 
 
 def _load(build_dir: Path) -> None:
-    """Put the sanitized builds where `from flare.x import _mod` finds them."""
+    """Put the sanitized build where `from flare.x import _mod` finds it (before any
+    of its users is imported: they bind it at import)."""
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     for name in MODULES:
         package, leaf = name.rsplit(".", 1)
@@ -102,7 +102,7 @@ def _load(build_dir: Path) -> None:
 
 
 def _encoder_rounds(seed: int, count: int) -> int:
-    """Random attribute maps through the ranks' C encoder, read back by protobuf."""
+    """Random attribute maps through the C attribute writer, read back by protobuf."""
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
     from flare.instrumentation import otlp_encoding
@@ -117,12 +117,30 @@ def _encoder_rounds(seed: int, count: int) -> int:
     for _ in range(count):
         attrs = {f"k{i}" * rng.randint(1, 40): rng.choice(values)() for i in range(rng.randint(0, 12))}
         try:
-            wire = otlp_encoding._attributes(attrs, 0x4A)  # Span.attributes
+            wire = otlp_encoding.write_attributes(attrs, 0x4A)  # Span.attributes
         except (otlp_encoding.Unsupported, ValueError, TypeError, OverflowError):
             continue
         Span.FromString(wire)
         done += 1
     return done
+
+
+def _link_rounds(seed: int, count: int) -> int:
+    """Random per-rank windows through the C link writer, read back by protobuf."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+    from flare.processors import rank_correlation
+    from flare.processors.correlation_windows import RankArrival
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        ranks = {rng.randrange(-5, 1 << rng.randint(1, 62)): RankArrival(
+            rng.randbytes(rng.choice([0, 8, 3])), rng.randbytes(rng.choice([0, 16, 40])), 0, 0)
+            for _ in range(rng.randint(0, 300))}
+        span = Span()
+        rank_correlation._add_rank_links(span, ranks)
+        Span.FromString(span.SerializeToString())
+    return count
 
 
 def main() -> None:
@@ -131,12 +149,19 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import otlp_mutations
 
+    from flare.collector import validate
     from flare.exporters import otlp_columns
+    from flare.instrumentation import otlp_encoding
+    from flare.processors import rank_correlation, span_select
 
-    assert otlp_columns._otlp_fast is sys.modules["flare.exporters._otlp_fast"]
+    sanitized = sys.modules["flare.instrumentation._otlp_wire"]
+    assert otlp_columns._otlp_wire is span_select._otlp_wire is otlp_encoding._otlp_wire is sanitized
+    assert rank_correlation._otlp_wire is sanitized
+    assert validate._check_traces_strict is sanitized.check_traces_strict
     with tempfile.TemporaryDirectory() as tmp:
         stats = otlp_mutations.check_in_process(seed, count, Path(tmp) / "wal")
     stats["encoded_attribute_maps"] = _encoder_rounds(seed, max(200, count // 10))
+    stats["rank_link_sets"] = _link_rounds(seed, max(100, count // 20))
     print(json.dumps(stats))
 
 

@@ -31,6 +31,35 @@ def test_every_acknowledged_mutation_is_stored_as_the_reference_reads_it(tmp_pat
     assert stats["stored_spans"] == stats["acknowledged_spans"] > 2000
 
 
+def test_the_correlators_picker_reads_what_protobuf_reads():
+    """The wire module's other reader over the same mutations: where protobuf parses the
+    bytes and the C picker takes them (it refuses what it reads differently, and the
+    reference reads those), its records are the reference's, in both forms."""
+    from flare.processors import span_select
+    from flare.processors.rank_correlation import _SELECTION
+
+    if span_select._otlp_wire is None:
+        pytest.skip("the C wire module is not built (no compiler at install)")
+    compared = 0
+    for _, payload in otlp_mutations.cases(3, 1500):
+        try:
+            request = ExportTraceServiceRequest.FromString(payload)
+        except Exception:  # protobuf refuses it: so do the receivers
+            continue
+        try:
+            picked = _SELECTION.select_payload(payload)
+        except ValueError:
+            continue
+        reference = _SELECTION.select_python(request)
+        assert repr(picked) == repr(reference)  # (repr: a mutation can make a NaN)
+        compact = [(resource, [span_select.compact_step(r, _SELECTION.step, _SELECTION._span_keys)
+                               if r[0] == _SELECTION.step[0] else r for r in records])
+                   for resource, records in reference]
+        assert repr(_SELECTION.select_payload(payload, compact=True)) == repr(compact)
+        compared += 1
+    assert compared > 500
+
+
 def test_hostile_but_valid_shapes_are_stored_with_their_counts(tmp_path):
     """The shapes the C reader used to refuse after an OK: unknown groups, a known
     field with another wire type, attributes nested 33-47 deep; and more than 4,096

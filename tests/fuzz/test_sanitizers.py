@@ -1,4 +1,4 @@
-"""The C modules compile without warnings and survive the fuzzer under ASan + UBSan."""
+"""The C wire module compiles without warnings and survives the fuzzer under ASan + UBSan."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def build_dir(tmp_path_factory):
     try:
         sanitized.build(directory)
     except subprocess.CalledProcessError as exc:
-        pytest.fail(f"a C module does not build with -Werror and the sanitizers:\n{exc.stderr}")
+        pytest.fail(f"the C wire module does not build with -Werror and the sanitizers:\n{exc.stderr}")
     return directory
 
 
@@ -33,6 +33,7 @@ def test_fuzzed_c_readers_have_no_sanitizer_finding(build_dir):
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     assert stats["mutations"] == 1500 and stats["lost_spans"] == 0
     assert stats["encoded_attribute_maps"] > 100
+    assert stats["rank_link_sets"] >= 100
 
 
 def test_the_sanitizers_do_catch_a_bad_read(build_dir, tmp_path):

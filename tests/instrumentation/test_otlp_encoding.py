@@ -28,18 +28,18 @@ from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 def writer(request, monkeypatch):
     """Every test runs with the C attribute writer (when built) and the Python one."""
     if request.param == "python":
-        monkeypatch.setattr(otlp_encoding, "_attributes", otlp_encoding._py_attributes)
-    elif otlp_encoding._otlp_attributes is None:
+        monkeypatch.setattr(otlp_encoding, "write_attributes", otlp_encoding._py_attributes)
+    elif otlp_encoding._otlp_wire is None:
         pytest.skip("the C attribute writer is not built (no compiler at install)")
     return request.param
 
 
 def test_c_and_python_attribute_writers_agree_byte_for_byte(writer):
-    if writer == "python" or otlp_encoding._otlp_attributes is None:
+    if writer == "python" or otlp_encoding._otlp_wire is None:
         pytest.skip("compares the C writer with the Python reference")
     import types
 
-    c, python = otlp_encoding._otlp_attributes.attributes, otlp_encoding._py_attributes
+    c, python = otlp_encoding._otlp_wire.attributes, otlp_encoding._py_attributes
     rng = random.Random(7)
     cases = [{}, {"": 1}, {"k": None}, {"k": []}, {"k": [None, [1, [2.5, "é"]], b"\x00"]},
              {"a": -1, "b": -(1 << 63), "c": (1 << 63) - 1, "d": 0x7F, "e": 0x80},

@@ -19,7 +19,7 @@ from flare.processors.rank_correlation import SCOPE_NAME, RankCorrelation
 def picker(request, monkeypatch):
     """Every test runs with the C span picker (when built) and the Python reference."""
     if request.param == "python_reference":
-        monkeypatch.setattr(span_select, "_span_select", None)
+        monkeypatch.setattr(span_select, "_otlp_wire", None)
     return request.param
 
 
@@ -477,7 +477,7 @@ def test_wire_path_gives_the_bytes_of_the_message_path():
 def test_compact_step_records_give_what_the_attribute_dicts_give(picker, monkeypatch):
     """The C picker's compact step records and the dict records they replace: the same
     emitted bytes and counters, over out-of-order, duplicated, late and oddly typed input."""
-    if picker != "c_picker" or span_select._span_select is None:
+    if picker != "c_picker" or span_select._otlp_wire is None:
         pytest.skip("compact records come from the C picker")
     from flare.processors import rank_correlation
 

@@ -1,4 +1,5 @@
-"""The C span picker (_span_select) returns exactly what the Python reference returns."""
+"""The C span picker (the wire module's select_spans) returns exactly what the Python
+reference returns; the correlator's wire writing gives what protobuf gives."""
 
 from __future__ import annotations
 
@@ -15,25 +16,26 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
+from flare.instrumentation import otlp_encoding
 from flare.instrumentation import semconv as sc
 from flare.processors import rank_correlation, span_select
 
-SOURCE = Path(span_select.__file__).with_name("_span_select.c")
+SOURCE = Path(sc.__file__).with_name("_otlp_wire.c")
 SELECTION = rank_correlation._SELECTION
 
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     """The installed C module, or one compiled here from the same source."""
-    if span_select._span_select is not None:
-        return span_select._span_select
+    if span_select._otlp_wire is not None:
+        return span_select._otlp_wire
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler: the Python reference is what runs here")
-    out = tmp_path_factory.mktemp("fast") / ("_span_select" + sysconfig.get_config_var("EXT_SUFFIX"))
+    out = tmp_path_factory.mktemp("fast") / ("_otlp_wire" + sysconfig.get_config_var("EXT_SUFFIX"))
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
                     str(SOURCE), "-o", str(out)], check=True)
-    spec = importlib.util.spec_from_file_location("_span_select", out)
+    spec = importlib.util.spec_from_file_location("_otlp_wire", out)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -90,7 +92,7 @@ def request() -> ExportTraceServiceRequest:
 
 
 def test_c_and_python_select_the_same(fast, monkeypatch):
-    monkeypatch.setattr(span_select, "_span_select", fast)
+    monkeypatch.setattr(span_select, "_otlp_wire", fast)
     req = request()
     c_out = SELECTION.select(req)
     py_out = SELECTION.select_python(req)
@@ -105,14 +107,14 @@ def test_c_and_python_select_the_same(fast, monkeypatch):
 
 @pytest.mark.parametrize("cut", [1, 7, 40])
 def test_malformed_bytes_raise_value_error(fast, monkeypatch, cut):
-    monkeypatch.setattr(span_select, "_span_select", fast)
+    monkeypatch.setattr(span_select, "_otlp_wire", fast)
     payload = request().SerializeToString()
     with pytest.raises(ValueError):
         SELECTION.select_payload(payload[:-cut])
 
 
 def test_random_corruption_never_crashes(fast, monkeypatch):
-    monkeypatch.setattr(span_select, "_span_select", fast)
+    monkeypatch.setattr(span_select, "_otlp_wire", fast)
     rng = random.Random(9)
     good = bytearray(request().SerializeToString())
     for _ in range(300):
@@ -134,7 +136,7 @@ class RefusingScanner:
 def test_a_refusing_c_scanner_never_loses_the_request(monkeypatch):
     from flare.processors.rank_correlation import RankCorrelation
 
-    monkeypatch.setattr(span_select, "_span_select", RefusingScanner)
+    monkeypatch.setattr(span_select, "_otlp_wire", RefusingScanner)
     before = SELECTION.fallbacks
     proc = RankCorrelation()
     proc.process_traces(request())
@@ -150,10 +152,10 @@ def test_rank_links_give_the_message_the_protobuf_calls_give(fast, monkeypatch):
     ranks[0] = RankStep(b"", b"", 0, 0, None)  # empty ids are left out, rank 0 is still set
     ranks[-3] = RankArrival(b"\x01" * 8, b"\x02" * 16, 0, 0)
     ranks[2**62] = RankArrival(b"\x03" * 8, b"\x04" * 16, 0, 0)
-    monkeypatch.setattr(rank_correlation, "_span_select", fast)
+    monkeypatch.setattr(rank_correlation, "_otlp_wire", fast)
     merged = Span(name="x")
     rank_correlation._add_rank_links(merged, ranks)
-    monkeypatch.setattr(rank_correlation, "_span_select", None)
+    monkeypatch.setattr(rank_correlation, "_otlp_wire", None)
     called = Span(name="x")
     rank_correlation._add_rank_links(called, ranks)
     assert merged.SerializeToString() == called.SerializeToString()
@@ -177,9 +179,9 @@ def _random_value(rng: random.Random, depth: int = 0) -> object:
     if kind == 3:
         return rng.choice(["", "a", "ü€", f"s{rng.randrange(1000):x}"])
     if kind == 4:
-        return 3 + 4j  # anything else is sent as its str()
+        return 3 + 4j if rng.random() < 0.2 else "x"  # a kind only protobuf's path writes (str())
     if kind == 5:
-        return None  # dropped at the top level, "None" inside an array
+        return None  # dropped at the top level, an empty AnyValue inside an array
     if kind == 6:
         return b"xy"
     if kind == 7:
@@ -187,22 +189,32 @@ def _random_value(rng: random.Random, depth: int = 0) -> object:
     return tuple(_random_value(rng, depth + 1) for _ in range(rng.randrange(3)))
 
 
-def test_attributes_wire_gives_the_message_key_values_gives(fast, monkeypatch):
+def test_the_correlators_attribute_bytes_give_the_message_key_values_gives(fast, monkeypatch):
+    """The correlator writes its spans' attributes with Flare's one attribute writer
+    (otlp_encoding.write_attributes): the message key_values gives, or None, and then
+    the correlator takes protobuf's path, where the writer leaves a value to protobuf."""
     from flare.processors.otlp_values import key_values
 
+    monkeypatch.setattr(rank_correlation, "_otlp_wire", fast)
     rng = random.Random(5)
+    written = refused = 0
     for _ in range(3000):
         attrs = {rng.choice(["", "k", "flare.x"]) + str(i): _random_value(rng) for i in range(rng.randrange(7))}
+        wire = rank_correlation._wire(attrs)
+        if wire is None:
+            refused += 1
+            continue
         merged = Span()
-        merged.MergeFromString(fast.attributes_wire(attrs, 9))
+        merged.MergeFromString(wire)
         assert merged.SerializeToString() == Span(attributes=key_values(attrs)).SerializeToString(), attrs
-    # What protobuf refuses, the C encoder refuses (the correlator then takes protobuf's path).
-    monkeypatch.setattr(rank_correlation, "_span_select", fast)
+        written += 1
+    assert written > 2000 and refused > 50
+    # What protobuf refuses, the writer refuses (the correlator then takes protobuf's path).
     for bad in ({"x": 2**64}, {"x": "\ud800"}, {"\ud800": 1}, {1: 2}):
-        with pytest.raises((OverflowError, ValueError, TypeError)):
-            fast.attributes_wire(bad, 9)
         assert rank_correlation._wire(bad) is None
-    assert rank_correlation._wire({"x": 1}) == fast.attributes_wire({"x": 1}, 9)
+        with pytest.raises((OverflowError, ValueError, TypeError)):
+            Span(attributes=key_values(bad)).SerializeToString()
+    assert rank_correlation._wire({"x": 1, "n": None}) == otlp_encoding.write_attributes({"x": 1}, 0x4A)
 
 
 # ------------------------------------------------------------------ compact step records
@@ -260,7 +272,7 @@ def _compacted(selected: list) -> list:
 
 
 def test_compact_step_records_match_the_reference(fast, monkeypatch):
-    monkeypatch.setattr(span_select, "_span_select", fast)
+    monkeypatch.setattr(span_select, "_otlp_wire", fast)
     rng = random.Random(11)
     kinds = {"compact": 0, "dict": 0}
     for _ in range(300):
@@ -281,7 +293,7 @@ def test_compact_step_records_match_the_reference(fast, monkeypatch):
 def test_compact_step_records_on_damaged_bytes(fast, monkeypatch):
     """Damaged requests: the compact pick refuses exactly what the dict pick refuses,
     and otherwise gives the dict pick's records, compacted."""
-    monkeypatch.setattr(span_select, "_span_select", fast)
+    monkeypatch.setattr(span_select, "_otlp_wire", fast)
     rng = random.Random(12)
     good = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
         resource={"attributes": kvs({sc.JOB_ID: "j"})},

@@ -1,8 +1,9 @@
 """OTLP protobuf requests → columns of the store schema.
 
 This is the hot path of ingest: every span the collector stores passes through
-`SpanColumns.add_payload` once. With the C decoder (`_otlp_fast`, the normal case) a
-request's spans go from the wire straight into Arrow buffers; the pure-Python
+`SpanColumns.add_payload` once. With the C decoder (the wire module's `SpanBuilder`,
+flare.instrumentation._otlp_wire, the normal case) a request's spans go from the wire
+straight into Arrow buffers; the pure-Python
 reference below (`add_request_python`, used where no compiler was available and as
 the fallback) gives the same values and is written for CPython speed, which is why it
 looks less tidy than the rest of the code:
@@ -17,7 +18,6 @@ looks less tidy than the rest of the code:
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 from typing import Any
@@ -26,11 +26,12 @@ import pyarrow as pa
 
 from flare.exporters import store
 from flare.instrumentation import semconv
+from flare.processors.otlp_values import plain
 
-try:  # the C decoder built with the package; the Python code below is its reference
-    from flare.exporters import _otlp_fast
+try:  # the C decoder built with the wire module; the Python code below is its reference
+    from flare.instrumentation import _otlp_wire
 except ImportError:  # no compiler where it was installed: same output, ~10x slower
-    _otlp_fast = None
+    _otlp_wire = None
 
 # Events or links kept per span (as the C decoder's MAX_ITEMS); what a span had beyond
 # them, plus what its sender dropped (OTLP's dropped_*_count), is written into its
@@ -49,26 +50,13 @@ _encode_json = json.JSONEncoder(
 ).encode
 
 
-def any_value(value: Any) -> Any:
-    """An OTLP `AnyValue` as the plain Python value JSON will carry (int stays int)."""
-    kind = value.WhichOneof("value")
-    if kind in _SCALAR_KINDS:
-        return getattr(value, kind)
-    if kind == "array_value":
-        return [any_value(item) for item in value.array_value.values]
-    if kind == "kvlist_value":
-        return {kv.key: any_value(kv.value) for kv in value.kvlist_value.values}
-    if kind == "bytes_value":
-        return base64.b64encode(value.bytes_value).decode("ascii")
-    return None
-
-
 def attributes_dict(attributes: Any) -> dict[str, Any]:
+    """KeyValues as the plain values JSON will carry (otlp_values.plain, for_json)."""
     out = {}
     for kv in attributes:
         value = kv.value
         kind = value.WhichOneof("value")
-        out[kv.key] = getattr(value, kind) if kind in _SCALAR_KINDS else any_value(value)
+        out[kv.key] = getattr(value, kind) if kind in _SCALAR_KINDS else plain(value, True)
     return out
 
 
@@ -222,7 +210,7 @@ class SpanColumns:
     """Accumulates spans of many requests; `table()` makes the store's Arrow table.
 
     The C decoder writes the span columns straight into Arrow buffers (a
-    `_otlp_fast.SpanBuilder`); the Python reference appends to lists. Each run of
+    `_otlp_wire.SpanBuilder`); the Python reference appends to lists. Each run of
     requests decoded one way is a chunk of the table, in arrival order.
     """
 
@@ -236,7 +224,7 @@ class SpanColumns:
     decoder_fallbacks = 0  # process-wide: requests the C decoder refused, the reference took
 
     def __init__(self) -> None:
-        self._builder: Any = None  # _otlp_fast.SpanBuilder while C-decoded spans come in
+        self._builder: Any = None  # _otlp_wire.SpanBuilder while C-decoded spans come in
         self._lists: _ListColumns | None = None  # while reference-decoded spans come in
         self._chunks: list[dict[str, pa.Array]] = []  # earlier runs, in order
         self._rows = 0
@@ -259,7 +247,7 @@ class SpanColumns:
 
     def add_request(self, request: Any) -> int:
         """Append every span of an `ExportTraceServiceRequest`; returns the count."""
-        if _otlp_fast is not None:
+        if _otlp_wire is not None:
             try:
                 return self.add_payload(request.SerializeToString())
             except ValueError:
@@ -274,13 +262,13 @@ class SpanColumns:
 
         Raises ValueError for bytes that are not one; nothing is appended then.
         """
-        if _otlp_fast is None:
+        if _otlp_wire is None:
             return self.add_request_python(_parse_request(payload))
         builder = self._builder
         if builder is None or self._lists is not None or builder.nbytes() > _SEAL_BYTES:
             self._seal()
             if builder is None:
-                builder = self._builder = _otlp_fast.SpanBuilder()
+                builder = self._builder = _otlp_wire.SpanBuilder()
         try:
             resources = builder.decode(payload)
         except ValueError:
@@ -337,7 +325,7 @@ class SpanColumns:
                         value = kv.value
                         which = value.WhichOneof("value")
                         attrs[kv.key] = (
-                            getattr(value, which) if which in scalar_kinds else any_value(value)
+                            getattr(value, which) if which in scalar_kinds else plain(value, True)
                         )
                     trace_id.append(span.trace_id.hex())
                     span_id.append(span.span_id.hex())

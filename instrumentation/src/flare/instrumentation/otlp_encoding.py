@@ -92,7 +92,7 @@ def _any_value(value) -> bytes:
 
 def _py_attributes(attributes, tag: int) -> bytes:
     """Repeated KeyValue fields; the usual value kinds are written inline. The reference
-    for `_otlp_attributes.attributes` (C), which is used when it is built."""
+    for `_otlp_wire.attributes` (C), which is used when it is built."""
     if not attributes:
         return b""
     tag = _SMALL[tag]
@@ -114,14 +114,19 @@ def _py_attributes(attributes, tag: int) -> bytes:
     return b"".join(parts)
 
 
-try:  # the same in C (~5x faster); optional at install, like the collector's decoders
-    from flare.instrumentation import _otlp_attributes
+# Flare's one OTLP attribute writer, `write_attributes(mapping, tag) -> bytes`: the
+# repeated KeyValue field `tag` (0x4A: Span.attributes) of each item of `mapping`, as the
+# SDK encodes it; Unsupported (or UnicodeEncodeError) for what only the SDK's encoder
+# writes. The collector's correlator writes its spans' attributes with it too. In C
+# (~5x faster) where the wire module was built at install, else the reference above.
+try:
+    from flare.instrumentation import _otlp_wire
 except ImportError:
-    _otlp_attributes = None
-    _attributes = _py_attributes
+    _otlp_wire = None
+    write_attributes = _py_attributes
 else:
-    _otlp_attributes.init(Unsupported)
-    _attributes = _otlp_attributes.attributes
+    _otlp_wire.init(Unsupported)
+    write_attributes = _otlp_wire.attributes
 
 _KINDS: dict | None = None
 
@@ -170,7 +175,7 @@ def encode_span(span) -> bytes:
         out.append(b"\x41" + _pack_fixed64(span.end_time))
     attributes = span.attributes
     if attributes:
-        out.append(_attributes(attributes, 0x4A))
+        out.append(write_attributes(attributes, 0x4A))
     for tag, count in ((b"\x50", span.dropped_attributes), (b"\x60", span.dropped_events),
                        (b"\x70", span.dropped_links)):
         if count:
@@ -215,7 +220,7 @@ def encode_finished(name: str, context, parent, attributes, start_ns: int,
     if end_ns:
         out.append(b"\x41" + _pack_fixed64(end_ns))
     if attributes:
-        out.append(_attributes(attributes, 0x4A))
+        out.append(write_attributes(attributes, 0x4A))
     out.append(_UNSET_STATUS)
     out.append(_REMOTE_FLAGS if parent.is_remote else _LOCAL_FLAGS)
     return b"".join(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from typing import Any
 
@@ -10,17 +11,20 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 _SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
 
 
-def plain(value: AnyValue) -> Any:
-    """An `AnyValue` as a Python value (arrays as tuples, maps as dicts)."""
+def plain(value: AnyValue, for_json: bool = False) -> Any:
+    """An `AnyValue` as a Python value: arrays as tuples, maps as dicts, bytes as bytes;
+    `for_json`, as JSON carries it (the store's columns): arrays as lists, bytes as
+    base64 text. The reference for the wire module's AnyValue reader, both shapes."""
     kind = value.WhichOneof("value")
     if kind in _SCALAR_KINDS:
         return getattr(value, kind)
     if kind == "array_value":
-        return tuple(plain(v) for v in value.array_value.values)
+        items = [plain(v, for_json) for v in value.array_value.values]
+        return items if for_json else tuple(items)
     if kind == "kvlist_value":
-        return {kv.key: plain(kv.value) for kv in value.kvlist_value.values}
+        return {kv.key: plain(kv.value, for_json) for kv in value.kvlist_value.values}
     if kind == "bytes_value":
-        return value.bytes_value
+        return base64.b64encode(value.bytes_value).decode("ascii") if for_json else value.bytes_value
     return None
 
 
@@ -53,6 +57,12 @@ def as_float(value: Any) -> float | None:
 
 
 def any_value(value: Any) -> AnyValue:
+    """The AnyValue Flare's attribute writer (otlp_encoding.write_attributes) writes for
+    the kinds it knows (None an empty AnyValue, bytes as bytes); anything else as its str()."""
+    if value is None:
+        return AnyValue()
+    if isinstance(value, bytes):
+        return AnyValue(bytes_value=value)
     if isinstance(value, bool):
         return AnyValue(bool_value=value)
     if isinstance(value, int):

@@ -45,6 +45,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 
 from flare.instrumentation import semconv as sc
+from flare.instrumentation.otlp_encoding import Unsupported, write_attributes
 from flare.processors import options
 from flare.processors.base import Processor
 from flare.processors.correlation_windows import (
@@ -63,7 +64,7 @@ from flare.processors.correlation_windows import (
     summary_collective_attributes,
 )
 from flare.processors.otlp_values import as_float, as_int, derived_span_id, key_values
-from flare.processors.span_select import Selection, SpanRecord, _span_select
+from flare.processors.span_select import Selection, SpanRecord, _otlp_wire
 
 SCOPE_NAME = "flare.processors.rank_correlation"
 
@@ -167,9 +168,12 @@ def _step_root(job: str, step: int) -> bytes:
     return sc.step_root_span_id(job, step).to_bytes(8, "big")
 
 
+_SPAN_ATTRIBUTES = 0x4A  # the tag of Span.attributes (field 9, length-delimited)
+
+
 def _add_span(into, fields: dict, attrs: dict, ranks) -> Span:
     """Add one emitted span to `into`: its attributes and per-rank links written as wire
-    bytes in C when possible, else through protobuf."""
+    bytes when possible, else through protobuf."""
     wire = _wire(attrs, ranks)
     if wire is not None:
         span: Span = into.add(**fields)
@@ -182,17 +186,19 @@ def _add_span(into, fields: dict, attrs: dict, ranks) -> Span:
 
 def _wire(attrs: dict[str, Any], ranks: dict[int, Any] | None = None) -> bytes | None:
     """A span's attributes (and, given `ranks`, its per-rank links) as wire bytes to
-    merge into it: one C call instead of a KeyValue and an AnyValue object per
-    attribute. None where the C picker is missing or refuses a value (an int beyond
-    int64, text that is not UTF-8): the caller builds them with protobuf then, which
-    gives the same message or the same error."""
-    if _span_select is None:
+    merge into it: Flare's OTLP attribute writer and the links in C, instead of a
+    KeyValue and an AnyValue object per attribute. None where the C module is missing
+    or a value is one the writer leaves to protobuf (a kind it does not write, an int
+    beyond int64, text that is not UTF-8): the caller builds them with protobuf then,
+    which gives the same message or the same error. None values are left out, as
+    `key_values` leaves them out."""
+    if _otlp_wire is None:
         return None
     try:
-        wire = _span_select.attributes_wire(attrs, 9)  # Span.attributes
+        wire = write_attributes({k: v for k, v in attrs.items() if v is not None}, _SPAN_ATTRIBUTES)
         if ranks is not None:
-            wire += _span_select.rank_links(ranks, sc.RANK)
-    except (TypeError, ValueError, OverflowError):
+            wire += _otlp_wire.rank_links(ranks, sc.RANK)
+    except (Unsupported, TypeError, ValueError, OverflowError):
         return None
     return wire
 
@@ -201,9 +207,9 @@ def _add_rank_links(span: Span, ranks: dict[int, Any]) -> None:
     """One link per rank of a window, in rank order, to the rank's span, carrying
     `flare.rank`. The C picker writes them as wire bytes merged in one call (three
     protobuf calls per link were the emission's largest cost at many ranks)."""
-    if _span_select is not None:
+    if _otlp_wire is not None:
         try:
-            span.MergeFromString(_span_select.rank_links(ranks, sc.RANK))
+            span.MergeFromString(_otlp_wire.rank_links(ranks, sc.RANK))
             return
         except (TypeError, ValueError, OverflowError):
             pass  # not the ints and bytes the picker gives: the reference below

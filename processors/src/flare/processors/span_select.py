@@ -2,10 +2,10 @@
 
 The correlator sees every span the collector receives but reads only a few span
 names and a few attribute keys. Through the protobuf Python API every attribute
-access allocates, so `_span_select.c` scans the serialized request instead and
-materialises only what is wanted; `select_python` below is the reference it must
-match (tests/processors/test_span_select.py) and what runs where the extension was
-not built.
+access allocates, so the wire module's `select_spans` (flare.instrumentation.
+_otlp_wire) scans the serialized request instead and materialises only what is
+wanted; `select_python` below is the reference it must match (tests/processors/
+test_span_select.py) and what runs where the extension was not built.
 
 A record is `(name, trace_id, span_id, start_ns, end_ns, attributes)`, ids as bytes,
 attributes as `{key: value}` of the wanted keys (arrays as tuples, maps as dicts).
@@ -26,9 +26,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from flare.processors.otlp_values import pick
 
 try:
-    from flare.processors import _span_select
+    from flare.instrumentation import _otlp_wire
 except ImportError:  # built without a C compiler: same records, slower
-    _span_select = None
+    _otlp_wire = None
 
 SpanRecord = tuple[str, bytes, bytes, int, int, dict[str, Any]]
 
@@ -89,7 +89,7 @@ class Selection:
     def select(
         self, request: ExportTraceServiceRequest, compact: bool = False
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
-        if _span_select is None:
+        if _otlp_wire is None:
             return self.select_python(request)
         try:
             return self.select_payload(request.SerializeToString(), compact)
@@ -103,7 +103,7 @@ class Selection:
         self, request: ExportTraceServiceRequest, payload: bytes, compact: bool = False
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         """`select` from the bytes `request` arrived as (no re-serialising)."""
-        if _span_select is None:
+        if _otlp_wire is None:
             return self.select_python(request)
         try:
             return self.select_payload(payload, compact)
@@ -118,14 +118,14 @@ class Selection:
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         """Records from the bytes; with `compact` (and a `step` spec), qualifying step
         spans in the compact form (module docstring)."""
-        if _span_select is None:
+        if _otlp_wire is None:
             return self.select_python(ExportTraceServiceRequest.FromString(payload))
         if compact and self.step is not None:
-            return _span_select.select_spans(
+            return _otlp_wire.select_spans(
                 payload, self.names, self.prefix, self.excluded, self.skip_scope,
                 self.span_keys, self.resource_keys, self.step,
             )
-        return _span_select.select_spans(
+        return _otlp_wire.select_spans(
             payload, self.names, self.prefix, self.excluded, self.skip_scope,
             self.span_keys, self.resource_keys,
         )

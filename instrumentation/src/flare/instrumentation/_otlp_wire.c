@@ -1,16 +1,20 @@
-/* Serialized OTLP ExportTraceServiceRequest -> the store's span columns, in C.
+/* The OTLP wire format, read and written in C: every protobuf walk of Flare's hot paths.
  *
  * Why this exists: through the protobuf Python API every field access allocates a
- * wrapper object, so turning a span's ~10 attributes into JSON text costs ~10 us in
- * Python, ten times the parse itself. Reading the wire format directly and writing
- * the JSON text in one pass keeps ingest near the parse-only ceiling. The values go
- * straight into Arrow-layout buffers (`SpanBuilder`), which the store wraps as Arrow
- * arrays without a copy: no Python object per value, no list-to-Arrow conversion.
- *
- * Output must match the pure-Python reference (otlp_columns.SpanColumns.add_request)
- * value for value; tests/exporters/test_otlp_fast.py checks that on realistic and
- * hostile input. Malformed input raises ValueError; nothing is appended for a request
- * that fails (the builder is truncated back to where the request started).
+ * wrapper object, and building a message allocates one per key and value. Reading and
+ * writing the wire format directly keeps those paths near protobuf's own parse:
+ * - writing (the ranks' span exporter): `attributes`, a span's KeyValue fields
+ *   (otlp_encoding._py_attributes is the reference); `rank_links`, the per-rank links
+ *   of a span the correlator emits (rank_correlation._add_rank_links);
+ * - reading, in the collector: `SpanBuilder`, a request's spans straight into the
+ *   store's Arrow-layout columns (otlp_columns.SpanColumns.add_request_python);
+ *   `select_spans`, the few spans and keys the correlator reads (span_select.
+ *   Selection.select_python); `check_span_ids` and `check_traces_strict`, the
+ *   receivers' check of every request (flare.collector.validate).
+ * Each function must match its Python reference value for value: tests/exporters/
+ * test_otlp_fast.py, tests/processors/test_span_select.py and tests/instrumentation/
+ * test_otlp_encoding.py check that, tests/fuzz the readers under ASan and UBSan.
+ * Malformed input raises ValueError and the caller's Python reference decides.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -212,6 +216,37 @@ static int buf_put(Buf *b, const char *s, size_t n) {
 
 #define PUT_LIT(b, s) buf_put((b), (s), sizeof(s) - 1)
 
+/* A varint at p (room for 10 bytes); returns its length. */
+static size_t put_varint(char *p, uint64_t v) {
+    size_t n = 0;
+    while (v >= 0x80) {
+        p[n++] = (char)(v | 0x80);
+        v >>= 7;
+    }
+    p[n++] = (char)v;
+    return n;
+}
+
+static size_t varint_size(uint64_t v) {
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static int buf_tag_varint(Buf *b, uint8_t tag, uint64_t v) {
+    if (buf_reserve(b, 11)) return -1;
+    b->buf[b->len++] = (char)tag;
+    b->len += put_varint(b->buf + b->len, v);
+    return 0;
+}
+
+/* A length-delimited field: tag, length, bytes. */
+static int buf_tag_bytes(Buf *b, uint8_t tag, const void *p, size_t n) {
+    return buf_tag_varint(b, tag, n) || buf_put(b, p, n) ? -1 : 0;
+}
 static const char HEX[] = "0123456789abcdef";
 
 /* JSON string the way Python's json (ensure_ascii=False) writes it. Room for the worst
@@ -451,24 +486,30 @@ static int kvlist_json(Buf *b, const uint8_t *p, size_t n, uint32_t field_num, i
     return PUT_LIT(b, "}");
 }
 
-/* AnyValue -> Python object, as otlp_columns.any_value does (resource attributes). */
-static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth);
+/* AnyValue -> Python object, in one of two shapes: as otlp_values.plain reads it
+ * (arrays as tuples, bytes as bytes: the correlator's picks) or, with `json`, as JSON
+ * carries it (arrays as lists, bytes as base64 text: the store's resource attributes). */
+static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth, int json);
 
-static PyObject *kvlist_py(const uint8_t *p, size_t n, uint32_t field_num, int depth) {
+/* {key: value} of the KeyValues in field 1 (a KeyValueList's, or a Resource's). */
+static PyObject *kvlist_py(const uint8_t *p, size_t n, int depth, int json) {
     Reader r = {p, p + n};
     Field f;
     int rc;
-    if (depth > MAX_DEPTH) return NULL;
+    if (depth > MAX_DEPTH) {
+        PyErr_SetString(PyExc_ValueError, "OTLP attribute nested too deeply");
+        return NULL;
+    }
     PyObject *dict = PyDict_New();
     if (!dict) return NULL;
     while ((rc = next_field(&r, &f)) == 0) {
-        if (f.num != field_num || f.wt != 2) continue;
+        if (f.num != 1 || f.wt != 2) continue;
         Field key, value;
         int has_value;
         if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) goto bad;
         PyObject *k = PyUnicode_DecodeUTF8((const char *)key.data, (Py_ssize_t)key.len, "replace");
         if (!k) goto fail;
-        PyObject *v = has_value ? anyvalue_py(value.data, value.len, depth + 1) : Py_NewRef(Py_None);
+        PyObject *v = has_value ? anyvalue_py(value.data, value.len, depth + 1, json) : Py_NewRef(Py_None);
         if (!v) {
             Py_DECREF(k);
             goto fail;
@@ -481,13 +522,13 @@ static PyObject *kvlist_py(const uint8_t *p, size_t n, uint32_t field_num, int d
     if (rc < 0) goto bad;
     return dict;
 bad:
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "malformed OTLP attributes");
+    PyErr_SetString(PyExc_ValueError, "malformed OTLP attributes");
 fail:
     Py_DECREF(dict);
     return NULL;
 }
 
-static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth) {
+static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth, int json) {
     Field f;
     if (depth > MAX_DEPTH) {
         PyErr_SetString(PyExc_ValueError, "OTLP attribute nested too deeply");
@@ -509,30 +550,35 @@ static PyObject *anyvalue_py(const uint8_t *p, size_t n, int depth) {
         return PyFloat_FromDouble(d);
     }
     case 5: {
+        /* Counted first, then built as the tuple or list itself. */
         Reader r = {f.data, f.data + f.len};
         Field item;
         int rc;
-        PyObject *list = PyList_New(0);
-        if (!list) return NULL;
-        while ((rc = next_field(&r, &item)) == 0) {
-            if (item.num != 1 || item.wt != 2) continue;
-            PyObject *v = anyvalue_py(item.data, item.len, depth + 1);
-            if (!v || PyList_Append(list, v)) {
-                Py_XDECREF(v);
-                Py_DECREF(list);
-                return NULL;
-            }
-            Py_DECREF(v);
-        }
+        Py_ssize_t count = 0;
+        while ((rc = next_field(&r, &item)) == 0)
+            if (item.num == 1 && item.wt == 2) count++;
         if (rc < 0) {
-            Py_DECREF(list);
             PyErr_SetString(PyExc_ValueError, "malformed OTLP ArrayValue");
             return NULL;
         }
-        return list;
+        PyObject *items = json ? PyList_New(count) : PyTuple_New(count);
+        if (!items) return NULL;
+        r.p = f.data;
+        for (Py_ssize_t i = 0; i < count && next_field(&r, &item) == 0;) {
+            if (item.num != 1 || item.wt != 2) continue;
+            PyObject *v = anyvalue_py(item.data, item.len, depth + 1, json);
+            if (!v) {
+                Py_DECREF(items); /* the slots left NULL are skipped by its dealloc */
+                return NULL;
+            }
+            if (json) PyList_SET_ITEM(items, i++, v);
+            else PyTuple_SET_ITEM(items, i++, v);
+        }
+        return items;
     }
-    case 6: return kvlist_py(f.data, f.len, 1, depth + 1);
+    case 6: return kvlist_py(f.data, f.len, depth + 1, json);
     case 7: {
+        if (!json) return PyBytes_FromStringAndSize((const char *)f.data, (Py_ssize_t)f.len);
         Buf b = {0};
         if (json_base64(&b, f.data, f.len)) {
             PyMem_Free(b.buf);
@@ -950,7 +996,7 @@ static PyObject *builder_decode(SpanBuilder *sb, PyObject *arg) {
             if (f.num == 1 && f.wt == 2) { resource = f; resources_seen++; }
         /* Two resources are merged by protobuf: the reference reads that. */
         if (rc < 0 || resources_seen > 1) { malformed = 1; goto fail; }
-        PyObject *attrs = kvlist_py(resource.data, resource.len, 1, 0);
+        PyObject *attrs = kvlist_py(resource.data, resource.len, 0, 1);
         if (!attrs) goto fail;
         long long rank = 0;
         int has_rank = resource_rank_of(resource.data, resource.len, &rank);
@@ -1017,7 +1063,7 @@ static PyBufferProcs chunk_as_buffer = {(getbufferproc)chunk_getbuffer, NULL};
 
 static PyTypeObject ChunkType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "flare.exporters._otlp_fast.Chunk",
+    .tp_name = "flare.instrumentation._otlp_wire.Chunk",
     .tp_basicsize = sizeof(Chunk),
     .tp_dealloc = (destructor)chunk_dealloc,
     .tp_as_buffer = &chunk_as_buffer,
@@ -1350,6 +1396,648 @@ static PyObject *check_traces_strict(PyObject *self, PyObject *args) {
     return Py_BuildValue("(LL)", st.spans, st.bad);
 }
 
+/* ------------------------------------------------------------------ selection */
+typedef struct {
+    const char *text;
+    Py_ssize_t len;
+    PyObject *obj; /* the str itself (borrowed from the caller's tuple): a matching key or
+                      name is returned as this object rather than decoded again */
+} Str;
+
+#define MAX_STRS 64
+
+static int strs_from_tuple(PyObject *tuple, Str *out, Py_ssize_t *count, const char *what) {
+    if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > MAX_STRS) {
+        PyErr_Format(PyExc_TypeError, "%s must be a tuple of at most %d str", what, MAX_STRS);
+        return -1;
+    }
+    *count = PyTuple_GET_SIZE(tuple);
+    for (Py_ssize_t i = 0; i < *count; i++) {
+        out[i].obj = PyTuple_GET_ITEM(tuple, i);
+        out[i].text = PyUnicode_AsUTF8AndSize(out[i].obj, &out[i].len);
+        if (!out[i].text) return -1;
+    }
+    return 0;
+}
+
+/* The entry of `set` equal to the UTF-8 bytes p[0:n], or NULL. */
+static const Str *str_find(const Str *set, Py_ssize_t count, const uint8_t *p, size_t n) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if ((size_t)set[i].len == n && memcmp(set[i].text, p, n) == 0) return &set[i];
+    return NULL;
+}
+
+static int str_in(const Str *set, Py_ssize_t count, const uint8_t *p, size_t n) {
+    return str_find(set, count, p, n) != NULL;
+}
+
+/* {key: value} of the wanted keys among the KeyValues in field `field_num` (last wins). */
+static PyObject *pick(const uint8_t *p, size_t n, uint32_t field_num, const Str *keys,
+                      Py_ssize_t n_keys) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    PyObject *dict = PyDict_New();
+    if (!dict) return NULL;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != field_num || f.wt != 2) continue;
+        Field key, value;
+        int has_value;
+        if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) {
+            rc = -1;
+            break;
+        }
+        const Str *wanted = str_find(keys, n_keys, key.data, key.len);
+        if (!wanted) continue;
+        PyObject *k = Py_NewRef(wanted->obj);
+        PyObject *v = k ? (has_value ? anyvalue_py(value.data, value.len, 0, 0) : Py_NewRef(Py_None)) : NULL;
+        if (!v || PyDict_SetItem(dict, k, v)) {
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+            Py_DECREF(dict);
+            return NULL;
+        }
+        Py_DECREF(k);
+        Py_DECREF(v);
+    }
+    if (rc < 0) {
+        Py_DECREF(dict);
+        PyErr_SetString(PyExc_ValueError, "malformed OTLP attributes");
+        return NULL;
+    }
+    return dict;
+}
+
+/* The compact form of a train.step span (see step_record below): its name and the six
+ * keys it is read by, in this order. */
+enum { SK_NAME, SK_RANK, SK_STEP, SK_WAIT, SK_NAMES, SK_WAITS, SK_SEQS, SK_COUNT };
+
+typedef struct {
+    Str exact[MAX_STRS], excluded[MAX_STRS], span_keys[MAX_STRS], resource_keys[MAX_STRS];
+    Py_ssize_t n_exact, n_excluded, n_span_keys, n_resource_keys;
+    const char *prefix, *skip_scope;
+    Py_ssize_t prefix_len, skip_scope_len;
+    int compact;         /* step spans in the compact form when they qualify */
+    Str step[SK_COUNT];  /* the step span's name and keys, when compact */
+} Selection;
+
+static int wanted_name(const Selection *sel, const uint8_t *p, size_t n) {
+    if (str_in(sel->exact, sel->n_exact, p, n)) return 1;
+    return n >= (size_t)sel->prefix_len && memcmp(p, sel->prefix, (size_t)sel->prefix_len) == 0 &&
+           !str_in(sel->excluded, sel->n_excluded, p, n);
+}
+
+/* ------------------------------------------------------------------ compact steps
+ * A train.step span is read for six keys only, once per rank per step. When each of
+ * them is absent or of the type Flare's instrumentation sends (rank, step: int; wait:
+ * double; the per-PG arrays: strings, doubles, ints, the latter two as long as the
+ * names), the span is returned as
+ *     (name, trace_id, span_id, start, end, rank, step, wait, names, waits, seqs)
+ * with None for an absent scalar and ((), (), ()) without PG names: the values the
+ * correlator would derive from the attribute dict, without building it (span_select.
+ * compact_step is the reference). Anything else (another type, a value without a
+ * type, a length mismatch, any other wanted key, anything malformed) returns 0 and
+ * the span takes the dict form, which decides on errors as before. */
+
+/* Items of an ArrayValue AnyValue slice that all carry AnyValue field `want_num`
+ * (1 string, 3 int, 4 double) as their set value; -1 otherwise. Fills `items`
+ * (up to `cap`) with the values' fields. */
+static Py_ssize_t typed_array(const uint8_t *p, size_t n, uint32_t want_num, Field *items, Py_ssize_t cap) {
+    Field f;
+    if (anyvalue_field(p, n, &f) != 1 || f.num != 5) return -1;
+    Reader r = {f.data, f.data + f.len};
+    Field item;
+    int rc;
+    Py_ssize_t count = 0;
+    while ((rc = next_field(&r, &item)) == 0) {
+        if (item.num != 1) continue;
+        if (item.wt != 2 || count >= cap) return -1;
+        Field v;
+        if (anyvalue_field(item.data, item.len, &v) != 1 || v.num != want_num) return -1;
+        items[count++] = v;
+    }
+    return rc < 0 ? -1 : count;
+}
+
+#define MAX_PGS 64
+
+/* 1: the compact record is in *out; 0: the span does not qualify; -1: error set. */
+static int step_record(const Selection *sel, const uint8_t *p, size_t n, PyObject **out) {
+    Reader r = {p, p + n};
+    Field f;
+    int rc;
+    Field last[SK_COUNT];
+    int have[SK_COUNT] = {0};
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 9 || f.wt != 2) continue;
+        Field key, value;
+        int has_value;
+        if (keyvalue_parts(f.data, f.len, &key, &value, &has_value)) return 0;
+        const Str *k = str_find(sel->step + 1, SK_COUNT - 1, key.data, key.len);
+        if (!k) {
+            if (str_in(sel->span_keys, sel->n_span_keys, key.data, key.len)) return 0;
+            continue;
+        }
+        int slot = (int)(k - sel->step);
+        last[slot] = value;
+        have[slot] = has_value ? 1 : -1; /* the last one counts, as in the dict */
+    }
+    if (rc < 0) return 0;
+    for (int slot = SK_RANK; slot < SK_COUNT; slot++)
+        if (have[slot] < 0) return 0;
+    static const uint32_t scalar_num[SK_COUNT] = {0, 3, 3, 4};
+    uint64_t scalar[SK_COUNT] = {0};
+    for (int slot = SK_RANK; slot <= SK_WAIT; slot++) {
+        if (!have[slot]) continue;
+        Field v;
+        if (anyvalue_field(last[slot].data, last[slot].len, &v) != 1 || v.num != scalar_num[slot]) return 0;
+        scalar[slot] = v.v;
+    }
+    Field names[MAX_PGS], waits[MAX_PGS], seqs[MAX_PGS];
+    Py_ssize_t n_names = 0, n_waits = 0, n_seqs = 0;
+    if (have[SK_NAMES] && (n_names = typed_array(last[SK_NAMES].data, last[SK_NAMES].len, 1, names, MAX_PGS)) < 0)
+        return 0;
+    if (have[SK_WAITS] && (n_waits = typed_array(last[SK_WAITS].data, last[SK_WAITS].len, 4, waits, MAX_PGS)) < 0)
+        return 0;
+    if (have[SK_SEQS] && (n_seqs = typed_array(last[SK_SEQS].data, last[SK_SEQS].len, 3, seqs, MAX_PGS)) < 0)
+        return 0;
+    if (n_names && (n_waits != n_names || n_seqs != n_names)) return 0;
+    PyObject *t_names = PyTuple_New(n_names), *t_waits = PyTuple_New(n_names), *t_seqs = PyTuple_New(n_names);
+    PyObject *rank = NULL, *step = NULL, *wait = NULL;
+    if (!t_names || !t_waits || !t_seqs) goto fail;
+    for (Py_ssize_t i = 0; i < n_names; i++) {
+        PyObject *name = PyUnicode_DecodeUTF8((const char *)names[i].data, (Py_ssize_t)names[i].len, "replace");
+        if (!name) goto fail;
+        PyTuple_SET_ITEM(t_names, i, name);
+        double d;
+        memcpy(&d, &waits[i].v, 8);
+        PyObject *w = PyFloat_FromDouble(d);
+        if (!w) goto fail;
+        PyTuple_SET_ITEM(t_waits, i, w);
+        PyObject *q = PyLong_FromLongLong((long long)(int64_t)seqs[i].v);
+        if (!q) goto fail;
+        PyTuple_SET_ITEM(t_seqs, i, q);
+    }
+    rank = have[SK_RANK] ? PyLong_FromLongLong((long long)(int64_t)scalar[SK_RANK]) : Py_NewRef(Py_None);
+    step = have[SK_STEP] ? PyLong_FromLongLong((long long)(int64_t)scalar[SK_STEP]) : Py_NewRef(Py_None);
+    if (have[SK_WAIT]) {
+        double d;
+        memcpy(&d, &scalar[SK_WAIT], 8);
+        wait = PyFloat_FromDouble(d);
+    } else {
+        wait = Py_NewRef(Py_None);
+    }
+    if (!rank || !step || !wait) goto fail;
+    PyObject *record = PyTuple_New(11);
+    if (!record) goto fail;
+    PyTuple_SET_ITEM(record, 5, rank);
+    PyTuple_SET_ITEM(record, 6, step);
+    PyTuple_SET_ITEM(record, 7, wait);
+    PyTuple_SET_ITEM(record, 8, t_names);
+    PyTuple_SET_ITEM(record, 9, t_waits);
+    PyTuple_SET_ITEM(record, 10, t_seqs);
+    *out = record;
+    return 1;
+fail:
+    Py_XDECREF(t_names);
+    Py_XDECREF(t_waits);
+    Py_XDECREF(t_seqs);
+    Py_XDECREF(rank);
+    Py_XDECREF(step);
+    Py_XDECREF(wait);
+    return -1;
+}
+
+/* Append (name, trace_id, span_id, start, end, attrs) when the span is wanted. 0 ok, -1 error */
+static int select_span(const Selection *sel, const uint8_t *p, size_t n, PyObject *out) {
+    Reader r = {p, p + n};
+    Field f, trace = {0}, span_id = {0}, name = {0};
+    uint64_t start = 0, end = 0;
+    int rc;
+    trace.data = span_id.data = name.data = (const uint8_t *)"";
+    while ((rc = next_field(&r, &f)) == 0) {
+        switch (f.num) {
+        /* A field of the wrong wire type is unknown to protobuf: skipped (see next_field). */
+        case 1: if (f.wt == 2) trace = f; break;
+        case 2: if (f.wt == 2) span_id = f; break;
+        case 5: if (f.wt == 2) name = f; break;
+        case 7: if (f.wt == 1) start = f.v; break;
+        case 8: if (f.wt == 1) end = f.v; break;
+        default: break;
+        }
+    }
+    if (rc < 0) {
+        PyErr_SetString(PyExc_ValueError, "malformed OTLP span");
+        return -1;
+    }
+    const Str *exact = str_find(sel->exact, sel->n_exact, name.data, name.len);
+    if (!exact && !wanted_name(sel, name.data, name.len)) return 0;
+    PyObject *record = NULL;
+    int compact = 0;
+    if (sel->compact && name.len == (size_t)sel->step[SK_NAME].len &&
+        memcmp(name.data, sel->step[SK_NAME].text, name.len) == 0) {
+        compact = step_record(sel, p, n, &record);
+        if (compact < 0) return -1;
+    }
+    if (!compact) {
+        PyObject *attrs = pick(p, n, 9, sel->span_keys, sel->n_span_keys);
+        if (!attrs) return -1;
+        record = PyTuple_New(6);
+        if (!record) {
+            Py_DECREF(attrs);
+            return -1;
+        }
+        PyTuple_SET_ITEM(record, 5, attrs);
+    }
+    PyObject *items[5] = {
+        exact ? Py_NewRef(exact->obj)
+              : PyUnicode_DecodeUTF8((const char *)name.data, (Py_ssize_t)name.len, "replace"),
+        PyBytes_FromStringAndSize((const char *)trace.data, (Py_ssize_t)trace.len),
+        PyBytes_FromStringAndSize((const char *)span_id.data, (Py_ssize_t)span_id.len),
+        PyLong_FromUnsignedLongLong((unsigned long long)start),
+        PyLong_FromUnsignedLongLong((unsigned long long)end),
+    };
+    int failed = 0;
+    for (int i = 0; i < 5; i++) {
+        if (!items[i]) failed = 1;
+        else PyTuple_SET_ITEM(record, i, items[i]);
+    }
+    if (failed) { /* the slots left NULL are skipped by the tuple's dealloc */
+        Py_DECREF(record);
+        return -1;
+    }
+    int err = PyList_Append(out, record);
+    Py_DECREF(record);
+    return err;
+}
+
+/* 1 when a ScopeSpans' scope is named skip_scope, 0 when not, -1 malformed. A scope
+ * given twice is merged by protobuf: the last name on the wire counts. */
+static int scope_is_skipped(const Selection *sel, const uint8_t *p, size_t n) {
+    Reader r = {p, p + n};
+    Field f, name = {0};
+    int rc;
+    name.data = (const uint8_t *)"";
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 1 || f.wt != 2) continue;
+        Reader sr = {f.data, f.data + f.len};
+        Field sf;
+        while ((rc = next_field(&sr, &sf)) == 0)
+            if (sf.num == 1 && sf.wt == 2) name = sf;
+        if (rc < 0) return -1;
+    }
+    if (rc < 0) return -1;
+    return name.len == (size_t)sel->skip_scope_len && memcmp(name.data, sel->skip_scope, name.len) == 0;
+}
+
+static int select_resource(const Selection *sel, const uint8_t *p, size_t n, PyObject *result) {
+    Reader r = {p, p + n};
+    Field f, resource = {0};
+    int rc, resources_seen = 0;
+    resource.data = (const uint8_t *)"";
+    while ((rc = next_field(&r, &f)) == 0)
+        if (f.num == 1 && f.wt == 2) {
+            resource = f;
+            resources_seen++;
+        }
+    /* Two resources are merged by protobuf: the reference reads that. */
+    if (rc < 0 || resources_seen > 1) goto malformed;
+    PyObject *spans = PyList_New(0);
+    if (!spans) return -1;
+    r.p = p;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 2 || f.wt != 2) continue;
+        int skip = scope_is_skipped(sel, f.data, f.len);
+        if (skip < 0) {
+            rc = -1;
+            break;
+        }
+        if (skip) continue;
+        Reader sr = {f.data, f.data + f.len};
+        Field sf;
+        while ((rc = next_field(&sr, &sf)) == 0) {
+            if (sf.num != 2 || sf.wt != 2) continue;
+            if (select_span(sel, sf.data, sf.len, spans)) {
+                Py_DECREF(spans);
+                return -1;
+            }
+        }
+        if (rc < 0) break;
+    }
+    if (rc < 0) {
+        Py_DECREF(spans);
+        goto malformed;
+    }
+    PyObject *attrs = pick(resource.data, resource.len, 1, sel->resource_keys, sel->n_resource_keys);
+    if (!attrs) {
+        Py_DECREF(spans);
+        return -1;
+    }
+    PyObject *entry = Py_BuildValue("(NN)", attrs, spans);
+    if (!entry) return -1;
+    int err = PyList_Append(result, entry);
+    Py_DECREF(entry);
+    return err;
+malformed:
+    PyErr_SetString(PyExc_ValueError, "malformed OTLP ResourceSpans");
+    return -1;
+}
+
+static PyObject *select_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer payload;
+    PyObject *exact, *excluded, *span_keys, *resource_keys, *prefix, *skip_scope, *step = NULL;
+    Selection sel;
+    if (!PyArg_ParseTuple(args, "y*O!UO!UO!O!|O!", &payload, &PyTuple_Type, &exact, &prefix,
+                          &PyTuple_Type, &excluded, &skip_scope, &PyTuple_Type, &span_keys,
+                          &PyTuple_Type, &resource_keys, &PyTuple_Type, &step))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_step = 0;
+    sel.compact = step != NULL;
+    if (sel.compact) {
+        if (PyTuple_GET_SIZE(step) != SK_COUNT) {
+            PyErr_Format(PyExc_TypeError, "step must be a tuple of %d str", SK_COUNT);
+            goto done;
+        }
+        if (strs_from_tuple(step, sel.step, &n_step, "step")) goto done;
+    }
+    if (strs_from_tuple(exact, sel.exact, &sel.n_exact, "names") ||
+        strs_from_tuple(excluded, sel.excluded, &sel.n_excluded, "excluded") ||
+        strs_from_tuple(span_keys, sel.span_keys, &sel.n_span_keys, "span_keys") ||
+        strs_from_tuple(resource_keys, sel.resource_keys, &sel.n_resource_keys, "resource_keys") ||
+        !(sel.prefix = PyUnicode_AsUTF8AndSize(prefix, &sel.prefix_len)) ||
+        !(sel.skip_scope = PyUnicode_AsUTF8AndSize(skip_scope, &sel.skip_scope_len)))
+        goto done;
+    result = PyList_New(0);
+    if (!result) goto done;
+    Reader r = {payload.buf, (const uint8_t *)payload.buf + payload.len};
+    Field f;
+    int rc;
+    while ((rc = next_field(&r, &f)) == 0) {
+        if (f.num != 1 || f.wt != 2) continue;
+        if (select_resource(&sel, f.data, f.len, result)) {
+            rc = -1;
+            break;
+        }
+    }
+    if (rc < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "malformed OTLP ExportTraceServiceRequest");
+        Py_CLEAR(result);
+    }
+done:
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+/* ------------------------------------------------------------------ links
+ * The per-rank links of an emitted train.step.ranks / collective.ranks span, as the
+ * wire bytes of the Span's repeated `links` field (13): one Link per rank in rank
+ * order, {trace_id, span_id, attributes: [flare.rank = rank]}. Merged into the span
+ * (`MergeFromString`), they give the very message the three protobuf calls per link
+ * built, for a fraction of the Python calls. */
+static int bytes_attr(PyObject *obj, PyObject *name, PyObject **value, const char **data, Py_ssize_t *len) {
+    *value = PyObject_GetAttr(obj, name);
+    if (!*value) return -1;
+    if (!PyBytes_Check(*value)) {
+        PyErr_SetString(PyExc_TypeError, "trace_id and span_id must be bytes");
+        Py_DECREF(*value);
+        return -1;
+    }
+    *data = PyBytes_AS_STRING(*value);
+    *len = PyBytes_GET_SIZE(*value);
+    return 0;
+}
+
+static PyObject *rank_links(PyObject *self, PyObject *args) {
+    PyObject *ranks, *rank_key;
+    if (!PyArg_ParseTuple(args, "O!U", &PyDict_Type, &ranks, &rank_key)) return NULL;
+    Py_ssize_t key_len;
+    const char *key = PyUnicode_AsUTF8AndSize(rank_key, &key_len);
+    if (!key) return NULL;
+    Buf o = {0};
+    PyObject *order = PyDict_Keys(ranks);
+    if (!order || PyList_Sort(order)) {
+        Py_XDECREF(order);
+        return NULL;
+    }
+    static PyObject *trace_name, *span_name;
+    if (!trace_name && !(trace_name = PyUnicode_InternFromString("trace_id"))) goto fail;
+    if (!span_name && !(span_name = PyUnicode_InternFromString("span_id"))) goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(order); i++) {
+        PyObject *rank_obj = PyList_GET_ITEM(order, i);
+        long long rank = PyLong_AsLongLong(rank_obj);
+        if (rank == -1 && PyErr_Occurred()) goto fail;
+        PyObject *entry = PyDict_GetItemWithError(ranks, rank_obj);
+        if (!entry) goto fail;
+        PyObject *trace_obj, *span_obj;
+        const char *trace, *span;
+        Py_ssize_t trace_len, span_len;
+        if (bytes_attr(entry, trace_name, &trace_obj, &trace, &trace_len)) goto fail;
+        if (bytes_attr(entry, span_name, &span_obj, &span, &span_len)) {
+            Py_DECREF(trace_obj);
+            goto fail;
+        }
+        /* AnyValue{int_value: rank} in KeyValue{key, value} in Link.attributes (4). */
+        uint64_t v = (uint64_t)rank;
+        size_t any_len = 1 + varint_size(v);
+        size_t kv_len = 1 + varint_size((uint64_t)key_len) + (size_t)key_len + 1 + varint_size(any_len) + any_len;
+        size_t link_len = 1 + varint_size(kv_len) + kv_len;
+        if (trace_len) link_len += 1 + varint_size((uint64_t)trace_len) + (size_t)trace_len;
+        if (span_len) link_len += 1 + varint_size((uint64_t)span_len) + (size_t)span_len;
+        if (buf_reserve(&o, 1 + 10 + link_len)) {
+            Py_DECREF(trace_obj);
+            Py_DECREF(span_obj);
+            goto fail;
+        }
+        char *p = o.buf + o.len;
+        *p++ = (char)0x6a; /* field 13, length-delimited */
+        p += put_varint(p, link_len);
+        if (trace_len) {
+            *p++ = 0x0a;
+            p += put_varint(p, (uint64_t)trace_len);
+            memcpy(p, trace, (size_t)trace_len);
+            p += trace_len;
+        }
+        if (span_len) {
+            *p++ = 0x12;
+            p += put_varint(p, (uint64_t)span_len);
+            memcpy(p, span, (size_t)span_len);
+            p += span_len;
+        }
+        Py_DECREF(trace_obj);
+        Py_DECREF(span_obj);
+        *p++ = 0x22;
+        p += put_varint(p, kv_len);
+        *p++ = 0x0a;
+        p += put_varint(p, (uint64_t)key_len);
+        memcpy(p, key, (size_t)key_len);
+        p += key_len;
+        *p++ = 0x12;
+        p += put_varint(p, any_len);
+        *p++ = 0x18;
+        p += put_varint(p, v);
+        o.len = (size_t)(p - o.buf);
+    }
+    Py_DECREF(order);
+    PyObject *result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", (Py_ssize_t)o.len);
+    PyMem_Free(o.buf);
+    return result;
+fail:
+    PyMem_Free(o.buf);
+    Py_DECREF(order);
+    return NULL;
+}
+
+
+/* ------------------------------------------------------------------ attributes
+ * `attributes(mapping, tag)` returns the bytes `otlp_encoding._py_attributes` returns:
+ * for every (key, value) item, in iteration order, `tag` + length + KeyValue{key = 1,
+ * value = 2: AnyValue}. Value kinds, by exact type as the Python writer checks them:
+ * float (double_value), bool (bool_value), int within int64 (int_value), str
+ * (string_value), bytes (bytes_value), None (an empty AnyValue), list and tuple
+ * (array_value of the same, nested). Anything else raises the exception class given
+ * to `init()` (the Python writer's `Unsupported`: the caller then takes protobuf's
+ * path); a str that is not valid UTF-8 raises UnicodeEncodeError, as `.encode()` does.
+ * Writer buffers are freed, never pooled: in a rank nothing should stay allocated. */
+static PyObject *unsupported = NULL; /* set by init() */
+
+/* A length-delimited field whose payload was written at b[start:]: the payload moves
+ * right to make room for tag + length, written in front of it. */
+static int close_field(Buf *b, size_t start, uint8_t tag) {
+    size_t length = b->len - start;
+    size_t head = 1 + varint_size(length);
+    if (buf_reserve(b, head)) return -1;
+    memmove(b->buf + start + head, b->buf + start, length);
+    b->buf[start] = (char)tag;
+    put_varint(b->buf + start + 1, length);
+    b->len += head;
+    return 0;
+}
+
+static int write_str(Buf *b, uint8_t tag, PyObject *text) {
+    Py_ssize_t n;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(text, &n);
+    if (!utf8) return -1; /* UnicodeEncodeError for lone surrogates, as str.encode() */
+    return buf_tag_bytes(b, tag, utf8, (size_t)n);
+}
+
+/* The AnyValue message body of `value` (without its own tag and length). */
+static int write_any_value(Buf *b, PyObject *value, int depth) {
+    if (depth > 64) {
+        PyErr_SetString(unsupported, "attribute value nested too deeply");
+        return -1;
+    }
+    if (PyFloat_CheckExact(value)) {
+        double d = PyFloat_AS_DOUBLE(value);
+        uint64_t bits;
+        memcpy(&bits, &d, 8);
+        if (buf_reserve(b, 9)) return -1;
+        b->buf[b->len++] = 0x21;
+        for (int i = 0; i < 8; i++) b->buf[b->len++] = (char)(bits >> (8 * i)); /* fixed64, LE */
+        return 0;
+    }
+    if (PyBool_Check(value)) return buf_tag_varint(b, 0x10, value == Py_True);
+    if (PyLong_CheckExact(value)) {
+        int overflow = 0;
+        long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow) {
+            PyErr_SetString(unsupported, "int outside int64");
+            return -1;
+        }
+        if (number == -1 && PyErr_Occurred()) return -1;
+        return buf_tag_varint(b, 0x18, (uint64_t)number); /* two's complement, as int64 */
+    }
+    if (PyUnicode_CheckExact(value)) return write_str(b, 0x0a, value);
+    if (value == Py_None) return 0;
+    if (PyBytes_CheckExact(value))
+        return buf_tag_bytes(b, 0x3a, PyBytes_AS_STRING(value), (size_t)PyBytes_GET_SIZE(value));
+    if (PyList_CheckExact(value) || PyTuple_CheckExact(value)) {
+        PyObject *items = PySequence_Fast(value, "attribute sequence");
+        if (!items) return -1;
+        size_t array_start = b->len;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); i++) {
+            size_t item_start = b->len;
+            if (write_any_value(b, PySequence_Fast_GET_ITEM(items, i), depth + 1) ||
+                close_field(b, item_start, 0x0a)) {
+                Py_DECREF(items);
+                return -1;
+            }
+        }
+        Py_DECREF(items);
+        return close_field(b, array_start, 0x2a);
+    }
+    PyErr_Format(unsupported, "attribute value of type %s", Py_TYPE(value)->tp_name);
+    return -1;
+}
+
+static int write_key_value(Buf *b, uint8_t tag, PyObject *key, PyObject *value) {
+    if (!PyUnicode_CheckExact(key)) {
+        PyErr_SetString(unsupported, "attribute key is not a str");
+        return -1;
+    }
+    size_t start = b->len;
+    if (PyUnicode_GET_LENGTH(key) > 0 && write_str(b, 0x0a, key)) return -1;
+    size_t value_start = b->len;
+    if (write_any_value(b, value, 0) || close_field(b, value_start, 0x12)) return -1;
+    return close_field(b, start, tag);
+}
+
+static PyObject *attributes(PyObject *self, PyObject *args) {
+    PyObject *mapping;
+    int tag;
+    if (!PyArg_ParseTuple(args, "Oi", &mapping, &tag)) return NULL;
+    if (unsupported == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_otlp_wire.init() was not called");
+        return NULL;
+    }
+    if (tag < 0 || tag > 0x7F) {
+        PyErr_SetString(PyExc_ValueError, "tag must be a one-byte field tag");
+        return NULL;
+    }
+    Buf b = {0};
+    int failed = 0;
+    if (PyDict_CheckExact(mapping)) {
+        Py_ssize_t position = 0;
+        PyObject *key, *value;
+        while (!failed && PyDict_Next(mapping, &position, &key, &value)) {
+            Py_INCREF(key);
+            Py_INCREF(value);
+            failed = write_key_value(&b, (uint8_t)tag, key, value) < 0;
+            Py_DECREF(key);
+            Py_DECREF(value);
+        }
+    } else {
+        PyObject *items = PyMapping_Items(mapping);
+        failed = items == NULL;
+        for (Py_ssize_t i = 0; !failed && i < PyList_GET_SIZE(items); i++) {
+            PyObject *pair = PyList_GET_ITEM(items, i);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                PyErr_SetString(unsupported, "mapping items are not pairs");
+                failed = 1;
+            } else {
+                failed = write_key_value(&b, (uint8_t)tag, PyTuple_GET_ITEM(pair, 0),
+                                         PyTuple_GET_ITEM(pair, 1)) < 0;
+            }
+        }
+        Py_XDECREF(items);
+    }
+    PyObject *result = failed ? NULL : PyBytes_FromStringAndSize(b.buf ? b.buf : "", (Py_ssize_t)b.len);
+    PyMem_Free(b.buf);
+    return result;
+}
+
+static PyObject *init(PyObject *self, PyObject *exception_class) {
+    if (!PyType_Check(exception_class) ||
+        !PyType_IsSubtype((PyTypeObject *)exception_class, (PyTypeObject *)PyExc_Exception)) {
+        PyErr_SetString(PyExc_TypeError, "init() takes an Exception subclass");
+        return NULL;
+    }
+    Py_INCREF(exception_class);
+    Py_XSETREF(unsupported, exception_class);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"check_span_ids", check_span_ids, METH_O,
      "check_span_ids(payload) -> (spans, spans with unusable ids) of a serialized "
@@ -1359,6 +2047,19 @@ static PyMethodDef module_methods[] = {
      "protobuf would certainly parse `payload` as the message `schema` describes (spans are "
      "the messages of type `span_type`); None when not sure."},
     {"double_json", double_json, METH_O, "double_json(x) -> the JSON text the decoder writes for float x."},
+    {"select_spans", select_spans, METH_VARARGS,
+     "select_spans(payload, names, prefix, excluded, skip_scope, span_keys, resource_keys[, step])\n"
+     "-> [(resource_attrs, [(name, trace_id, span_id, start_ns, end_ns, attrs), ...]), ...]\n"
+     "With step = (name, rank, step, wait, pg names, pg waits, pg seqs keys), such spans\n"
+     "come as (name, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits,\n"
+     "seqs) where their values allow (span_select.compact_step)."},
+    {"rank_links", rank_links, METH_VARARGS,
+     "rank_links(ranks, rank_key) -> bytes: a Span's `links` field with one Link per rank "
+     "of `ranks` ({rank: entry with trace_id and span_id bytes}), in rank order, each "
+     "carrying the attribute rank_key = rank."},
+    {"attributes", attributes, METH_VARARGS,
+     "attributes(mapping, tag) -> bytes: the repeated KeyValue fields of `mapping`."},
+    {"init", init, METH_O, "init(exception_class): what unsupported attribute values raise."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1380,7 +2081,7 @@ static PySequenceMethods builder_as_sequence = {.sq_length = (lenfunc)builder_le
 
 static PyTypeObject SpanBuilderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "flare.exporters._otlp_fast.SpanBuilder",
+    .tp_name = "flare.instrumentation._otlp_wire.SpanBuilder",
     .tp_basicsize = sizeof(SpanBuilder),
     .tp_dealloc = (destructor)builder_dealloc,
     .tp_as_sequence = &builder_as_sequence,
@@ -1392,11 +2093,11 @@ static PyTypeObject SpanBuilderType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "_otlp_fast", .m_doc = "OTLP wire format to Flare store columns.",
+    PyModuleDef_HEAD_INIT, .m_name = "_otlp_wire", .m_doc = "The OTLP wire format read and written in C.",
     .m_size = -1, .m_methods = module_methods,
 };
 
-PyMODINIT_FUNC PyInit__otlp_fast(void) {
+PyMODINIT_FUNC PyInit__otlp_wire(void) {
     if (PyType_Ready(&ChunkType) < 0 || PyType_Ready(&SpanBuilderType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
