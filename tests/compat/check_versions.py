@@ -51,6 +51,7 @@ FLOORS = {
     "pyarrow": "14.0.0",
     "numpy": "1.24.4",
     "pyyaml": "6.0",
+    "urllib3": "1.26.0",
 }
 SHOWN = ("torch", "opentelemetry-sdk", "opentelemetry-instrumentation", "opentelemetry-proto",
          "protobuf", "grpcio", "duckdb", "pyarrow", "numpy")

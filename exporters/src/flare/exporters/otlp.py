@@ -32,7 +32,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from flare.exporters.http_client import HttpConnection, TransportError
+from flare.instrumentation.http_client import HttpClient, TransportError
 from flare.processors import options
 
 log = logging.getLogger("flare.exporters.otlp")
@@ -209,7 +209,7 @@ class _HttpSender:
             self._ssl = tls.ssl_context() if tls is not None and self._https else None
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"otlp.tls: cannot use the certificate files: {exc}") from None
-        self._conn = HttpConnection(endpoint, timeout_s, self._ssl)
+        self._conn = HttpClient(endpoint, timeout_s, self._ssl)
         self._headers = {"Content-Type": "application/x-protobuf", **headers}
         self._gzip = compression == "gzip"
 
@@ -220,17 +220,17 @@ class _HttpSender:
             headers["Content-Encoding"] = "gzip"
         url = self._conn.origin + self._paths[item.signal]
         try:
-            status, reply_headers, data = self._conn.request(
-                "POST", self._paths[item.signal], body=body, headers=headers)
+            reply = self._conn.request("POST", self._paths[item.signal], body=body,
+                                       headers=headers)
         except TransportError as exc:
             raise SendError(f"cannot reach {url}: {exc.reason}", True) from None
-        if not 200 <= status < 300:
+        if not 200 <= reply.status < 300:
             raise SendError(
-                f"HTTP {status} from {url}", status in _RETRYABLE_HTTP,
-                _parse_retry_after(reply_headers.get("Retry-After")),
+                f"HTTP {reply.status} from {url}", reply.status in _RETRYABLE_HTTP,
+                _parse_retry_after(reply.headers.get("Retry-After")),
             )
         try:
-            return _rejected(_RESPONSES[item.signal].FromString(data)) if data else 0
+            return _rejected(_RESPONSES[item.signal].FromString(reply.body)) if reply.body else 0
         except Exception:
             return 0  # a 2xx with an unreadable body still means accepted
 

@@ -30,14 +30,15 @@ import pyarrow as pa
 
 from flare.diagnostics.backends import BackendError
 from flare.exporters import store
-from flare.exporters.http_client import HttpConnection, TransportError
+from flare.instrumentation import http_client
 from flare.instrumentation import semconv as sc
 
 # ---------------------------------------------------------------- HTTP
 
 
 class HttpClient:
-    """A small keep-alive JSON-over-HTTP(S) client with TLS, mTLS and a bearer token.
+    """JSON over HTTP(S) with TLS, mTLS and a bearer token, on Flare's HTTP client
+    (`flare.instrumentation.http_client`).
 
     One connection is reused across requests (a diagnosis makes hundreds); a dropped
     connection is reopened once before the error reaches the user.
@@ -85,7 +86,7 @@ class HttpClient:
                 raise BackendError(f"cannot load TLS files for {product}: {exc}") from exc
         elif ca_file or cert_file:
             raise BackendError(f"TLS options given but the {product} URL is not https://")
-        self._conn = HttpConnection(base_url, timeout_s, context)
+        self._conn = http_client.HttpClient(base_url, timeout_s, context)
         self.requests = 0
 
     def close(self) -> None:
@@ -99,17 +100,20 @@ class HttpClient:
                 {k: v for k, v in params.items() if v is not None}
             )
         try:
-            status, _, body = self._conn.request("GET", target, headers=self._headers)
-        except TransportError as exc:
+            reply = self._conn.request("GET", target, headers=self._headers)
+        except http_client.TransportError as exc:
             where = f"{self.product} at {self.base_url}"
             if exc.kind == "tls":
                 raise BackendError(f"TLS handshake with {where} failed: {exc.reason}") from None
             if exc.kind == "timeout":
                 raise BackendError(f"{where} did not answer within "
                                    f"{self._conn.timeout_s:g} s") from None
+            if exc.kind == "reply":
+                raise BackendError(f"{where} sent an answer that is cut off or not HTTP: "
+                                   f"{exc.reason}") from None
             raise BackendError(f"cannot reach {where}: {exc.reason}") from None
         self.requests += 1
-        return status, body
+        return reply.status, reply.body
 
     def get_json(
         self, path: str, params: Mapping[str, Any] | None = None, *, allow: Iterable[int] = ()
