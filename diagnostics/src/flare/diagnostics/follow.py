@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TextIO
 
 import pyarrow as pa
@@ -331,39 +330,34 @@ class FollowMetrics:
 
 
 class HealthServer:
+    """The service's `/metrics` and `/healthz`, on the collector's HTTP server (framing,
+    caps and errors as its extensions have them)."""
+
     def __init__(self, endpoint: str, metrics: FollowMetrics) -> None:
+        from flare.collector.config import HttpExtensionConfig
+        from flare.collector.config_values import Endpoint
+        from flare.collector.extensions import HttpExtension
+        from flare.collector.telemetry import Counters
+
+        def respond(method, path, query, headers):
+            if path.startswith("/metrics"):
+                return 200, {"Content-Type": "text/plain; version=0.0.4"}, metrics.prometheus().encode()
+            if path.startswith("/healthz"):
+                status, doc = metrics.health()
+                return status, {"Content-Type": "application/json"}, json.dumps(doc).encode()
+            return 404, {"Content-Type": "text/plain"}, b"not found\n"
+
         host, _, port = endpoint.rpartition(":")
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.startswith("/metrics"):
-                    status, body, kind = 200, metrics.prometheus().encode(), "text/plain; version=0.0.4"
-                elif self.path.startswith("/healthz"):
-                    status, doc = metrics.health()
-                    body, kind = json.dumps(doc).encode(), "application/json"
-                else:
-                    status, body, kind = 404, b"not found\n", "text/plain"
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer((host or "127.0.0.1", int(port or 0)), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.server = HttpExtension("flare_follow", HttpExtensionConfig(Endpoint(host or "127.0.0.1", int(port or 0))),
+                                    respond, Counters())
+        self.server.start()
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{self.server.endpoint}"
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.stop()
 
 
 # ---------------------------------------------------------------- the service
