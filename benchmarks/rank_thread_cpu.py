@@ -141,7 +141,7 @@ def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
 
     with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
         if instrumented:
-            env = child_environment(job, sink.endpoint)
+            env = child_environment(job, sink.endpoint, opamp=True)  # as flare run: with the OpAMP poll
             launcher = [str(BIN / "opentelemetry-instrument")]
         else:
             env, launcher = plain_environment(), []

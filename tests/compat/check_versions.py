@@ -44,6 +44,7 @@ FLOORS = {
     "opentelemetry-exporter-otlp-proto-http": "1.28.0",
     "opentelemetry-instrumentation": "0.49b0",
     "opentelemetry-distro": "0.49b0",
+    "opentelemetry-opamp-client": "0.5b0",
     "protobuf": "5.26.0",
     "grpcio": "1.63.2",
     "googleapis-common-protos": "1.63.1",

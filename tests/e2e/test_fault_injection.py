@@ -15,6 +15,8 @@ import subprocess
 import harness
 import pytest
 
+from flare.instrumentation import native_stacks
+
 pytestmark = pytest.mark.e2e
 
 STEPS = 60
@@ -114,6 +116,10 @@ def test_hang_names_the_rank_and_line(store, fault, rank):
     assert len(hangs) == 1 and hangs[0]["ranks"] == [rank], json.dumps(report, indent=1)
     assert hangs[0]["callsite"] and "wait_for_shared_filesystem" in hangs[0]["callsite"]
     assert "train_ddp.py" in hangs[0]["callsite"]
+    if native_stacks.binary() is not None:  # py-spy here: the frames under the Python line
+        native = hangs[0]["evidence"].get("native_frames") or []
+        assert any("wait_for_shared_filesystem" in f for f in native), native
+        assert any("sleep" in f and ("libc" in f or ".c:" in f) for f in native), native
     seconds = (alert[0] - run.onset_ns(rank, ONSET, end_of_previous=True)) / 1e9
     _record(fault, f"hang rank {rank} at {hangs[0]['callsite']}", seconds)
     assert seconds <= HANG_TIMEOUT_S + 10

@@ -83,6 +83,14 @@ class _HttpHandler(http.server.BaseHTTPRequestHandler):
             request = metrics_service_pb2.ExportMetricsServiceRequest.FromString(body)
             with self.sink._lock:
                 self.sink.metric_requests.append(request)
+        elif self.path.rstrip("/").endswith("/v1/opamp"):  # the collector's own OpAMP server
+            status, answer = self.sink.opamp.handle(body)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+            return
         else:
             self.send_response(404)
             self.send_header("Content-Length", "0")
@@ -110,6 +118,10 @@ class OtlpSink:
         self.metric_requests: list = []
         self._connections: set = set()  # HTTP: open client connections, closed at stop
         if protocol == "http":
+            from flare.collector.opamp import OpampServer
+            from flare.collector.telemetry import Counters
+
+            self.opamp = OpampServer(Counters())  # ranks with FLARE_OPAMP_ENDPOINT poll it
             handler = type("Handler", (_HttpHandler,), {"sink": self})
             self._http = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
             self._http.daemon_threads = True

@@ -1,13 +1,15 @@
-"""Targeted capture in a real instrumented process: nothing sampled until asked, then K
-detail steps each with a `flare.capture` child naming the line the rank spends its
-time on; removing the request stops it."""
+"""Targeted capture in a real instrumented process asked through a real collector's
+OpAMP endpoint: nothing sampled until asked, then K detail steps each with a
+`flare.capture` child naming the line the rank spends its time on; a collector that
+goes away mid-capture stops it, and never slows a step."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
-from test_instrumentor import finished, make_provider, rank_env  # noqa: F401
+from test_instrumentor import JOB, finished, make_provider, rank_env  # noqa: F401
 
 from flare.instrumentation import semconv
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
@@ -26,24 +28,61 @@ def steps(n: int, model, optimizer) -> None:
         optimizer.step()
 
 
-def test_a_request_captures_k_steps_and_names_the_busy_line(rank_env, tmp_path):  # noqa: F811
-    flag = tmp_path / "capture.{rank}"
-    rank_env.setenv(semconv.ENV_CAPTURE_FLAG_FILE, str(flag))
+@pytest.fixture
+def collector(tmp_path):
+    """A real collector (flare run's embedded configuration) whose OpAMP endpoint the
+    rank's agent polls five times a second."""
+    from flare.collector.config import embedded_config
+    from flare.collector.service import Collector
+
+    started = Collector(embedded_config(tmp_path / "store.duckdb"))
+    started.start()
+    yield started
+    started.stop(5.0)
+
+
+def _wait(predicate, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _agent_state(collector) -> dict:
+    rows = collector.opamp.agents(JOB)
+    return rows[0] if rows else {}
+
+
+def _instrumented(rank_env, collector):  # noqa: F811
+    rank_env.setenv("FLARE_OPAMP_ENDPOINT", f"http://{collector.http_endpoint}/v1/opamp")
+    rank_env.setenv("FLARE_OPAMP_INTERVAL_S", "0.2")
     rank_env.setenv("FLARE_DETAIL_EVERY", "0")
     provider, exporter = make_provider()
     instrumentor = TorchTrainingInstrumentor()
     instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    _wait(lambda: _agent_state(collector).get("state") == "alive", "the rank's agent never polled")
+    return provider, exporter, instrumentor
+
+
+def test_a_request_captures_k_steps_and_names_the_busy_line(rank_env, collector):  # noqa: F811
+    provider, exporter, instrumentor = _instrumented(rank_env, collector)
     try:
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         steps(3, model, optimizer)
         assert finished(exporter, semconv.SPAN_CAPTURE) == []  # not asked: nothing
-        (tmp_path / "capture.0").write_text("4")
-        instrumentor._watchdog.capture.poll()  # what the watchdog does every second
+        assert collector.opamp.request_capture(JOB, [0], 4)["asked"] == [0]
+        _wait(lambda: _agent_state(collector)["remote_config_status"] == "APPLIED",
+              "the capture request was not applied")
+        assert not _agent_state(collector)["pending"]
         steps(8, model, optimizer)
         provider.force_flush()
+        # the agent reports the capture's end as its effective config
+        _wait(lambda: _agent_state(collector)["effective_config"] == {"capture": {"steps_left": 0}},
+              "the end of the capture was not reported")
     finally:
         instrumentor.uninstrument()
+    assert _agent_state(collector)["state"] == "gone"  # uninstrument says it disconnects
     captures = finished(exporter, semconv.SPAN_CAPTURE)
     assert len(captures) == 4
     # Over the captured steps the busy line leads (one step alone, on a loaded host,
@@ -56,3 +95,31 @@ def test_a_request_captures_k_steps_and_names_the_busy_line(rank_env, tmp_path):
             totals[frame] = totals.get(frame, 0) + count
     top = max(totals, key=totals.get)
     assert top.startswith(f"{__file__}:") and top.endswith("in slow_part"), totals
+
+
+def test_a_collector_that_goes_away_mid_capture_stops_it_and_never_slows_a_step(rank_env, collector):  # noqa: F811
+    _provider, exporter, instrumentor = _instrumented(rank_env, collector)
+    capture = instrumentor._opamp.capture
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        collector.opamp.request_capture(JOB, [0], 500)
+        _wait(lambda: capture.steps_left > 0, "the capture request was not applied")
+        steps(3, model, optimizer)
+        collector.stop(5.0)
+        longest = 0.0
+        deadline = time.monotonic() + 20
+        while capture.steps_left > 0 and time.monotonic() < deadline:
+            started = time.perf_counter()
+            steps(1, model, optimizer)
+            longest = max(longest, time.perf_counter() - started)
+        assert capture.steps_left == 0, "the capture went on without its collector"
+        for _ in range(10):  # and the polls that keep failing stay off the training thread
+            started = time.perf_counter()
+            steps(1, model, optimizer)
+            longest = max(longest, time.perf_counter() - started)
+    finally:
+        instrumentor.uninstrument()
+    # a 30 ms step; a poll on the training thread would add its connect or 1 s timeout
+    assert longest < 0.5, longest
+    assert len(finished(exporter, semconv.SPAN_CAPTURE)) < 500

@@ -93,6 +93,22 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--format", choices=("text", "json"), default="text")
     jobs.set_defaults(handler=jobs_command, command_parser=jobs)
 
+    capture = sub.add_parser(
+        "capture", help="ask ranks of a running job for a targeted capture (their lines of code)",
+        description="Ask ranks of a running job, through the collector's OpAMP endpoint, to "
+                    "sample their training thread's stack for a few steps; a later flare "
+                    "diagnose gives the labels of those ranks the lines their time goes to. "
+                    "The token and TLS files come from FLARE_BACKEND_TOKEN, FLARE_BACKEND_CA_FILE, "
+                    "FLARE_BACKEND_CERT_FILE and FLARE_BACKEND_KEY_FILE, as for flare diagnose.")
+    capture.add_argument("--collector", metavar="URL",
+                         help="the collector's OTLP/HTTP endpoint (default http://$FLARE_OTLP_HOST or "
+                              "$FLARE_HOST or 127.0.0.1, port $FLARE_OTLP_HTTP_PORT or 4318)")
+    capture.add_argument("--job", metavar="ID", help="the job (default: the only job with live ranks)")
+    capture.add_argument("--ranks", required=True, metavar="R,R…", help="ranks to capture, e.g. 2,5")
+    capture.add_argument("--steps", type=int, default=20, metavar="K",
+                         help="steps to capture (default 20, at most 1000)")
+    capture.set_defaults(handler=capture_command, command_parser=capture)
+
     kineto = sub.add_parser(
         "import-kineto", help="import PyTorch profiler (Kineto) traces into a store",
         description="Import PyTorch profiler (Kineto) traces, one rank per file, into a store "
@@ -210,6 +226,39 @@ def jobs_command(args: argparse.Namespace) -> int:
         print(f"{r['job']:<{width}}  {r['ranks']:>5}  {steps:<13}  {r['first_step_time'] or '-':<20}  "
               f"{r['last_step_time'] or '-'}")
     return 0
+
+
+def capture_command(args: argparse.Namespace) -> int:
+    from flare.diagnostics.backends import BackendError
+    from flare.diagnostics.backends.jaeger import HttpClient
+
+    try:
+        ranks = sorted({int(r) for r in args.ranks.split(",") if r.strip()})
+    except ValueError:
+        raise UserError(f"--ranks {args.ranks!r} is not a comma-separated list of rank numbers") from None
+    if not ranks or min(ranks) < 0:
+        raise UserError("--ranks needs at least one rank number (0 or more)")
+    if not 1 <= args.steps <= 1000:
+        raise UserError("--steps must be 1 to 1000")
+    url = args.collector or "http://{}:{}".format(
+        os.environ.get("FLARE_OTLP_HOST") or os.environ.get("FLARE_HOST") or "127.0.0.1",
+        os.environ.get("FLARE_OTLP_HTTP_PORT") or "4318")
+    try:
+        client = HttpClient(url, "the collector")
+        try:
+            result = client.post_json("/flare/v1/capture", {"job": args.job, "ranks": ranks, "steps": args.steps})
+        finally:
+            client.close()
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
+    if result["asked"]:
+        print(f"flare: {result['id']}: asked job {result['job']} ranks "
+              f"{', '.join(map(str, result['asked']))} for {result['steps']} captured steps; they "
+              "start at their next poll (flare diagnose afterwards gives the labels their lines)")
+    if result["unknown"]:
+        print(f"flare: no live rank {', '.join(map(str, result['unknown']))} in job {result['job']} "
+              f"(see {url.rstrip('/')}/flare/v1/agents)", file=sys.stderr)
+    return 0 if result["asked"] else EXIT_FAILURE
 
 
 def diagnose_command(args: argparse.Namespace) -> int:

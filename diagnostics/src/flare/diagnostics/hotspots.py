@@ -7,6 +7,8 @@ and the other ranks captured over the same steps (the peer): the lines the culpr
 spends more on, in ms per step, are the label's `hotspots`, and the first is its
 `callsite` ("examples/train_ddp.py:155 in burn_compute: +58 ms/step (culprit 61 ms,
 peer 3 ms)"). Without a captured peer the culprit's own lines are listed, peer 0.
+`flames` gives the same comparison as whole stacks, for the HTML report's culprit-vs-peer
+flame graph.
 """
 
 from __future__ import annotations
@@ -65,3 +67,39 @@ def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int 
                         "peer_steps": len(peer_steps)})
     out.sort(key=lambda h: -h["delta_ms"])
     return out[:TOP]
+
+
+def flames(job: JobData, anomaly: Anomaly) -> tuple[dict, dict] | None:
+    """The culprit's and the peer's sampled stacks over the label's steps as two trees
+    (`{"name", "ms", "children"}`, ms per captured step), or None without captures."""
+    if not anomaly.evidence.get("hotspots"):
+        return None
+    rows = job.spans([sc.SPAN_CAPTURE], attributes=[sc.CAPTURE_STACKS, sc.CAPTURE_STACK_SAMPLES,
+                                                    sc.CAPTURE_INTERVAL_MS],
+                     first_step=anomaly.first_step, last_step=anomaly.last_step,
+                     columns=["rank", "step"]).to_pylist()
+    culprits = set(anomaly.ranks)
+    trees = {True: {"name": "all", "ms": 0.0, "children": {}}, False: {"name": "all", "ms": 0.0, "children": {}}}
+    steps: dict[bool, set] = {True: set(), False: set()}
+    for row in rows:
+        stacks, counts = row.get(sc.CAPTURE_STACKS), row.get(sc.CAPTURE_STACK_SAMPLES)
+        if not isinstance(stacks, list) or not isinstance(counts, list) or row.get("rank") is None:
+            continue
+        side = int(row["rank"]) in culprits
+        steps[side].add((row["rank"], row.get("step")))
+        interval = float(row.get(sc.CAPTURE_INTERVAL_MS) or 10.0)
+        for stack, count in zip(stacks, counts, strict=False):
+            ms = float(count) * interval
+            node = trees[side]
+            node["ms"] += ms
+            for name in str(stack).split(";"):
+                node = node["children"].setdefault(name, {"name": name, "ms": 0.0, "children": {}})
+                node["ms"] += ms
+    if not steps[True]:
+        return None
+
+    def per_step(node: dict, n: int) -> dict:
+        return {"name": node["name"], "ms": node["ms"] / n,
+                "children": sorted((per_step(c, n) for c in node["children"].values()), key=lambda c: -c["ms"])}
+
+    return per_step(trees[True], len(steps[True])), per_step(trees[False], max(1, len(steps[False])))

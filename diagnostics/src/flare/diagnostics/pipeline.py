@@ -368,8 +368,18 @@ def evidence_spans(job: JobData, anomaly: Anomaly, limit: int = 8) -> list[tuple
     if anomaly.kind == "rank_missing":
         table = table.slice(max(0, table.num_rows - limit))
     rows = table.slice(0, limit)
-    return [(t, s) for t, s in zip(rows["trace_id"].to_pylist(), rows["span_id"].to_pylist(), strict=False)
-            if t and s]
+    out = [(t, s) for t, s in zip(rows["trace_id"].to_pylist(), rows["span_id"].to_pylist(), strict=False)
+           if t and s]
+    if anomaly.evidence.get("hotspots"):  # and the captured steps its line came from
+        captured = job.spans([sc.SPAN_CAPTURE], first_step=anomaly.first_step, last_step=anomaly.last_step,
+                             columns=["trace_id", "span_id", "rank"]).to_pylist()
+        culprits = set(anomaly.ranks)
+        captured.sort(key=lambda r: r["rank"] not in culprits)  # the culprit's first, then the peer's
+        out += [(r["trace_id"], r["span_id"]) for r in captured[:CAPTURE_LINKS] if r["trace_id"] and r["span_id"]]
+    return out
+
+
+CAPTURE_LINKS = 4  # captured steps an anomaly span links to (culprit's first, then the peer's)
 
 
 def _stderr(line: str) -> None:

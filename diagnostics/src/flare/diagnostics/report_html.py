@@ -44,7 +44,7 @@ def render(diagnosis: Diagnosis, job: JobData, config: DiagnosisConfig) -> str:
              + (f"steps {diagnosis.steps[0]}–{diagnosis.steps[1]}" if diagnosis.steps else "no steps")
              + (f"; {len(frame.ranks)} ranks" if frame is not None else "") + "</p>",
              "<h2>Anomalies</h2>", _anomalies(diagnosis), _wait_unknown(diagnosis), _time_lost(diagnosis),
-             _withdrawn(diagnosis)]
+             _withdrawn(diagnosis), _flame_graphs(diagnosis, job)]
     if frame is not None:
         parts += ["<h2>Step time, rank × step</h2>", _heat(frame.duration, frame, "ms per step"),
                   "<h2>Collective wait, rank × step</h2>",
@@ -111,6 +111,80 @@ def _anomaly_table(diagnosis: Diagnosis) -> str:
             + (f"<p>traces:</p><ul>{traces}</ul>" if traces else "") + "</details></td></tr>")
     rows.append("</table>")
     return "".join(rows)
+
+
+_FLAME_WIDTH, _FLAME_ROW, _FLAME_DEPTH = 560, 16, 24
+
+
+def _flame_graphs(diagnosis: Diagnosis, job: JobData) -> str:
+    """Per label with a capture: the culprit's and the peer's stacks side by side, on one
+    scale (ms per captured step); a frame the culprit spends more on than the peer is red."""
+    from flare.diagnostics import hotspots
+
+    out = []
+    drawn: set[tuple] = set()
+    for a in diagnosis.anomalies:
+        key = (tuple(a.ranks), a.first_step, a.last_step)
+        if key in drawn:  # (a straggler and its fail-slow: the same captured steps)
+            continue
+        trees = hotspots.flames(job, a)
+        if trees is None:
+            continue
+        drawn.add(key)
+        kinds = ", ".join(b.kind for b in diagnosis.anomalies
+                          if (tuple(b.ranks), b.first_step, b.last_step) == key and b.evidence.get("hotspots"))
+        culprit, peer = trees
+        scale = _FLAME_WIDTH / max(culprit["ms"], peer["ms"], 1e-9)
+        peer_ms = _flat_ms(peer)
+        ranks = ", ".join(map(str, a.ranks))
+        out.append(f"<h3>[{_e(kinds)}] ranks {_e(ranks)}: where the captured steps' time went</h3>"
+                   "<div style='display:flex;gap:16px'>"
+                   + _flame_svg(culprit, scale, f"culprit (ranks {ranks}): {culprit['ms']:.0f} ms per step", peer_ms)
+                   + _flame_svg(peer, scale, f"peer: {peer['ms']:.0f} ms per step", None) + "</div>")
+    if not out:
+        return ""
+    return ("<h2>From the label to the line: culprit vs peer</h2><p class='legend'>Sampled Python stacks of "
+            "the captured steps, root at the top; width is ms per step on one scale for both sides. Red: "
+            "a frame the culprit spends more than 1 ms per step longer on than the peer.</p>" + "".join(out))
+
+
+def _flat_ms(tree: dict, prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for child in tree["children"]:
+        path = prefix + ";" + child["name"]
+        out[path] = out.get(path, 0.0) + child["ms"]
+        out.update(_flat_ms(child, path))
+    return out
+
+
+def _flame_svg(tree: dict, scale: float, title: str, peer_ms: dict[str, float] | None) -> str:
+    items: list[str] = []
+    depth_seen = [0]
+
+    def draw(node: dict, x: float, depth: int, path: str) -> None:
+        for child in node["children"]:
+            width = child["ms"] * scale
+            if width < 1 or depth >= _FLAME_DEPTH:
+                continue
+            child_path = path + ";" + child["name"]
+            hot = peer_ms is not None and child["ms"] - peer_ms.get(child_path, 0.0) > 1.0
+            y = 20 + depth * _FLAME_ROW
+            label = child["name"].rsplit("/", 1)[-1]
+            chars = int(width / 6.5)
+            items.append(
+                f"<g><title>{_e(child['name'])}: {child['ms']:.1f} ms/step</title>"
+                f"<rect x='{x:.1f}' y='{y}' width='{width:.1f}' height='{_FLAME_ROW - 1}' "
+                f"fill='{'#e0533d' if hot else '#e8b04a'}'/>"
+                + (f"<text x='{x + 2:.1f}' y='{y + 12}' font-size='11'>{_e(label[:chars])}</text>"
+                   if chars >= 4 else "") + "</g>")
+            depth_seen[0] = max(depth_seen[0], depth + 1)
+            draw(child, x, depth + 1, child_path)
+            x += width
+
+    draw(tree, 0.0, 0, "")
+    height = 26 + depth_seen[0] * _FLAME_ROW
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{_FLAME_WIDTH}' height='{height}'>"
+            f"<text x='0' y='13' font-size='12'>{_e(title)}</text>{''.join(items)}</svg>")
 
 
 def _downsample(matrix: np.ndarray) -> np.ndarray:

@@ -7,6 +7,8 @@ import time
 
 from flare.diagnostics.pipeline import Diagnosis
 
+NATIVE_SHOWN = 4  # a hang's innermost native frames in the text report
+
 _COLOURS = {"hang": "31", "error": "31", "rank_missing": "31", "straggler": "33",
             "fail_slow": "33", "regression": "35"}
 
@@ -55,6 +57,10 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
             lines.append("      " + line)
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      at {a.callsite}")
+        native = a.evidence.get("native_frames")
+        if native:  # a hang's C/C++ frames (py-spy): where under the Python line it waits
+            lines.append("      native: " + " < ".join(native[:NATIVE_SHOWN])
+                         + (" < …" if len(native) > NATIVE_SHOWN else ""))
     lines.extend(_host(diagnosis.host_contention))
     lines.extend(_wait_unknown(diagnosis.wait_unknown))
     lines.extend(_time_table(diagnosis.time_lost))

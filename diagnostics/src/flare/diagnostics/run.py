@@ -28,6 +28,7 @@ from flare.diagnostics import pipeline, report_text, writeback
 from flare.diagnostics.backends import BackendError
 from flare.diagnostics.cli import DEFAULT_STORE, UserError, emit
 from flare.diagnostics.model import DiagnosisConfig
+from flare.instrumentation import opamp_agent
 from flare.instrumentation import semconv as sc
 
 LIVE_INTERVAL_S = 2.0
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
     writeback_endpoint = _url(collector.grpc_endpoint or "")
     print(f"flare: job {job}: collecting into {args.store} (OTLP/HTTP {endpoint})",
           file=sys.stderr)
-    capture = None if args.no_diagnose else CaptureRequests()
+    capture = None if args.no_diagnose else CaptureRequests(collector.opamp, job)
     monitor = None if args.no_diagnose else LiveMonitor(args.store, job, on_alert=capture.on_alert)
     child = None
     stopped: list[int] = []  # the signal flare run got and passed on (Ctrl-C, SIGTERM)
@@ -102,15 +103,13 @@ def main(argv: list[str]) -> int:
         # stderr then.
         machine_report = args.format != "text" and not args.output
         child = _launch(command, job, endpoint, stdout=sys.stderr if machine_report else None,
-                        capture_file=capture.pattern if capture else None)
+                        opamp=capture is not None)
         if monitor:
             monitor.start()
         status = _wait(child, on_interrupt=monitor.mute if monitor else None, stopped=stopped)
     finally:
         if monitor:
             monitor.stop()
-        if capture:
-            capture.close()  # a rank still capturing stops: its request is gone
         if child is not None and child.poll() is None:
             child.kill()
     collector.flush()
@@ -260,8 +259,11 @@ def _instrument_command() -> list[str]:
     return [found]
 
 
+OPAMP_PATH = "/v1/opamp"  # flare.collector.opamp.PATH, on the OTLP/HTTP receiver
+
+
 def child_environment(job: str, endpoint: str, base: dict[str, str] | None = None,
-                      capture_file: str | None = None) -> dict[str, str]:
+                      opamp: bool = False) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update({
         "OTEL_SERVICE_NAME": env.get("OTEL_SERVICE_NAME") or job,
@@ -276,8 +278,8 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         # one process: the instrumentation knows it by its parent, this process.
         sc.ENV_RUN_PID: str(os.getpid()),
     })
-    if capture_file:  # where live labels ask their ranks for a capture (CaptureRequests)
-        env[sc.ENV_CAPTURE_FLAG_FILE] = capture_file
+    if opamp:  # live labels ask their ranks for a capture there (CaptureRequests)
+        env.setdefault(opamp_agent.ENV_ENDPOINT, endpoint.rstrip("/") + OPAMP_PATH)
     # Alerts are only as fresh as the batches ranks send: each rank's finisher hands its
     # step spans over and exports them every max(2 s, this delay). The SDK's default of
     # 5 s, set here so that the instrumentation overhead benchmark runs what flare run
@@ -290,12 +292,12 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
 
 
 def _launch(command: list[str], job: str, endpoint: str, stdout=None,
-            capture_file: str | None = None) -> subprocess.Popen:
+            opamp: bool = False) -> subprocess.Popen:
     try:
         # Its own process group: Ctrl-C reaches Flare, which passes it on and still
         # gets to drain the collector and print the report.
         return subprocess.Popen(_instrument_command() + command,
-                                env=child_environment(job, endpoint, capture_file=capture_file),
+                                env=child_environment(job, endpoint, opamp=opamp),
                                 process_group=0, stdout=stdout)
     except OSError as exc:
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
@@ -391,18 +393,16 @@ INTERRUPTED_STATUS = 128 + signal.SIGINT  # the shell's status for a command sto
 
 class CaptureRequests:
     """Asks the ranks of a live label, and one healthy peer, for a targeted capture
-    (`flare.instrumentation.stack_capture`): one request file per rank in a folder of
-    its own, `capture.{rank}` holding the steps wanted. Each rank set is asked once;
-    `close()` removes the folder, which stops any capture still running."""
+    (`flare.instrumentation.stack_capture`), through the embedded collector's OpAMP
+    server: the ranks' agents pick the request up at their next poll. Each rank is asked
+    once; when the collector stops, a rank still capturing stops too."""
 
     KINDS = ("straggler", "fail_slow", "dataloader_stall", "gc_pause", "collective_slow")
 
-    def __init__(self, steps: int = 20) -> None:
-        import tempfile
-
+    def __init__(self, opamp, job: str, steps: int = 20) -> None:
+        self.opamp = opamp
+        self.job = job
         self.steps = steps
-        self.folder = tempfile.mkdtemp(prefix="flare-capture-")
-        self.pattern = os.path.join(self.folder, "capture.{rank}")
         self.asked: set[int] = set()
         self.requests: list[tuple[list[int], int | None]] = []  # (culprits, peer)
 
@@ -413,14 +413,10 @@ class CaptureRequests:
         labelled = {int(r) for a in diagnosis.anomalies for r in a.ranks}
         ranks = diagnosis.job_data.ranks() if diagnosis.job_data is not None else []
         peer = next((int(r) for r in sorted(ranks) if int(r) not in labelled), None)
-        for rank in [*culprits, *([] if peer is None or peer in self.asked else [peer])]:
-            with open(os.path.join(self.folder, f"capture.{rank}"), "w") as handle:
-                handle.write(str(self.steps))
-            self.asked.add(rank)
+        wanted = [*culprits, *([] if peer is None or peer in self.asked else [peer])]
+        result = self.opamp.request_capture(self.job, wanted, self.steps)
+        self.asked.update(result["asked"])
         self.requests.append((culprits, peer))
-
-    def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class LiveMonitor:

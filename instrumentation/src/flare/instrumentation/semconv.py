@@ -42,6 +42,8 @@ SPAN_STEP_RANKS = "train.step.ranks"  # emitted by the correlator
 SPAN_CAPTURE = "flare.capture"  # a captured step's sampled stack (stack_capture.py)
 CAPTURE_FRAMES = "flare.capture.frames"  # string[]: "file:line in function"
 CAPTURE_SAMPLES = "flare.capture.samples"  # int[]: samples per frame
+CAPTURE_STACKS = "flare.capture.stacks"  # string[]: the user's frames, root first, ";"-joined
+CAPTURE_STACK_SAMPLES = "flare.capture.stack_samples"  # int[]: samples per stack
 CAPTURE_TOTAL = "flare.capture.total"  # int: samples in the step
 CAPTURE_INTERVAL_MS = "flare.capture.interval_ms"  # double
 SPAN_COLLECTIVE_RANKS = "collective.ranks"  # emitted by the correlator per (pg, seq)
@@ -174,6 +176,7 @@ HANG_OPERATION = "flare.hang.operation"  # "train.step" | "collective.all_reduce
 HANG_ELAPSED_S = "flare.hang.elapsed_s"
 HANG_TIMEOUT_S = "flare.hang.timeout_s"
 HANG_STACKS = "flare.hang.stacks"
+HANG_NATIVE_STACKS = "flare.hang.native_stacks"  # py-spy dump --native, where it may run
 HANG_PG = "flare.hang.pg"
 HANG_SEQ = "flare.hang.seq"
 HANG_COLL_OP = "flare.hang.collective_op"
@@ -241,7 +244,6 @@ ENV_HEARTBEAT_S = "FLARE_HEARTBEAT_S"
 # seconds the exit-time flush may take before the exporters are stopped (default 5)
 ENV_EXIT_FLUSH_TIMEOUT_S = "FLARE_EXIT_FLUSH_TIMEOUT_S"
 ENV_DETAIL_FLAG_FILE = "FLARE_DETAIL_FLAG_FILE"
-ENV_CAPTURE_FLAG_FILE = "FLARE_CAPTURE_FLAG_FILE"  # "{rank}" in it: the rank
 ENV_KERNEL_WINDOWS = "FLARE_KERNEL_WINDOWS"  # auto (default: with CUDA only), 1 (also CPU-only), 0 (off)
 ENV_NVML_INTERVAL_S = "FLARE_NVML_INTERVAL_S"  # NVML poll period; "0" turns NVML off
 # Client credentials for `flare diagnose --backend jaeger+https://…|tempo+https://…`

@@ -1,26 +1,24 @@
 """Targeted capture: where a rank's own time goes, line by line, for a few steps, on request.
 
-Asked through `FLARE_CAPTURE_FLAG_FILE` (a path; `{rank}` in it becomes the rank, so a
-request names its ranks): when the file appears or changes, the rank captures the next
-K steps (the file's content, default 20; at most 1,000). Those are detail steps whose
-training thread's Python stack is sampled every 10 ms by a thread of its own
-(`sys._current_frames`, as py-spy's in-process cousins do); each sample counts the
-innermost frame of the user's code (`callsite.user_frame`: outside torch, Flare and
-the standard library — the line that called into the slow kernel, the blocking
-collective or the data loader); any other thread of the user's that burnt CPU since the
-last sample (a GIL-holding logger) is counted too, as "[thread NAME] file", so a `cpu`
-label names the hog's line. Each captured step gets one `flare.capture` child: the
-frames and their sample counts. Capture stops after K steps or when the file goes away
-(the requester ended), and nothing is sampled on a rank that was not asked.
+Asked by the collector over OpAMP (`opamp_agent`: `start(K)`): the rank captures the next
+K steps (default 20; at most 1,000). Those are detail steps whose training thread's
+Python stack is sampled every 10 ms by a thread of its own (`sys._current_frames`, as
+py-spy's in-process cousins do); each sample counts the innermost frame of the user's
+code (`callsite.user_frame`: outside torch, Flare and the standard library — the line
+that called into the slow kernel, the blocking collective or the data loader); any other
+thread of the user's that burnt CPU since the last sample (a GIL-holding logger) is
+counted too, as "[thread NAME] file", so a `cpu` label names the hog's line. Each
+captured step gets one `flare.capture` child: the frames and their sample counts.
+Capture stops after K steps or when the collector goes away (`stop`), and nothing is
+sampled on a rank that was not asked.
 
-`flare run` writes the file for the culprit ranks of a live label and one healthy peer;
-the diagnosis compares the two (`flare.diagnostics.hotspots`).
+`flare run` asks the culprit ranks of a live label and one healthy peer, `flare capture`
+any ranks; the diagnosis compares the two (`flare.diagnostics.hotspots`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -32,9 +30,9 @@ from flare.instrumentation.runtime import Runtime
 _log = logging.getLogger(__name__)
 
 INTERVAL_S = 0.01
-DEFAULT_STEPS = 20
 MAX_STEPS = 1000
 TOP_FRAMES = 30
+MAX_DEPTH = 48  # user frames kept per sampled stack
 _OWN_THREADS = ("flare-", "Otel", "pt_", "QueueFeederThread")  # Flare's, the SDK's, torch's
 
 
@@ -44,17 +42,22 @@ def _plumbing(frame) -> bool:
     return _is_plumbing(frame.f_code.co_filename)
 
 
-def requested_steps(path: str) -> int:
-    """K from the request file: its content as an integer, else the default."""
-    try:
-        with open(path) as handle:
-            text = handle.read(32).strip()
-    except OSError:
-        return 0
-    try:
-        return max(1, min(MAX_STEPS, int(text))) if text else DEFAULT_STEPS
-    except ValueError:
-        return DEFAULT_STEPS
+def _user_stack(frame) -> tuple[str, ...]:
+    """The user's frames of a thread's stack, root first, "file:line in function" each
+    (at most MAX_DEPTH, the innermost kept); the innermost frame alone when every frame
+    is plumbing. Its last element is `callsite.user_frame`'s line."""
+    out = []
+    current = frame
+    while current is not None and len(out) < MAX_DEPTH:
+        code = current.f_code
+        if not _plumbing(current):
+            out.append(f"{code.co_filename}:{current.f_lineno} in {code.co_name}")
+        current = current.f_back
+    if not out:
+        code = frame.f_code
+        out.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+    out.reverse()
+    return tuple(out)
 
 
 class StackCapture:
@@ -62,35 +65,34 @@ class StackCapture:
 
     ordinary_steps = ()
 
-    def __init__(self, runtime: Runtime, flag_file: str) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.path = flag_file.replace("{rank}", str(runtime.identity.rank))
         self.steps_left = 0
-        self._seen: float | None = None  # mtime of the request being served
-        self._counts: dict[tuple[str, int, str], int] = {}
+        self.on_finished = None  # called (training thread) when a capture ends
+        self._counts: dict[tuple[str, tuple[str, ...]], int] = {}  # (thread, stack) -> samples
         self._samples = 0
         self._lock = threading.Lock()
         self._sampling = threading.Event()
         self._thread: threading.Thread | None = None
         self._target: int | None = None  # the training thread
 
-    # ------------------------------------------------------------ requests (watchdog thread)
-    def poll(self) -> None:
-        """Called by the watchdog about once a second: a new request starts a capture, a
-        removed one stops it."""
-        try:
-            mtime = os.stat(self.path).st_mtime
-        except OSError:
-            if self._seen is not None:
-                self._seen, self.steps_left = None, 0
-            return
-        if mtime == self._seen:
-            return
-        self._seen = mtime
-        self.steps_left = requested_steps(self.path)
-        if self.steps_left:
-            _log.info("flare: capture of %d steps requested (%s)", self.steps_left, self.path)
-            self.runtime.request_detail()
+    # ------------------------------------------------------------ requests (agent's thread)
+    def start(self, steps: int, request: str) -> None:
+        """Capture the next `steps` steps (a request already running is replaced)."""
+        with self._lock:
+            self.steps_left = max(1, min(MAX_STEPS, int(steps)))
+        _log.info("flare: rank %d: capture of %d steps requested (%s)", self.runtime.identity.rank,
+                  self.steps_left, request)
+        self.runtime.request_detail()
+
+    def stop(self, why: str) -> bool:
+        """End a capture in progress; whether one was."""
+        with self._lock:
+            if self.steps_left <= 0:
+                return False
+            self.steps_left = 0
+        _log.info("flare: rank %d: capture stopped: %s", self.runtime.identity.rank, why)
+        return True
 
     # ------------------------------------------------------------ steps (training thread)
     def install(self) -> None:
@@ -115,19 +117,29 @@ class StackCapture:
         if not self._sampling.is_set():
             return
         self._sampling.clear()
-        with self._lock:
+        with self._lock:  # (stop() may end the capture from the agent's thread meanwhile)
             counts, samples = self._counts, self._samples
             self._counts, self._samples = {}, 0
-        self.steps_left -= 1
+            self.steps_left = max(0, self.steps_left - 1)
         if self.steps_left > 0:
             self.runtime.request_detail()  # the next step is captured too
+        elif self.on_finished is not None:
+            self.on_finished()
         if not samples:
             return
-        top = sorted(counts.items(), key=lambda item: -item[1])[:TOP_FRAMES]
+        leaves: dict[str, int] = {}
+        for (thread, stack), count in counts.items():
+            leaf = f"[thread {thread}] {stack[-1]}" if thread else stack[-1]
+            leaves[leaf] = leaves.get(leaf, 0) + count
+        top = sorted(leaves.items(), key=lambda item: -item[1])[:TOP_FRAMES]
+        stacks = sorted(counts.items(), key=lambda item: -item[1])[:TOP_FRAMES]
         now = time.time_ns()
         self.runtime.emit_child(semconv.SPAN_CAPTURE, self.runtime.step_start_ns, now, {
-            semconv.CAPTURE_FRAMES: [f"{f}:{line} in {name}" for (f, line, name), _ in top],
+            semconv.CAPTURE_FRAMES: [frame for frame, _ in top],
             semconv.CAPTURE_SAMPLES: [count for _, count in top],
+            semconv.CAPTURE_STACKS: [";".join((f"[thread {thread}]", *stack) if thread else stack)
+                                     for (thread, stack), _ in stacks],
+            semconv.CAPTURE_STACK_SAMPLES: [count for _, count in stacks],
             semconv.CAPTURE_TOTAL: samples,
             semconv.CAPTURE_INTERVAL_MS: INTERVAL_S * 1e3,
         })
@@ -148,8 +160,7 @@ class StackCapture:
             keys = []
             for ident, frame in frames.items():
                 if ident == target:
-                    code = user_frame(frame)
-                    keys.append((code.f_code.co_filename, code.f_lineno, code.f_code.co_name))
+                    keys.append(("", _user_stack(frame)))
                 elif ident != me and self._busy(ident, cpu_seen):
                     # another thread that burnt CPU since the last sample (a GIL holder,
                     # a busy logger): its own line, marked with its name
@@ -159,8 +170,7 @@ class StackCapture:
                     name = names.get(ident, str(ident))
                     if name.startswith(_OWN_THREADS):
                         continue
-                    keys.append((f"[thread {name}] {code.f_code.co_filename}", code.f_lineno,
-                                 code.f_code.co_name))
+                    keys.append((name, _user_stack(frame)))
             del frames
             if keys:
                 with self._lock:

@@ -22,7 +22,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.sdk.resources import Resource
 
 import flare.instrumentation as flare_instrumentation
-from flare.instrumentation import flight_recorder, semconv
+from flare.instrumentation import flight_recorder, opamp_agent, semconv
 from flare.instrumentation.callsite import add_plumbing_dir
 from flare.instrumentation.config import FlareConfig
 from flare.instrumentation.flush_deadline import FlushDeadline
@@ -153,13 +153,13 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             self._install(part)
         runtime.add_step_listener(_FirstStepListener(runtime, python_calls))
         self._watchdog = Watchdog(runtime, self._flush, collectives)
-        capture_file = os.environ.get(semconv.ENV_CAPTURE_FLAG_FILE)
-        if capture_file:
+        self._opamp = None
+        if os.environ.get(opamp_agent.ENV_ENDPOINT):  # the collector can ask for a capture
             from flare.instrumentation.stack_capture import StackCapture
 
-            capture = StackCapture(runtime, capture_file)
+            capture = StackCapture(runtime)
             self._install(capture)
-            self._watchdog.capture = capture
+            self._opamp = opamp_agent.start(runtime.identity, capture)
         self._watchdog.start()
         self._install_detail_signal(runtime)
         self._install_gpu_layer(runtime)
@@ -243,6 +243,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         watchdog = getattr(self, "_watchdog", None)
         if watchdog is not None:
             watchdog.stop()
+        self._stop_opamp()
         if runtime is not None:
             runtime.stop_finisher()  # deferred step spans reach the SDK before its flush
         for module in reversed(getattr(self, "_gpu_modules", [])):
@@ -252,6 +253,11 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
                 _log.warning("flare: %s.uninstall at exit failed: %r", module.__name__, error)
         self._gpu_modules = []
 
+    def _stop_opamp(self) -> None:
+        agent, self._opamp = getattr(self, "_opamp", None), None
+        if agent is not None:
+            agent.stop()  # says the agent disconnects (the collector drops its requests)
+
     # ------------------------------------------------------------------ uninstrument
     def _uninstrument(self, **kwargs) -> None:
         runtime = getattr(self, "_runtime", None)
@@ -259,6 +265,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             return
         atexit.unregister(self._at_exit)
         self._watchdog.stop()
+        self._stop_opamp()
         runtime.stop_finisher()
         hook = getattr(self._provider, "_flare_drain_on_flush", None)
         if hook is not None:

@@ -19,7 +19,7 @@ import time
 
 from opentelemetry.trace import Status, StatusCode
 
-from flare.instrumentation import semconv
+from flare.instrumentation import native_stacks, semconv
 from flare.instrumentation.callsite import all_thread_stacks, format_site, frame_site
 from flare.instrumentation.config import HANG_STEP_MULTIPLE, HANG_TIMEOUT_FLOOR_S
 from flare.instrumentation.runtime import Operation, Runtime
@@ -32,7 +32,6 @@ _log = logging.getLogger(__name__)
 # checked twice per limit).
 TICK_S = 5.0
 FLAG_POLL_S = 5.0
-CAPTURE_POLL_S = 1.0  # a capture request is a stat() a second: it answers a live label
 FLUSH_TIMEOUT_MS = 5000
 
 
@@ -47,8 +46,6 @@ class Watchdog:
         self._last_heartbeat = 0.0
         self._last_flag_poll = 0.0
         self.hang_reports = 0
-        self.capture = None  # a StackCapture to poll for requests, when configured
-        self._last_capture_poll = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="flare-watchdog", daemon=True)
@@ -90,9 +87,6 @@ class Watchdog:
         if config.detail_flag_file and monotonic_s - self._last_flag_poll >= FLAG_POLL_S:
             self._last_flag_poll = monotonic_s
             self.runtime.detail_flag_present = os.path.exists(config.detail_flag_file)
-        if self.capture is not None and monotonic_s - self._last_capture_poll >= CAPTURE_POLL_S:
-            self._last_capture_poll = monotonic_s
-            self.capture.poll()
         if config.heartbeat_s and monotonic_s - self._last_heartbeat >= config.heartbeat_s:
             self._last_heartbeat = monotonic_s
             self.emit_heartbeat(now_ns)
@@ -147,19 +141,20 @@ class Watchdog:
             stuck = [(ident, op) for ident, op in in_flight
                      if ident == main and not op.reported][:1]
         stacks = all_thread_stacks(skip_ident=threading.get_ident())
+        native = native_stacks.dump_native()  # C/C++ frames too, where py-spy may run
         if stuck:
             for ident, op in stuck:
                 op.reported = True
-                self._emit_hang(now_ns, limit_ns, op, ident, stacks)
+                self._emit_hang(now_ns, limit_ns, op, ident, stacks, native)
         else:
-            self._emit_hang(now_ns, limit_ns, None, threading.main_thread().ident, stacks)
+            self._emit_hang(now_ns, limit_ns, None, threading.main_thread().ident, stacks, native)
         if runtime.step_open:
             self._reported_steps.add(runtime.step_number)
         runtime.request_detail()
         self.flush(FLUSH_TIMEOUT_MS)
 
     def _emit_hang(self, now_ns: int, limit_ns: int, op: Operation | None, ident: int,
-                   stacks: str) -> None:
+                   stacks: str, native: str | None = None) -> None:
         runtime = self.runtime
         start_ns = op.start_ns if op is not None else runtime.step_start_ns
         attributes = {
@@ -170,6 +165,8 @@ class Watchdog:
             semconv.HANG_THREAD: _thread_name(ident),
             semconv.STEP: runtime.step_number,
         }
+        if native:
+            attributes[semconv.HANG_NATIVE_STACKS] = native
         if op is not None:
             for key, value in op.attributes.items():
                 hang_key = {semconv.COLL_OP: semconv.HANG_COLL_OP, semconv.COLL_PG:

@@ -1,4 +1,5 @@
-"""OTLP/HTTP receiver: POST /v1/traces and /v1/metrics, protobuf or JSON.
+"""OTLP/HTTP receiver: POST /v1/traces and /v1/metrics, protobuf or JSON; and the
+OpAMP endpoint and its capture requests (`opamp.py`) behind the same TLS and token.
 
 Served by `http_server` (the server the extensions use too: framing, caps, the token
 before the body): OTLP clients send few, large requests per connection, so
@@ -17,7 +18,7 @@ from typing import Any
 
 from google.rpc import code_pb2, status_pb2
 
-from flare.collector import otlp_json
+from flare.collector import opamp, otlp_json
 from flare.collector.config import ProtocolConfig
 from flare.collector.errors import MalformedPayload, PayloadTooLarge, Refused
 from flare.collector.http_server import Handler, HttpService, Response, Server
@@ -25,6 +26,8 @@ from flare.collector.receiver import METRICS, TRACES, Acceptor
 from flare.collector.telemetry import Counters
 
 _PATHS = {"/v1/traces": TRACES, "/v1/metrics": METRICS}
+_AGENTS = "/flare/v1/agents"
+_CONTROL = (opamp.PATH, "/flare/v1/capture", _AGENTS)
 _PROTOBUF = "application/x-protobuf"
 _JSON = "application/json"
 
@@ -60,6 +63,8 @@ class _Handler(Handler):
 
     def respond(self, method: str, path: str) -> Response:
         receiver: HttpReceiver = self.server.owner  # type: ignore[assignment]
+        if receiver.opamp is not None and path in _CONTROL:
+            return self._control(receiver, method, path)
         if method != "POST":
             receiver.counters.add("unsupported_requests", transport="http")
             return 405, {"Content-Type": "text/plain"}, b"OTLP/HTTP takes POST requests\n"
@@ -90,6 +95,36 @@ class _Handler(Handler):
             return 200, {"Content-Type": _JSON}, otlp_json.dumps(response)
         return 200, {"Content-Type": _PROTOBUF}, response.SerializeToString()
 
+    def _control(self, receiver: HttpReceiver, method: str, path: str) -> Response:
+        """OpAMP (POST /v1/opamp), a capture request (POST /flare/v1/capture, JSON
+        `{"job", "ranks", "steps"}`) and the agents (GET /flare/v1/agents?job=)."""
+        server = receiver.opamp
+        wanted = "GET" if path == _AGENTS else "POST"
+        if method != wanted:
+            receiver.counters.add("unsupported_requests", transport="http")
+            return 405, {"Content-Type": "text/plain"}, f"{path} takes {wanted} requests\n".encode()
+        if path == _AGENTS:
+            from urllib.parse import parse_qs, urlsplit
+
+            job = (parse_qs(urlsplit(self.path).query).get("job") or [None])[0]
+            return 200, {"Content-Type": _JSON}, json.dumps({"agents": server.agents(job)}).encode()
+        if self.body_length is None:
+            raise MalformedPayload("Content-Length or chunked Transfer-Encoding is required")
+        body = self.read_body()
+        if path == opamp.PATH:
+            status, answer = server.handle(body)
+            return status, {"Content-Type": opamp.CONTENT_TYPE}, answer
+        try:
+            asked = json.loads(body or b"{}")
+            ranks = [int(r) for r in asked["ranks"]]
+            job = asked.get("job")
+            result = server.request_capture(None if job is None else str(job), ranks,
+                                            int(asked.get("steps", opamp.DEFAULT_STEPS)))
+        except (ValueError, KeyError, TypeError) as exc:
+            text = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            return 400, {"Content-Type": "text/plain"}, f"capture request refused: {text}\n".encode()
+        return 200, {"Content-Type": _JSON}, json.dumps(result).encode()
+
     def _content_type(self) -> str:
         return (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
 
@@ -115,9 +150,11 @@ class HttpReceiver(HttpService):
         acceptor: Acceptor,
         counters: Counters,
         auth: Any | None = None,
+        opamp_server: opamp.OpampServer | None = None,
     ) -> None:
         super().__init__("OTLP/HTTP", "http", f"http-{receiver_id}", options.endpoint, options.tls, counters, options.max_body_bytes)
         self.id = receiver_id
         self.options = options
         self.acceptor = acceptor
         self.auth = auth
+        self.opamp = opamp_server

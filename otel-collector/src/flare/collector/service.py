@@ -32,6 +32,7 @@ from flare.collector.extensions import HttpExtension, metrics_responder, query_r
 from flare.collector.grpc_receiver import GrpcReceiver
 from flare.collector.http_receiver import HttpReceiver
 from flare.collector.ingest import Ingest, ItemQueue
+from flare.collector.opamp import OpampServer
 from flare.collector.pipeline import Pipeline, Stage
 from flare.collector.query_api import RankGauges
 from flare.collector.receiver import Acceptor
@@ -74,6 +75,10 @@ _COUNTER_HELP = {
     "pipeline_errors": "requests or ticks a processor failed on",
     "processor_dropped_requests": "requests a processor dropped on purpose",
     "replayed_requests": "write-ahead log records replayed at start",
+    "opamp_messages": "OpAMP messages from the ranks' agents (heartbeats, status, effective config)",
+    "opamp_malformed": "OpAMP bodies that were not an AgentToServer (answered with a BadRequest "
+                       "error response)",
+    "opamp_requests_dropped": "capture requests dropped because their agent went away first",
 }
 
 
@@ -177,6 +182,7 @@ class Collector:
         self._started = False
         self._stopped = False
         self._stop_lock = threading.Lock()
+        self.opamp = OpampServer(self.counters)  # the ranks' agents, served on OTLP/HTTP
         self.registry.register_gauge_source(self._gauges)
         self._rank_gauges: _Throttled | None = None  # the store's per-rank gauges, when served
 
@@ -275,7 +281,8 @@ class Collector:
                     self._auths.append((f"{receiver_id}/grpc", auth))
             if rcfg.http is not None:
                 auth = bearer_auth(rcfg.http.auth)
-                receiver = HttpReceiver(receiver_id, rcfg.http, self.acceptor, self.counters, auth)
+                receiver = HttpReceiver(receiver_id, rcfg.http, self.acceptor, self.counters, auth,
+                                        self.opamp)
                 receiver.start()
                 self._receivers.append(receiver)
                 if auth is not None:
@@ -381,7 +388,7 @@ class Collector:
             out += _component_metrics("exporter_", exporter, {"exporter": exporter_id})
         for where, auth in self._auths:
             out.append(("auth_rejected", {"receiver": where}, float(getattr(auth, "rejected", 0))))
-        return out
+        return out + self.opamp.gauges()
 
 
 def _component_metrics(prefix: str, component: Any, labels: dict[str, str]) -> list:

@@ -57,6 +57,8 @@ _TYPES: dict[str, str] = {
     sc.STEP_COLLECTIVE_UNTIMED: _INT,
     sc.CAPTURE_FRAMES: _list_of(_TEXT),
     sc.CAPTURE_SAMPLES: _list_of(_INT),
+    sc.CAPTURE_STACKS: _list_of(_TEXT),
+    sc.CAPTURE_STACK_SAMPLES: _list_of(_INT),
     sc.CAPTURE_TOTAL: _INT,
     sc.CAPTURE_INTERVAL_MS: _DOUBLE,
     sc.DATALOADER_WAIT_MS: _DOUBLE,

@@ -99,8 +99,12 @@ class HttpClient:
             target += "?" + urllib.parse.urlencode(
                 {k: v for k, v in params.items() if v is not None}
             )
+        return self._send("GET", target)
+
+    def _send(self, method: str, target: str, body: bytes | None = None,
+              headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
         try:
-            reply = self._conn.request("GET", target, headers=self._headers)
+            reply = self._conn.request(method, target, body=body, headers={**self._headers, **(headers or {})})
         except http_client.TransportError as exc:
             where = f"{self.product} at {self.base_url}"
             if exc.kind == "tls":
@@ -120,6 +124,16 @@ class HttpClient:
     ) -> tuple[int, Any]:
         """GET and decode JSON. Statuses other than 200 and `allow` are BackendErrors."""
         status, body = self.get(path, params)
+        return status, self._json(path, status, body, allow)
+
+    def post_json(self, path: str, payload: Any) -> Any:
+        """POST `payload` as JSON and decode the JSON answer (a status other than 200 is
+        a BackendError naming it and the answer's first line)."""
+        status, body = self._send("POST", self._conn.prefix + path, json.dumps(payload).encode(),
+                                  {"Content-Type": "application/json"})
+        return self._json(path, status, body, ())
+
+    def _json(self, path: str, status: int, body: bytes, allow: Iterable[int]) -> Any:
         if status in (401, 403):
             raise BackendError(
                 f"{self.product} at {self.base_url} refused the request (HTTP {status}): "
@@ -131,12 +145,12 @@ class HttpClient:
                 f"{_first_line(body)}"
             )
         if status == 204 or not body.strip():
-            return status, None
+            return None
         try:
-            return status, json.loads(body)
+            return json.loads(body)
         except ValueError:
             if status != 200:  # an allowed error status may come with a plain-text body
-                return status, None
+                return None
             raise BackendError(
                 f"{self.product} at {self.base_url} answered {path} with something that is "
                 f"not JSON: {_first_line(body)}"

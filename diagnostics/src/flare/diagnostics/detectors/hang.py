@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from flare.diagnostics.callsite import user_callsite, user_frames
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.instrumentation import native_stacks
 from flare.instrumentation import semconv as sc
 
 _ATTRS = (sc.HANG_OPERATION, sc.HANG_STACKS, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP,
-          sc.HANG_ELAPSED_S, sc.HANG_TIMEOUT_S, sc.CODE_CALLSITE)
+          sc.HANG_ELAPSED_S, sc.HANG_TIMEOUT_S, sc.CODE_CALLSITE, sc.HANG_NATIVE_STACKS, sc.HANG_THREAD)
+NATIVE_FRAMES = 40  # of the culprit's blocked thread, innermost first
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
@@ -76,15 +78,19 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     if victims:
         what += "; " + _victims_text(victims, waiting_on)
     elapsed = max((d.get(sc.HANG_ELAPSED_S) or 0.0) for d in latest.values())
+    evidence = {
+        "stuck_ranks": sorted(latest), "victims": victims,
+        "operations": {str(r): d.get(sc.HANG_OPERATION) for r, d in sorted(latest.items())},
+        "culprit_frames": frames, "elapsed_s": elapsed,
+    }
+    if culprit_dump is not None and culprit_dump.get(sc.HANG_NATIVE_STACKS):
+        # py-spy's C/C++ frames under the Python ones, where the rank could run it
+        evidence["native_frames"] = native_stacks.thread_frames(
+            culprit_dump[sc.HANG_NATIVE_STACKS], culprit_dump.get(sc.HANG_THREAD))[:NATIVE_FRAMES]
     return [Anomaly(
         kind="hang", ranks=culprits, cause=cause, first_step=first_step, last_step=None,
         impact=1.0, confidence=0.95 if stuck_in_own_code else 0.8,
-        summary=f"hang at step {first_step}: {what}", callsite=callsite,
-        evidence={
-            "stuck_ranks": sorted(latest), "victims": victims,
-            "operations": {str(r): d.get(sc.HANG_OPERATION) for r, d in sorted(latest.items())},
-            "culprit_frames": frames, "elapsed_s": elapsed,
-        },
+        summary=f"hang at step {first_step}: {what}", callsite=callsite, evidence=evidence,
     )]
 
 

@@ -1,0 +1,255 @@
+"""The rank as an OpAMP agent: the collector's channel for asking a capture.
+
+On when `FLARE_OPAMP_ENDPOINT` names the collector's OpAMP endpoint
+(`http(s)://HOST:4318/v1/opamp`; `flare run` sets it). The contrib client
+(`opentelemetry-opamp-client`: `OpAMPAgent`, `OpAMPClient`) polls it from threads of
+its own every `FLARE_OPAMP_INTERVAL_S` (default 2 s), off the training thread: a poll
+is one small POST on a kept-alive connection of Flare's one HTTP client
+(`http_client`, the client's pluggable transport), and a collector that is down or slow
+costs a refused connection or a 1 s timeout on those threads, retried with the client's
+backoff, never a step.
+
+The agent identifies itself by the rank's `flare.job.id` and `flare.rank` (and says its
+host and pid), with the token and TLS files the rank's OTLP exporter uses
+(`OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, `…_CERTIFICATE`, `…_CLIENT_CERTIFICATE`,
+`…_CLIENT_KEY`). Flare's remote config is one JSON file, `flare`:
+
+    {"capture": {"steps": 20, "id": "capture-3"}}
+
+asks for K captured steps (`stack_capture.StackCapture`: detail steps with the training
+thread's stack sampled); a request id is served once. Unknown keys are ignored with one
+warning each. The agent reports the config applied (by its hash) and its effective
+config (`{"capture": {"steps_left": n}}`), again when a capture ends. When the
+collector stops answering, a capture in progress is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from flare.instrumentation import semconv
+
+_log = logging.getLogger(__name__)
+
+ENV_ENDPOINT = "FLARE_OPAMP_ENDPOINT"
+ENV_INTERVAL_S = "FLARE_OPAMP_INTERVAL_S"
+DEFAULT_INTERVAL_S = 2.0
+CONFIG_NAME = "flare"
+SAY_FAILURE_EVERY_S = 300.0
+
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+def _interval_s() -> float:
+    text = os.environ.get(ENV_INTERVAL_S, "")
+    try:
+        value = float(text) if text else DEFAULT_INTERVAL_S
+    except ValueError:
+        value = -1.0
+    if not 0.1 <= value <= 3600:
+        _log.warning("flare: %s=%r is not a number of seconds in 0.1-3600; using %g",
+                     ENV_INTERVAL_S, text, DEFAULT_INTERVAL_S)
+        return DEFAULT_INTERVAL_S
+    return value
+
+
+def start(identity, capture) -> CaptureAgent | None:
+    """The rank's agent, started, or None (no endpoint, or no OpAMP client installed)."""
+    endpoint = os.environ.get(ENV_ENDPOINT)
+    if not endpoint:
+        return None
+    try:
+        agent = CaptureAgent(endpoint, identity, capture, _interval_s())
+    except ImportError as exc:
+        _log.warning("flare: %s is set but the OpAMP client cannot be imported (%s); capture on "
+                     "request is off", ENV_ENDPOINT, exc)
+        return None
+    agent.start()
+    return agent
+
+
+class CaptureAgent:
+    def __init__(self, endpoint: str, identity, capture, interval_s: float) -> None:
+        from opentelemetry._opamp import OpAMPAgent, OpAMPCallbacks, OpAMPClient
+        from opentelemetry.util.re import parse_env_headers
+
+        # The client logs every failed poll with its payload; a collector that is away
+        # is said here once, then every few minutes.
+        logging.getLogger("opentelemetry._opamp.agent").setLevel(logging.CRITICAL)
+        headers = parse_env_headers(_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") or "",
+                                    liberal=True)
+        self.capture = capture
+        self.identity = identity
+        self.transport = _transport()
+        self._seen_ids: set[str] = set()
+        self._warned: set[str] = set()
+        self._failing_since: float | None = None
+        self._said_failure = 0.0
+        self._lock = threading.Lock()
+        self.client = OpAMPClient(
+            endpoint=endpoint,
+            headers=headers,
+            agent_identifying_attributes={
+                semconv.JOB_ID: identity.job_id, semconv.RANK: identity.rank,
+                "service.name": identity.service_name},
+            agent_non_identifying_attributes={
+                semconv.HOST_NAME: identity.host_name, semconv.PROCESS_PID: identity.pid,
+                semconv.LOCAL_RANK: identity.local_rank, semconv.WORLD_SIZE: identity.world_size},
+            tls_certificate=_env("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE") or True,
+            tls_client_certificate=_env("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+                                        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"),
+            tls_client_key=_env("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "OTEL_EXPORTER_OTLP_CLIENT_KEY"),
+            transport=self.transport,
+        )
+        self._report_effective()
+        owner = self
+
+        class Callbacks(OpAMPCallbacks):
+            def on_message(self, agent, client, message) -> None:
+                owner._on_message(message)
+
+            def on_connect(self, agent, client) -> None:
+                owner._on_connect()
+
+            def on_connect_failed(self, agent, client, error) -> None:
+                owner._on_connect_failed(error)
+
+            def on_error(self, agent, client, error_response) -> None:
+                _log.warning("flare: rank %d: the collector's OpAMP endpoint answered an error: %s",
+                             owner.identity.rank, error_response.error_message)
+
+        self.agent = OpAMPAgent(interval=interval_s, callbacks=Callbacks(), client=self.client)
+        capture.on_finished = self._capture_finished
+
+    def start(self) -> None:
+        self.agent.start()
+
+    def stop(self) -> None:
+        self.capture.on_finished = None
+        self.agent.stop(timeout=2.0)
+        self.transport.close()
+
+    # ------------------------------------------------------------ callbacks (agent's thread)
+    def _on_message(self, message) -> None:
+        from opentelemetry._opamp.proto import opamp_pb2
+
+        remote = message.remote_config
+        if remote is None:
+            return
+        status, error = opamp_pb2.RemoteConfigStatuses_APPLIED, ""
+        try:
+            for name, config in self.client.decode_remote_config(remote):
+                if name != CONFIG_NAME:
+                    self._warn_once(f"file {name!r}")
+                    continue
+                self._apply(config)
+        except Exception as exc:  # a config this agent cannot read: FAILED, said to the server
+            status, error = opamp_pb2.RemoteConfigStatuses_FAILED, str(exc)
+            _log.warning("flare: rank %d: remote config not applied: %s", self.identity.rank, exc)
+        self.client.update_remote_config_status(remote.config_hash, status, error)
+        self._report_effective()
+        self.agent.send(self.client.build_full_state_message(), max_retries=1)
+
+    def _apply(self, config) -> None:
+        if not isinstance(config, dict):
+            raise ValueError("the flare remote config is not a JSON object")
+        for key, value in config.items():
+            if key != "capture":
+                self._warn_once(f"key {key!r}")
+                continue
+            if not isinstance(value, dict):
+                raise ValueError("capture is not a JSON object")
+            request_id = str(value.get("id", ""))
+            if request_id and request_id in self._seen_ids:
+                continue  # re-sent before our status reached the server
+            self._seen_ids.add(request_id)
+            steps = int(value.get("steps", 0))
+            if steps > 0:
+                self.capture.start(steps, request_id or "opamp")
+            else:
+                self.capture.stop("the collector asked to stop")
+
+    def _warn_once(self, what: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            _log.warning("flare: rank %d: the collector's remote config has an unknown %s; ignored",
+                         self.identity.rank, what)
+
+    def _on_connect(self) -> None:
+        if self._failing_since is not None:
+            _log.info("flare: rank %d: the collector's OpAMP endpoint answers again", self.identity.rank)
+        self._failing_since = None
+
+    def _on_connect_failed(self, error) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        stopped = self.capture.stop("the collector went away")
+        if stopped or now - self._said_failure >= SAY_FAILURE_EVERY_S:
+            self._said_failure = now
+            _log.warning("flare: rank %d: the collector's OpAMP endpoint does not answer (%s); "
+                         "retrying in the background%s", self.identity.rank, str(error)[:200],
+                         "; the capture in progress is stopped" if stopped else "")
+
+    # ------------------------------------------------------------ effective config
+    def _report_effective(self) -> None:
+        self.client.update_effective_config({CONFIG_NAME: {"capture": {"steps_left": self.capture.steps_left}}},
+                                            "application/json")
+
+    def _capture_finished(self) -> None:
+        """From the training thread when a capture ends: queue a state report (a put on
+        the agent's queue; the agent's thread sends it)."""
+        self._report_effective()
+        self.agent.send(self.client.build_full_state_message(), max_retries=1)
+
+
+def _transport():
+    """The OpAMP client's transport on Flare's HTTP client (one kept-alive connection)."""
+    import ssl
+
+    from opentelemetry._opamp import messages
+    from opentelemetry._opamp.transport.base import HttpTransport
+    from opentelemetry._opamp.transport.exceptions import OpAMPException
+
+    from flare.instrumentation import http_client
+
+    class FlareTransport(HttpTransport):
+        def __init__(self) -> None:
+            self._client: http_client.HttpClient | None = None
+
+        def send(self, *, url, headers, data, timeout_millis, tls_certificate,
+                 tls_client_certificate=None, tls_client_key=None):
+            if self._client is None:
+                context = None
+                if url.startswith("https:"):
+                    context = ssl.create_default_context(
+                        cafile=tls_certificate if isinstance(tls_certificate, str) else None)
+                    if tls_certificate is False:
+                        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                    if tls_client_certificate:
+                        context.load_cert_chain(tls_client_certificate, tls_client_key)
+                self._client = http_client.HttpClient(url, timeout_millis / 1e3, context)
+            client = self._client
+            try:
+                reply = client.request("POST", client.prefix or "/", body=data, headers=headers,
+                                       timeout_s=timeout_millis / 1e3)
+            except http_client.TransportError as exc:
+                raise OpAMPException(f"{exc.kind}: {exc.reason}") from None
+            if not 200 <= reply.status < 300:
+                raise OpAMPException(f"HTTP {reply.status} {reply.reason}")
+            return messages.decode_message(reply.body)
+
+        def close(self) -> None:
+            if self._client is not None:
+                self._client.close()
+
+    return FlareTransport()
