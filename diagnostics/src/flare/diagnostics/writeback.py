@@ -175,22 +175,21 @@ def send_otlp(
 
 
 def _send_http(url: str, request: trace_service_pb2.ExportTraceServiceRequest, timeout_s: float) -> None:
-    import urllib.error
-    import urllib.request
+    import ssl
 
-    http_request = urllib.request.Request(
-        url, data=request.SerializeToString(), method="POST",
-        headers={"Content-Type": "application/x-protobuf"},
-    )
+    from flare.instrumentation import http_client
+
+    context = ssl.create_default_context() if url.startswith("https:") else None
+    client = http_client.HttpClient(url, timeout_s, context)
     try:
-        with urllib.request.urlopen(http_request, timeout=timeout_s) as response:
-            response.read()
-    except urllib.error.HTTPError as exc:
-        raise WritebackError(f"cannot send anomalies to {url}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)  # URLError wraps the socket's error
-        text = getattr(reason, "strerror", None) or str(reason)
-        raise WritebackError(f"cannot send anomalies to {url}: {text}") from None
+        reply = client.request("POST", client.prefix, body=request.SerializeToString(),
+                               headers={"Content-Type": "application/x-protobuf"})
+    except http_client.TransportError as exc:
+        raise WritebackError(f"cannot send anomalies to {url}: {exc.reason}") from None
+    finally:
+        client.close()
+    if not 200 <= reply.status < 300:
+        raise WritebackError(f"cannot send anomalies to {url}: HTTP {reply.status} {reply.reason}")
 
 
 def _send_grpc(parsed, request: trace_service_pb2.ExportTraceServiceRequest, timeout_s: float) -> None:
