@@ -271,3 +271,34 @@ def test_window_memory_is_bounded_by_rows(tmp_path):
     data.refresh()
     assert data.window_rows <= 4 * 101  # 100 steps kept (the floor), not 300
     assert data.steps_range() == (199, 299)
+
+
+def test_new_labels_have_their_ranks_and_a_peer_captured_through_the_collector(tmp_path):
+    """--follow --collector URL: each new label asks a real collector's OpAMP server for a
+    capture of its ranks and one healthy peer, whose agents the collector knows."""
+    from opentelemetry._opamp.client import OpAMPClient
+
+    from flare.collector.config import embedded_config
+    from flare.collector.service import Collector
+    from flare.diagnostics.follow import _collector_capture
+
+    collector = Collector(embedded_config(tmp_path / "collector.duckdb"))
+    collector.start()
+    try:
+        url = f"http://{collector.http_endpoint}"
+        agents = {rank: OpAMPClient(endpoint=f"{url}/v1/opamp", agent_identifying_attributes={
+            "flare.job.id": "jobC", "flare.rank": rank}) for rank in range(4)}
+        for agent in agents.values():
+            agent.send(agent.build_full_state_message())
+        path = str(tmp_path / "store.duckdb")
+        write_steps(path, job_spans("jobC", world=4, steps=70,
+                                    faults=(Fault("compute", rank=2, from_step=ONSET),)), 0, 69)
+        service = FollowService(f"store:{path}", "jobC", out=io.StringIO(),
+                                capture=_collector_capture(url, "jobC"))
+        assert service.poll_once()
+        pending = {a["rank"] for a in collector.opamp.agents("jobC") if a["pending"]}
+        assert pending == {0, 2}  # the culprit and the lowest unlabelled rank
+        reply = agents[2].send(agents[2].build_heartbeat_message())
+        assert dict(agents[2].decode_remote_config(reply.remote_config))["flare"]["capture"]["steps"] == 20
+    finally:
+        collector.stop(10)

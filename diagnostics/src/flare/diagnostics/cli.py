@@ -144,6 +144,9 @@ def add_diagnose_options(parser: argparse.ArgumentParser) -> None:
                         help="keep diagnosing as new spans arrive (always-on service)")
     parser.add_argument("--interval", type=float, default=10.0, metavar="S",
                         help="seconds between passes with --follow (default 10)")
+    parser.add_argument("--collector", metavar="URL",
+                        help="with --follow: ask this Flare collector (its OTLP/HTTP endpoint) to "
+                             "capture the ranks of each new label and a healthy peer, over OpAMP")
 
 
 def backend_spec(args: argparse.Namespace) -> str:
@@ -270,6 +273,8 @@ def diagnose_command(args: argparse.Namespace) -> int:
         raise UserError("--interval must be positive")
     if args.baseline_job and args.baseline_job == args.job:
         raise UserError("--baseline-job is the job being diagnosed; name an earlier job")
+    if args.collector and not args.follow:
+        raise UserError("--collector is where --follow asks captures of new labels' ranks; add --follow")
     if args.otlp_endpoint and not (args.write_back or args.follow):
         raise UserError("--otlp-endpoint is where --write-back or --follow send anomaly spans; "
                         "add one of them")
@@ -287,9 +292,11 @@ def diagnose_command(args: argparse.Namespace) -> int:
             from flare.diagnostics import follow
 
             if not args.output:
-                return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, sys.stdout)
+                return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, sys.stdout,
+                                   collector=args.collector)
             with open(args.output, "w", encoding="utf-8") as out:
-                return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, out)
+                return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, out,
+                                   collector=args.collector)
         job = pick_job(backend, args.job)
         job_data = backend.job_data(job)
         try:

@@ -377,7 +377,9 @@ class FollowService:
         backend_opts: dict[str, Any] | None = None,
         max_steps: int = 5000,
         warn: Callable[[str], None] | None = None,
+        capture=None,
     ) -> None:
+        self.capture = capture  # a hotspots.CaptureRequests: new labels' ranks are captured
         self.backend_spec = backend_spec
         self.backend = open_backend(backend_spec, **(backend_opts or {}))
         self.job = job
@@ -419,9 +421,18 @@ class FollowService:
                 p.key == anomaly.key for p, _ in self.pending
             ):
                 self.pending.append((anomaly, diagnosis.evidence_links.get(anomaly.key, [])))
+                self._ask_capture(anomaly, diagnosis)
         written = self._write_pending()
         self._record_poll(started, ok=True)
         return written
+
+    def _ask_capture(self, anomaly: Anomaly, diagnosis) -> None:
+        if self.capture is None:
+            return
+        try:
+            self.capture.on_alert(anomaly, diagnosis)
+        except BackendError as exc:  # the collector is away: the label stands without its line
+            self._warn(f"flare follow: capture of ranks {anomaly.ranks} not asked: {exc}")
 
     def _attach(self) -> bool:
         if self.job is None:
@@ -550,6 +561,7 @@ def main(
     health_endpoint: str | None = "",
     backend_opts: dict[str, Any] | None = None,
     stop: threading.Event | None = None,
+    collector: str | None = None,
 ) -> int:
     """Run the follow service until SIGINT/SIGTERM (or `stop`); the exit status.
     `health_endpoint` "" is the deployment default (`health_endpoint_from_env`), None
@@ -561,7 +573,8 @@ def main(
         print("flare: --interval must be positive", file=sys.stderr)
         return 2
     try:
-        service = FollowService(backend_spec, job, config, otlp_endpoint, out, backend_opts)
+        service = FollowService(backend_spec, job, config, otlp_endpoint, out, backend_opts,
+                                capture=None if collector is None else _collector_capture(collector, job))
     except BackendError as exc:
         print(f"flare: {exc}", file=sys.stderr)
         return 2
@@ -592,6 +605,20 @@ def main(
             health.stop()
         service.close()
     return 0
+
+
+def _collector_capture(url: str, job: str | None):
+    """CaptureRequests that POST to a Flare collector's /flare/v1/capture (token and TLS
+    from the FLARE_BACKEND_* settings, as for the backends)."""
+    from flare.diagnostics.backends.jaeger import HttpClient
+    from flare.diagnostics.hotspots import CaptureRequests
+
+    client = HttpClient(url, "the collector")
+
+    def ask(job_id: str, ranks: list[int], steps: int) -> dict:
+        return client.post_json("/flare/v1/capture", {"job": job_id, "ranks": ranks, "steps": steps})
+
+    return CaptureRequests(ask, job)
 
 
 def _as_arrow(table: Table | pa.Table) -> pa.Table:

@@ -103,3 +103,34 @@ def flames(job: JobData, anomaly: Anomaly) -> tuple[dict, dict] | None:
                 "children": sorted((per_step(c, n) for c in node["children"].values()), key=lambda c: -c["ms"])}
 
     return per_step(trees[True], len(steps[True])), per_step(trees[False], max(1, len(steps[False])))
+
+
+class CaptureRequests:
+    """Asks the ranks of each new label, and one healthy peer (the lowest rank no label
+    names), for a targeted capture (`flare.instrumentation.stack_capture`) through a
+    collector's OpAMP server: `ask(job, ranks, steps)` returns its answer
+    (`{"asked": [...], "unknown": [...]}`; `flare run` calls its embedded collector,
+    `flare diagnose --follow --collector URL` POSTs /flare/v1/capture). A rank is asked
+    once; one whose agent the collector does not know yet is asked again with the next
+    label."""
+
+    KINDS = ("straggler", "fail_slow", "dataloader_stall", "gc_pause", "collective_slow")
+
+    def __init__(self, ask, job: str | None, steps: int = 20) -> None:
+        self.ask = ask
+        self.job = job
+        self.steps = steps
+        self.asked: set[int] = set()
+        self.requests: list[tuple[list[int], int | None]] = []  # (culprits, peer)
+
+    def on_alert(self, anomaly: Anomaly, diagnosis) -> None:
+        culprits = sorted(int(r) for r in anomaly.ranks)
+        if anomaly.kind not in self.KINDS or not culprits or set(culprits) <= self.asked:
+            return
+        labelled = {int(r) for a in diagnosis.anomalies for r in a.ranks}
+        ranks = diagnosis.job_data.ranks() if diagnosis.job_data is not None else []
+        peer = next((int(r) for r in sorted(ranks) if int(r) not in labelled), None)
+        wanted = [*culprits, *([] if peer is None or peer in self.asked else [peer])]
+        result = self.ask(self.job or diagnosis.job, wanted, self.steps)
+        self.asked.update(result.get("asked", []))
+        self.requests.append((culprits, peer))

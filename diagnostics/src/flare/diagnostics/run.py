@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from flare.diagnostics import pipeline, report_text, writeback
 from flare.diagnostics.backends import BackendError
 from flare.diagnostics.cli import DEFAULT_STORE, UserError, emit
+from flare.diagnostics.hotspots import CaptureRequests
 from flare.diagnostics.model import DiagnosisConfig
 from flare.instrumentation import opamp_agent
 from flare.instrumentation import semconv as sc
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
     writeback_endpoint = _url(collector.grpc_endpoint or "")
     print(f"flare: job {job}: collecting into {args.store} (OTLP/HTTP {endpoint})",
           file=sys.stderr)
-    capture = None if args.no_diagnose else CaptureRequests(collector.opamp, job)
+    capture = None if args.no_diagnose else CaptureRequests(collector.opamp.request_capture, job)
     monitor = None if args.no_diagnose else LiveMonitor(args.store, job, on_alert=capture.on_alert)
     child = None
     stopped: list[int] = []  # the signal flare run got and passed on (Ctrl-C, SIGTERM)
@@ -389,34 +390,6 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
 
 _REPORTED_KINDS = ("hang", "error")
 INTERRUPTED_STATUS = 128 + signal.SIGINT  # the shell's status for a command stopped by Ctrl-C
-
-
-class CaptureRequests:
-    """Asks the ranks of a live label, and one healthy peer, for a targeted capture
-    (`flare.instrumentation.stack_capture`), through the embedded collector's OpAMP
-    server: the ranks' agents pick the request up at their next poll. Each rank is asked
-    once; when the collector stops, a rank still capturing stops too."""
-
-    KINDS = ("straggler", "fail_slow", "dataloader_stall", "gc_pause", "collective_slow")
-
-    def __init__(self, opamp, job: str, steps: int = 20) -> None:
-        self.opamp = opamp
-        self.job = job
-        self.steps = steps
-        self.asked: set[int] = set()
-        self.requests: list[tuple[list[int], int | None]] = []  # (culprits, peer)
-
-    def on_alert(self, anomaly, diagnosis) -> None:
-        culprits = sorted(int(r) for r in anomaly.ranks)
-        if anomaly.kind not in self.KINDS or not culprits or set(culprits) <= self.asked:
-            return
-        labelled = {int(r) for a in diagnosis.anomalies for r in a.ranks}
-        ranks = diagnosis.job_data.ranks() if diagnosis.job_data is not None else []
-        peer = next((int(r) for r in sorted(ranks) if int(r) not in labelled), None)
-        wanted = [*culprits, *([] if peer is None or peer in self.asked else [peer])]
-        result = self.opamp.request_capture(self.job, wanted, self.steps)
-        self.asked.update(result["asked"])
-        self.requests.append((culprits, peer))
 
 
 class LiveMonitor:
