@@ -24,7 +24,8 @@ is what Flare adds; the gradient hook's floor is taken as two optimizer-hook flo
 
 (arguments after `--drive` go to examples/train_ddp.py, which runs under exactly the
 environment `flare run` gives its ranks, exporting to a loopback OTLP/HTTP sink;
-`PYTHONPATH=<other tree>/instrumentation/src` measures another tree side by side). As a
+`FLARE_BENCH_RANKS_PYTHONPATH`, as in rank_thread_cpu.py, measures another tree's
+instrumentation side by side). As a
 wrapper, by hand:
 
     ... opentelemetry-instrument torchrun --nproc_per_node 4 \\

@@ -13,8 +13,9 @@ and prints the 4 ranks' mean per thread:
     .venv/bin/python benchmarks/rank_thread_cpu.py --drive --steps 400 \
         --hidden 1024 --batch-size 128
 
-(arguments after `--drive` go to examples/train_ddp.py; `PYTHONPATH=<other tree>/
-instrumentation/src` measures another tree's instrumentation side by side). As a
+(arguments after `--drive` go to examples/train_ddp.py; `FLARE_BENCH_RANKS_PYTHONPATH=
+<other tree's flare-instrumentation, installed with --target>` gives the ranks another
+tree's instrumentation, side by side with this one's). As a
 wrapper, by hand:
 
     ... opentelemetry-instrument torchrun --nproc_per_node 4 \
@@ -142,6 +143,8 @@ def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
     with tempfile.TemporaryDirectory() as out, OtlpSink(protocol="http", raw=True) as sink:
         if instrumented:
             env = child_environment(job, sink.endpoint, opamp=True)  # as flare run: with the OpAMP poll
+            if os.environ.get("FLARE_BENCH_RANKS_PYTHONPATH"):  # another tree's instrumentation
+                env["PYTHONPATH"] = os.environ["FLARE_BENCH_RANKS_PYTHONPATH"]
             launcher = [str(BIN / "opentelemetry-instrument")]
         else:
             env, launcher = plain_environment(), []

@@ -22,7 +22,9 @@ import yaml
 pytestmark = [pytest.mark.e2e]
 
 TOKEN = "e2e-capture-token"
-STEPS = 1500  # ~40 s here: still training when the collector goes away
+# Both ranks take at least 20 ms a step (the compute fault on both), so the job is still
+# training when the collector goes away (~12 s in) on any machine: ~25 s here.
+TRAIN = ("--steps", 800, "--fault", "compute", "--fault-rank", "0,1", "--fault-from", 0, "--fault-ms", 20)
 
 
 def _collector(workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -81,7 +83,7 @@ def test_flare_capture_by_hand_and_a_collector_that_goes_away(tmp_path):
     ranks_log = tmp_path / "ranks.log"
     with open(ranks_log, "w") as err:
         training = subprocess.Popen(
-            _instrument_command() + harness.torchrun(harness.TRAIN_DDP, "--steps", STEPS, nproc=2),
+            _instrument_command() + harness.torchrun(harness.TRAIN_DDP, *TRAIN, nproc=2),
             env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, process_group=0)
     try:
         _wait(lambda: [(a["rank"], a["state"]) for a in _agents(url)] == [(0, "alive"), (1, "alive")],

@@ -1,13 +1,13 @@
 """The rank as an OpAMP agent: the collector's channel for asking a capture.
 
 On when `FLARE_OPAMP_ENDPOINT` names the collector's OpAMP endpoint
-(`http(s)://HOST:4318/v1/opamp`; `flare run` sets it). The contrib client
-(`opentelemetry-opamp-client`: `OpAMPAgent`, `OpAMPClient`) polls it from threads of
-its own every `FLARE_OPAMP_INTERVAL_S` (default 2 s), off the training thread: a poll
-is one small POST on a kept-alive connection of Flare's one HTTP client
-(`http_client`, the client's pluggable transport), and a collector that is down or slow
-costs a refused connection or a 1 s timeout on those threads, retried with the client's
-backoff, never a step.
+(`http(s)://HOST:4318/v1/opamp`; `flare run` sets it). One thread of its own
+(`flare-opamp`) polls it every `FLARE_OPAMP_INTERVAL_S` (default 5 s), off the training
+thread, with the contrib client's messages (`opentelemetry-opamp-client`'s
+`OpAMPClient`): a poll is one small POST on a kept-alive connection of Flare's one HTTP
+client (`http_client`, the client's pluggable transport). A collector that is down or
+slow costs that thread a refused connection or the client's 1 s timeout per poll, the
+polls backing off (doubling up to 60 s), never a step.
 
 The agent identifies itself by the rank's `flare.job.id` and `flare.rank` (and says its
 host and pid), with the token and TLS files the rank's OTLP exporter uses
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 
@@ -36,7 +37,8 @@ _log = logging.getLogger(__name__)
 
 ENV_ENDPOINT = "FLARE_OPAMP_ENDPOINT"
 ENV_INTERVAL_S = "FLARE_OPAMP_INTERVAL_S"
-DEFAULT_INTERVAL_S = 2.0
+DEFAULT_INTERVAL_S = 5.0
+MAX_BACKOFF_S = 60.0
 CONFIG_NAME = "flare"
 SAY_FAILURE_EVERY_S = 300.0
 
@@ -79,22 +81,23 @@ def start(identity, capture) -> CaptureAgent | None:
 
 class CaptureAgent:
     def __init__(self, endpoint: str, identity, capture, interval_s: float) -> None:
-        from opentelemetry._opamp import OpAMPAgent, OpAMPCallbacks, OpAMPClient
+        from opentelemetry._opamp import OpAMPClient
         from opentelemetry.util.re import parse_env_headers
 
-        # The client logs every failed poll with its payload; a collector that is away
-        # is said here once, then every few minutes.
-        logging.getLogger("opentelemetry._opamp.agent").setLevel(logging.CRITICAL)
         headers = parse_env_headers(_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") or "",
                                     liberal=True)
         self.capture = capture
         self.identity = identity
+        self.interval_s = interval_s
         self.transport = _transport()
         self._seen_ids: set[str] = set()
         self._warned: set[str] = set()
         self._failing_since: float | None = None
         self._said_failure = 0.0
-        self._lock = threading.Lock()
+        self._full_state = True  # the next message carries the whole state (first, asked, changed)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flare-opamp", daemon=True)
         self.client = OpAMPClient(
             endpoint=endpoint,
             headers=headers,
@@ -111,40 +114,69 @@ class CaptureAgent:
             transport=self.transport,
         )
         self._report_effective()
-        owner = self
-
-        class Callbacks(OpAMPCallbacks):
-            def on_message(self, agent, client, message) -> None:
-                owner._on_message(message)
-
-            def on_connect(self, agent, client) -> None:
-                owner._on_connect()
-
-            def on_connect_failed(self, agent, client, error) -> None:
-                owner._on_connect_failed(error)
-
-            def on_error(self, agent, client, error_response) -> None:
-                _log.warning("flare: rank %d: the collector's OpAMP endpoint answered an error: %s",
-                             owner.identity.rank, error_response.error_message)
-
-        self.agent = OpAMPAgent(interval=interval_s, callbacks=Callbacks(), client=self.client)
         capture.on_finished = self._capture_finished
 
     def start(self) -> None:
-        self.agent.start()
+        self._thread.start()
 
     def stop(self) -> None:
+        """End the poller, then say the agent disconnects (the collector drops what it
+        held for this rank): one request, within the client's 1 s timeout."""
         self.capture.on_finished = None
-        self.agent.stop(timeout=2.0)
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=2.0)
+        try:
+            self.client.send(self.client.build_agent_disconnect_message())
+        except Exception:  # the collector is away already: nothing to tell
+            pass
         self.transport.close()
 
-    # ------------------------------------------------------------ callbacks (agent's thread)
-    def _on_message(self, message) -> None:
+    # ------------------------------------------------------------ the poller (its own thread)
+    def _run(self) -> None:
+        """One thread, asleep between polls: the contrib OpAMPAgent keeps two (a worker
+        that wakes every second even when idle, and a scheduler), retries a failed
+        heartbeat at the same interval however long the collector stays away, and logs
+        every failure with its payload. Here a failed poll backs off (doubling, up to
+        MAX_BACKOFF_S, with jitter), and a collector that is away is said once."""
+        failures = 0
+        delay = 0.0
+        while True:
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
+            full, self._full_state = self._full_state, False
+            message = self.client.build_full_state_message() if full else self.client.build_heartbeat_message()
+            try:
+                reply = self.client.send(message)
+            except Exception as exc:  # refused, timed out, not 2xx: the collector is away
+                self._full_state = self._full_state or full
+                failures += 1
+                self._on_connect_failed(exc)
+                delay = min(MAX_BACKOFF_S, self.interval_s * 2 ** min(failures, 16)) * random.uniform(0.8, 1.2)
+                continue
+            failures = 0
+            self._on_connect()
+            self._on_reply(reply)
+            delay = 0.0 if self._full_state else self.interval_s
+
+    def _on_reply(self, reply) -> None:
         from opentelemetry._opamp.proto import opamp_pb2
 
-        remote = message.remote_config
-        if remote is None:
+        if reply.HasField("error_response"):
+            _log.warning("flare: rank %d: the collector's OpAMP endpoint answered an error: %s",
+                         self.identity.rank, reply.error_response.error_message)
             return
+        if reply.flags & opamp_pb2.ServerToAgentFlags_ReportFullState:
+            self._full_state = True
+        if reply.HasField("remote_config"):
+            self._on_remote_config(reply.remote_config)
+
+    # ------------------------------------------------------------ what the collector asks
+    def _on_remote_config(self, remote) -> None:
+        from opentelemetry._opamp.proto import opamp_pb2
+
         status, error = opamp_pb2.RemoteConfigStatuses_APPLIED, ""
         try:
             for name, config in self.client.decode_remote_config(remote):
@@ -157,7 +189,7 @@ class CaptureAgent:
             _log.warning("flare: rank %d: remote config not applied: %s", self.identity.rank, exc)
         self.client.update_remote_config_status(remote.config_hash, status, error)
         self._report_effective()
-        self.agent.send(self.client.build_full_state_message(), max_retries=1)
+        self._full_state = True  # reported at once: the status (by hash) and the effective config
 
     def _apply(self, config) -> None:
         if not isinstance(config, dict):
@@ -206,10 +238,11 @@ class CaptureAgent:
                                             "application/json")
 
     def _capture_finished(self) -> None:
-        """From the training thread when a capture ends: queue a state report (a put on
-        the agent's queue; the agent's thread sends it)."""
+        """From the training thread when a capture ends: the poller reports the state at
+        once (an event set here; the request is the poller's)."""
         self._report_effective()
-        self.agent.send(self.client.build_full_state_message(), max_retries=1)
+        self._full_state = True
+        self._wake.set()
 
 
 def _transport():
