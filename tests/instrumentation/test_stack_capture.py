@@ -123,3 +123,25 @@ def test_a_collector_that_goes_away_mid_capture_stops_it_and_never_slows_a_step(
     # a 30 ms step; a poll on the training thread would add its connect or 1 s timeout
     assert longest < 0.5, longest
     assert len(finished(exporter, semconv.SPAN_CAPTURE)) < 500
+
+
+def test_unknown_remote_config_keys_get_one_warning_and_the_rest_applies(rank_env, collector, caplog):  # noqa: F811
+    import hashlib
+    import json
+
+    _provider, _exporter, instrumentor = _instrumented(rank_env, collector)
+    capture = instrumentor._opamp.capture
+    try:
+        for n in (1, 2):  # the same unknown key twice: said once
+            body = json.dumps({"capture": {"steps": 3, "id": f"by-hand-{n}"}, "sampling_hz": 1000}).encode()
+            with collector.opamp._lock:  # what request_capture sets, with a key this agent does not know
+                agent = next(iter(collector.opamp._agents.values()))
+                agent.pending, agent.pending_hash = body, hashlib.sha256(body).digest()
+            _wait(lambda: _agent_state(collector)["remote_config_status"] == "APPLIED"
+                  and not _agent_state(collector)["pending"], "the config was not applied")
+            assert capture.steps_left == 3
+            capture.stop("next round")
+    finally:
+        instrumentor.uninstrument()
+    warnings = [r.getMessage() for r in caplog.records if "unknown key 'sampling_hz'" in r.getMessage()]
+    assert len(warnings) == 1, warnings
