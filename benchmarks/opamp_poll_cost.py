@@ -7,7 +7,7 @@ contrib `OpAMPClient`, heartbeats as the rank's agent sends them between capture
 rank's side is this thread's CPU per poll; the collector's is its process CPU per poll
 (/proc), less its idle CPU over the same time.
 
-    .venv/bin/python benchmarks/opamp_poll_cost.py [--polls 2000] [--interval 2] [--step-ms 38]
+    .venv/bin/python benchmarks/opamp_poll_cost.py [--polls 2000] [--interval 5] [--step-ms 38]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _measure(endpoint: str, pid: int, transport, polls: int) -> tuple[float, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--polls", type=int, default=2000)
-    parser.add_argument("--interval", type=float, default=2.0, help="the agent's poll interval (s)")
+    parser.add_argument("--interval", type=float, default=5.0, help="the agent's poll interval (s)")
     parser.add_argument("--step-ms", type=float, default=38.0,
                         help="a rank-step's CPU, for the per-step share (the accounting job's)")
     args = parser.parse_args()
