@@ -135,12 +135,16 @@ def _job(venv: Path, folder: Path, log) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("arms", nargs="*", choices=("floor", "newest"), default=[])
+    # (no `choices`: argparse refuses an empty list against them, so no arm would mean both)
+    parser.add_argument("arms", nargs="*", metavar="floor|newest", help="the arms (default both)")
     parser.add_argument("--torch", default="2.13.0", help="torch version for every arm")
     parser.add_argument("--tests", action="store_true", help="also the unit-test subset")
     parser.add_argument("--root", type=Path, default=Path("/tmp/flare-compat"))
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
+    unknown = [a for a in args.arms if a not in ("floor", "newest")]
+    if unknown:
+        parser.error(f"unknown arm {unknown[0]!r} (floor or newest)")
     args.root.mkdir(parents=True, exist_ok=True)
     results = [arm(name, args.root, args.torch, args.tests) for name in (args.arms or ["floor", "newest"])]
     print(f"{'arm':<8} {'status':<6} " + " ".join(f"{p.removeprefix('opentelemetry-'):<16}" for p in SHOWN))
