@@ -145,3 +145,54 @@ def test_unknown_remote_config_keys_get_one_warning_and_the_rest_applies(rank_en
         instrumentor.uninstrument()
     warnings = [r.getMessage() for r in caplog.records if "unknown key 'sampling_hz'" in r.getMessage()]
     assert len(warnings) == 1, warnings
+
+
+def test_a_detail_request_makes_k_detail_steps_without_sampling(rank_env, collector):  # noqa: F811
+    provider, exporter, instrumentor = _instrumented(rank_env, collector)
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        steps(2, model, optimizer)
+        assert collector.opamp.request_capture(JOB, [0], 3, stacks=False)["asked"] == [0]
+        _wait(lambda: _agent_state(collector)["remote_config_status"] == "APPLIED"
+              and not _agent_state(collector)["pending"], "the detail request was not applied")
+        steps(6, model, optimizer)
+        provider.force_flush()
+        _wait(lambda: _agent_state(collector)["effective_config"] == {"detail": {"steps_left": 0}},
+              "the end of the detail steps was not reported")
+    finally:
+        instrumentor.uninstrument()
+    detail = [s for s in finished(exporter, semconv.SPAN_STEP) if s.attributes.get(semconv.STEP_DETAIL)]
+    assert len(detail) == 3
+    assert finished(exporter, semconv.SPAN_CAPTURE) == []  # no stack was sampled
+
+
+def test_a_collector_that_accepts_and_never_answers_slows_no_step(rank_env):  # noqa: F811
+    import socket
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    held: list = []
+    threading.Thread(target=lambda: held.extend(silent.accept() for _ in range(3)), daemon=True).start()
+    rank_env.setenv("FLARE_OPAMP_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}/v1/opamp")
+    rank_env.setenv("FLARE_OPAMP_INTERVAL_S", "0.2")
+    provider, instrumentor = make_provider()[0], TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    longest = 0.0
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        for _ in range(60):  # ~2 s: the poller's request waits its 1 s timeout meanwhile
+            started = time.perf_counter()
+            steps(1, model, optimizer)
+            longest = max(longest, time.perf_counter() - started)
+    finally:
+        started = time.perf_counter()
+        instrumentor.uninstrument()
+        stopping = time.perf_counter() - started
+        silent.close()
+    assert held, "the agent never connected"
+    assert longest < 0.5, longest  # a 30 ms step
+    assert stopping < 5.0, stopping  # the poller's join and the disconnect, each bounded

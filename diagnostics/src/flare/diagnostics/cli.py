@@ -107,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     capture.add_argument("--ranks", required=True, metavar="R,R…", help="ranks to capture, e.g. 2,5")
     capture.add_argument("--steps", type=int, default=20, metavar="K",
                          help="steps to capture (default 20, at most 1000)")
+    capture.add_argument("--no-stacks", action="store_true",
+                         help="detail steps only (collectives, kernel windows), no stack sampling")
     capture.set_defaults(handler=capture_command, command_parser=capture)
 
     kineto = sub.add_parser(
@@ -249,14 +251,16 @@ def capture_command(args: argparse.Namespace) -> int:
     try:
         client = HttpClient(url, "the collector")
         try:
-            result = client.post_json("/flare/v1/capture", {"job": args.job, "ranks": ranks, "steps": args.steps})
+            result = client.post_json("/flare/v1/capture", {"job": args.job, "ranks": ranks, "steps": args.steps,
+                                                            "stacks": not args.no_stacks})
         finally:
             client.close()
     except BackendError as exc:
         raise UserError(str(exc)) from None
     if result["asked"]:
         print(f"flare: {result['id']}: asked job {result['job']} ranks "
-              f"{', '.join(map(str, result['asked']))} for {result['steps']} captured steps; they "
+              f"{', '.join(map(str, result['asked']))} for {result['steps']} "
+              f"{'captured' if result.get('stacks', True) else 'detail'} steps; they "
               "start at their next poll (flare diagnose afterwards gives the labels their lines)")
     if result["unknown"]:
         print(f"flare: no live rank {', '.join(map(str, result['unknown']))} in job {result['job']} "

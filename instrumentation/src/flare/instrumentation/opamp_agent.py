@@ -17,7 +17,9 @@ host and pid), with the token and TLS files the rank's OTLP exporter uses
     {"capture": {"steps": 20, "id": "capture-3"}}
 
 asks for K captured steps (`stack_capture.StackCapture`: detail steps with the training
-thread's stack sampled); a request id is served once. Unknown keys are ignored with one
+thread's stack sampled); `{"detail": {"steps": K, "id": …}}` for K detail steps only
+(collectives from the flight recorder, kernel windows where they are on), no sampling;
+`"steps": 0` ends either. A request id is served once. Unknown keys are ignored with one
 warning each. The agent reports the config applied (by its hash) and its effective
 config (`{"capture": {"steps_left": n}}`), again when a capture ends. When the
 collector stops answering, a capture in progress is stopped.
@@ -195,18 +197,18 @@ class CaptureAgent:
         if not isinstance(config, dict):
             raise ValueError("the flare remote config is not a JSON object")
         for key, value in config.items():
-            if key != "capture":
+            if key not in ("capture", "detail"):
                 self._warn_once(f"key {key!r}")
                 continue
             if not isinstance(value, dict):
-                raise ValueError("capture is not a JSON object")
+                raise ValueError(f"{key} is not a JSON object")
             request_id = str(value.get("id", ""))
             if request_id and request_id in self._seen_ids:
                 continue  # re-sent before our status reached the server
             self._seen_ids.add(request_id)
             steps = int(value.get("steps", 0))
             if steps > 0:
-                self.capture.start(steps, request_id or "opamp")
+                self.capture.start(steps, request_id or "opamp", stacks=key == "capture")
             else:
                 self.capture.stop("the collector asked to stop")
 
@@ -234,7 +236,8 @@ class CaptureAgent:
 
     # ------------------------------------------------------------ effective config
     def _report_effective(self) -> None:
-        self.client.update_effective_config({CONFIG_NAME: {"capture": {"steps_left": self.capture.steps_left}}},
+        key = "capture" if self.capture.stacks else "detail"
+        self.client.update_effective_config({CONFIG_NAME: {key: {"steps_left": self.capture.steps_left}}},
                                             "application/json")
 
     def _capture_finished(self) -> None:

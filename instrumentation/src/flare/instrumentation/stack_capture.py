@@ -68,6 +68,7 @@ class StackCapture:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.steps_left = 0
+        self.stacks = True  # False: detail steps only (collectives, kernel windows), no sampling
         self.on_finished = None  # called (training thread) when a capture ends
         self._counts: dict[tuple[str, tuple[str, ...]], int] = {}  # (thread, stack) -> samples
         self._samples = 0
@@ -77,12 +78,14 @@ class StackCapture:
         self._target: int | None = None  # the training thread
 
     # ------------------------------------------------------------ requests (agent's thread)
-    def start(self, steps: int, request: str) -> None:
-        """Capture the next `steps` steps (a request already running is replaced)."""
+    def start(self, steps: int, request: str, stacks: bool = True) -> None:
+        """Capture the next `steps` steps (a request already running is replaced): detail
+        steps, with the stacks sampled unless `stacks` is False."""
         with self._lock:
             self.steps_left = max(1, min(MAX_STEPS, int(steps)))
-        _log.info("flare: rank %d: capture of %d steps requested (%s)", self.runtime.identity.rank,
-                  self.steps_left, request)
+            self.stacks = stacks
+        _log.info("flare: rank %d: %s of %d steps requested (%s)", self.runtime.identity.rank,
+                  "capture" if stacks else "detail", self.steps_left, request)
         self.runtime.request_detail()
 
     def stop(self, why: str) -> bool:
@@ -103,7 +106,7 @@ class StackCapture:
         self._sampling.clear()
 
     def on_step_start(self, step: int, detail: bool) -> None:
-        if self.steps_left <= 0:
+        if self.steps_left <= 0 or not self.stacks:
             return
         self._target = threading.get_ident()
         with self._lock:
@@ -114,6 +117,14 @@ class StackCapture:
         self._sampling.set()
 
     def on_step_end(self, step: int, detail: bool, span) -> None:
+        if not self.stacks and self.steps_left > 0:  # detail only: count the step, ask the next
+            with self._lock:
+                self.steps_left = max(0, self.steps_left - 1)
+            if self.steps_left > 0:
+                self.runtime.request_detail()
+            elif self.on_finished is not None:
+                self.on_finished()
+            return
         if not self._sampling.is_set():
             return
         self._sampling.clear()

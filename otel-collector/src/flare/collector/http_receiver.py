@@ -97,7 +97,7 @@ class _Handler(Handler):
 
     def _control(self, receiver: HttpReceiver, method: str, path: str) -> Response:
         """OpAMP (POST /v1/opamp), a capture request (POST /flare/v1/capture, JSON
-        `{"job", "ranks", "steps"}`) and the agents (GET /flare/v1/agents?job=)."""
+        `{"job", "ranks", "steps", "stacks"}`) and the agents (GET /flare/v1/agents?job=)."""
         server = receiver.opamp
         wanted = "GET" if path == _AGENTS else "POST"
         if method != wanted:
@@ -119,7 +119,8 @@ class _Handler(Handler):
             ranks = [int(r) for r in asked["ranks"]]
             job = asked.get("job")
             result = server.request_capture(None if job is None else str(job), ranks,
-                                            int(asked.get("steps", opamp.DEFAULT_STEPS)))
+                                            int(asked.get("steps", opamp.DEFAULT_STEPS)),
+                                            stacks=bool(asked.get("stacks", True)))
         except (ValueError, KeyError, TypeError) as exc:
             text = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
             return 400, {"Content-Type": "text/plain"}, f"capture request refused: {text}\n".encode()

@@ -10,8 +10,8 @@ stranger cannot switch capture on across a cluster.
 What the server keeps per agent: its job and rank (the identifying attributes
 `flare.job.id`, `flare.rank`), when it was last heard from (its heartbeat), the config
 it reports as effective, and at most one pending remote config. `request_capture` sets
-that remote config (`{"capture": {"steps": K, "id": ...}}`) on the agents of the asked
-ranks; each poll's answer carries it until the agent reports it applied (by its hash).
+that remote config (`{"capture": {"steps": K, "id": ...}}`, or `"detail"` for detail
+steps without stack sampling) on the agents of the asked ranks; each poll's answer carries it until the agent reports it applied (by its hash).
 An agent not heard from for `gone_after_s` is marked gone and its pending request
 dropped; one that says `agent_disconnect` is gone at once.
 
@@ -176,10 +176,12 @@ class OpampServer:
             log.info("rank %s of job %s is gone (%s): its capture request is dropped", agent.rank, agent.job, why)
 
     # ------------------------------------------------------------------ requests
-    def request_capture(self, job: str | None, ranks: list[int], steps: int) -> dict[str, Any]:
+    def request_capture(self, job: str | None, ranks: list[int], steps: int,
+                        stacks: bool = True) -> dict[str, Any]:
         """Ask the live agents of `ranks` (of `job`, or of the only job the agents name)
-        for `steps` captured steps. Returns which ranks were asked and which are unknown
-        or gone; raises ValueError for a job that is ambiguous or unknown."""
+        for `steps` captured steps (detail steps only, without `stacks`). Returns which
+        ranks were asked and which are unknown or gone; raises ValueError for a job that
+        is ambiguous."""
         steps = max(1, min(MAX_STEPS, int(steps)))
         now = time.monotonic()
         with self._lock:
@@ -190,7 +192,8 @@ class OpampServer:
                     raise ValueError(f"{len(jobs)} jobs have live agents ({', '.join(jobs) or 'none'}); name one")
                 job = jobs[0]
             request_id = f"capture-{next(self._ids)}"
-            body = json.dumps({"capture": {"steps": steps, "id": request_id}}, sort_keys=True).encode()
+            key = "capture" if stacks else "detail"
+            body = json.dumps({key: {"steps": steps, "id": request_id}}, sort_keys=True).encode()
             digest = hashlib.sha256(body).digest()
             by_rank = {a.rank: a for a in self._agents.values() if a.job == job and not a.gone}
             asked, unknown = [], []
@@ -203,7 +206,8 @@ class OpampServer:
                 asked.append(rank)
         if asked:
             log.info("capture %s: %d steps asked of job %s ranks %s", request_id, steps, job, asked)
-        return {"job": job, "id": request_id, "steps": steps, "asked": asked, "unknown": unknown}
+        return {"job": job, "id": request_id, "steps": steps, "stacks": stacks, "asked": asked,
+                "unknown": unknown}
 
     def agents(self, job: str | None = None) -> list[dict[str, Any]]:
         now = time.monotonic()
