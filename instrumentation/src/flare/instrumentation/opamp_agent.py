@@ -127,11 +127,13 @@ class CaptureAgent:
         self.capture.on_finished = None
         self._stopping.set()
         self._wake.set()
+        self.transport.close()  # ends a poll in flight at once
         self._thread.join(timeout=2.0)
-        try:
-            self.client.send(self.client.build_agent_disconnect_message())
-        except Exception:  # the collector is away already: nothing to tell
-            pass
+        if self._failing_since is None:  # (a collector that is away is not waited for again)
+            try:
+                self.client.send(self.client.build_agent_disconnect_message())
+            except Exception:  # it went away meanwhile: nothing to tell
+                pass
         self.transport.close()
 
     # ------------------------------------------------------------ the poller (its own thread)
@@ -153,6 +155,8 @@ class CaptureAgent:
             try:
                 reply = self.client.send(message)
             except Exception as exc:  # refused, timed out, not 2xx: the collector is away
+                if self._stopping.is_set():
+                    return  # (stop() ended the request)
                 self._full_state = self._full_state or full
                 failures += 1
                 self._on_connect_failed(exc)
