@@ -1,6 +1,8 @@
 """From a label to the line, end to end: `flare run` asks the culprit and one healthy
 peer for a targeted capture when the live label appears, and the label gains the line
-the culprit spends its extra time on (the slowing function of the injected fault).
+the culprit spends its extra time on (the slowing function of the injected fault). The
+compute scenario is also fault injection's compute slowdown: its labels, onset and live
+alerts are asserted here (`_compute_labels_and_report`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,24 @@ def test_a_live_straggler_is_given_its_line(store, fault):
         "SELECT links FROM spans WHERE job = ? AND name = 'flare.anomaly'", [run.job])
         for link in json.loads(links or "[]")}
     assert linked & captured_ids, (linked, len(captured_ids))
-    # and the HTML report draws the culprit against the peer, the slow function in red
+    if fault == "compute":
+        _compute_labels_and_report(store, run, report, top)
+
+
+def _compute_labels_and_report(store, run, report, top) -> None:
+    """The compute scenario's labels as fault injection asserts them (kind, cause, onset,
+    no other rank, live alerts within 30 s), and the HTML report's flame graph."""
+    labels = [a for a in report["anomalies"] if a["ranks"] == [2]]
+    assert {"straggler", "fail_slow"} <= {a["kind"] for a in labels}, harness.describe(report)
+    assert all(a["cause"] == "compute" and abs(a["first_step"] - ONSET) <= 2 for a in labels), \
+        harness.describe(report)
+    assert not [a for a in report["anomalies"] if a["ranks"] and a["ranks"] != [2]], harness.describe(report)
+    onset_s = run.onset_ns(2, ONSET) / 1e9
+    for kind in ("straggler", "fail_slow"):
+        alert = next((t for t, line in run.alerts if f"[{kind}] ranks 2 " in line), None)
+        assert alert is not None and alert / 1e9 - onset_s <= 30, (kind, run.alerts)
+        print(f"onset -> {kind} alert: {alert / 1e9 - onset_s:.1f} s")
+    # the HTML report draws the culprit against the peer, the slow function in red
     page = store.parent / f"{run.job}.html"
     subprocess.run([str(harness.BIN / "flare"), "diagnose", "--store", str(store), "--job", run.job,
                     "--format", "html", "-o", str(page)], check=True, capture_output=True, timeout=120)

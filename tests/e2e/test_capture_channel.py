@@ -1,7 +1,7 @@
 """The capture channel end to end, under real torchrun: a standalone `flare collector`
 with a bearer token, ranks that poll its OpAMP endpoint, `flare capture` by hand (refused
 without the token, changing nothing; obeyed with it, on the asked rank only), and the
-collector going away mid-capture: the capture stops, the job trains on and ends well."""
+collector going away mid-capture: the capture stops and the job trains on."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import yaml
 pytestmark = [pytest.mark.e2e]
 
 TOKEN = "e2e-capture-token"
-# Both ranks take at least 20 ms a step (the compute fault on both), so the job is still
-# training when the collector goes away (~12 s in) on any machine: ~25 s here.
-TRAIN = ("--steps", 800, "--fault", "compute", "--fault-rank", "0,1", "--fault-from", 0, "--fault-ms", 20)
+# Long enough to be training still when the collector goes away on any machine; the
+# test ends it once it has trained on for 100 more steps.
+TRAIN = ("--steps", 100000)
 
 
 def _collector(workdir: Path) -> tuple[subprocess.Popen, str]:
@@ -80,11 +80,16 @@ def test_flare_capture_by_hand_and_a_collector_that_goes_away(tmp_path):
     env = child_environment(job, url, opamp=True)
     env.update({"OTEL_EXPORTER_OTLP_HEADERS": f"Authorization=Bearer%20{TOKEN}",
                 "FLARE_OPAMP_INTERVAL_S": "0.5", "FLARE_EXIT_FLUSH_TIMEOUT_S": "2"})
-    ranks_log = tmp_path / "ranks.log"
-    with open(ranks_log, "w") as err:
+    ranks_log, steps_log = tmp_path / "ranks.log", tmp_path / "steps.log"
+    with open(ranks_log, "w") as err, open(steps_log, "w") as out:
         training = subprocess.Popen(
             _instrument_command() + harness.torchrun(harness.TRAIN_DDP, *TRAIN, nproc=2),
-            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err, process_group=0)
+            env=env, cwd=tmp_path, stdout=out, stderr=err, process_group=0)
+
+    def last_step() -> int:  # rank 0 prints "step N loss …" every 50 steps
+        steps = re.findall(r"^step (\d+) ", steps_log.read_text(), re.M)
+        return int(steps[-1]) if steps else -1
+
     try:
         _wait(lambda: [(a["rank"], a["state"]) for a in _agents(url)] == [(0, "alive"), (1, "alive")],
               "the ranks' agents did not appear")
@@ -110,8 +115,10 @@ def test_flare_capture_by_hand_and_a_collector_that_goes_away(tmp_path):
         collector.wait(10)
         _wait(lambda: "the capture in progress is stopped" in ranks_log.read_text(),
               "rank 1 did not stop its capture", timeout_s=30)
-        assert training.poll() is None, ranks_log.read_text()[-3000:]
-        assert training.wait(240) == 0, ranks_log.read_text()[-3000:]  # and ends as usual
+        stopped_at = last_step()
+        _wait(lambda: last_step() >= stopped_at + 100 or training.poll() is not None,
+              "the job stopped training without its collector", timeout_s=60)
+        assert training.poll() is None, ranks_log.read_text()[-3000:]  # trains on, no error
     finally:
         if training.poll() is None:
             os.killpg(training.pid, signal.SIGKILL)
