@@ -235,7 +235,7 @@ def jobs_command(args: argparse.Namespace) -> int:
 
 def capture_command(args: argparse.Namespace) -> int:
     from flare.diagnostics.backends import BackendError
-    from flare.diagnostics.backends.jaeger import HttpClient
+    from flare.diagnostics.follow import collector_asker
 
     try:
         ranks = sorted({int(r) for r in args.ranks.split(",") if r.strip()})
@@ -249,12 +249,11 @@ def capture_command(args: argparse.Namespace) -> int:
         os.environ.get("FLARE_OTLP_HOST") or os.environ.get("FLARE_HOST") or "127.0.0.1",
         os.environ.get("FLARE_OTLP_HTTP_PORT") or "4318")
     try:
-        client = HttpClient(url, "the collector")
+        ask = collector_asker(url)
         try:
-            result = client.post_json("/flare/v1/capture", {"job": args.job, "ranks": ranks, "steps": args.steps,
-                                                            "stacks": not args.no_stacks})
+            result = ask(args.job, ranks, args.steps, stacks=not args.no_stacks)
         finally:
-            client.close()
+            ask.close()
     except BackendError as exc:
         raise UserError(str(exc)) from None
     if result["asked"]:

@@ -607,18 +607,27 @@ def main(
     return 0
 
 
-def _collector_capture(url: str, job: str | None):
-    """CaptureRequests that POST to a Flare collector's /flare/v1/capture (token and TLS
-    from the FLARE_BACKEND_* settings, as for the backends)."""
+def collector_asker(url: str):
+    """`ask(job, ranks, steps, stacks=True)` → the answer of a Flare collector's
+    /flare/v1/capture (token and TLS from the FLARE_BACKEND_* settings, as for the
+    backends); transport and HTTP failures are BackendErrors."""
     from flare.diagnostics.backends.jaeger import HttpClient
-    from flare.diagnostics.hotspots import CaptureRequests
 
     client = HttpClient(url, "the collector")
 
-    def ask(job_id: str, ranks: list[int], steps: int) -> dict:
-        return client.post_json("/flare/v1/capture", {"job": job_id, "ranks": ranks, "steps": steps})
+    def ask(job_id: str | None, ranks: list[int], steps: int, stacks: bool = True) -> dict:
+        return client.post_json("/flare/v1/capture",
+                                {"job": job_id, "ranks": ranks, "steps": steps, "stacks": stacks})
 
-    return CaptureRequests(ask, job)
+    ask.close = client.close
+    return ask
+
+
+def _collector_capture(url: str, job: str | None):
+    """CaptureRequests that ask a Flare collector over HTTP (`--follow --collector`)."""
+    from flare.diagnostics.hotspots import CaptureRequests
+
+    return CaptureRequests(collector_asker(url), job)
 
 
 def _as_arrow(table: Table | pa.Table) -> pa.Table:

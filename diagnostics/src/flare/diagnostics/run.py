@@ -260,9 +260,6 @@ def _instrument_command() -> list[str]:
     return [found]
 
 
-OPAMP_PATH = "/v1/opamp"  # flare.collector.opamp.PATH, on the OTLP/HTTP receiver
-
-
 def child_environment(job: str, endpoint: str, base: dict[str, str] | None = None,
                       opamp: bool = False) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
@@ -280,7 +277,9 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         sc.ENV_RUN_PID: str(os.getpid()),
     })
     if opamp:  # live labels ask their ranks for a capture there (CaptureRequests)
-        env.setdefault(opamp_agent.ENV_ENDPOINT, endpoint.rstrip("/") + OPAMP_PATH)
+        from flare.collector.opamp import PATH
+
+        env.setdefault(opamp_agent.ENV_ENDPOINT, endpoint.rstrip("/") + PATH)
     # Alerts are only as fresh as the batches ranks send: each rank's finisher hands its
     # step spans over and exports them every max(2 s, this delay). The SDK's default of
     # 5 s, set here so that the instrumentation overhead benchmark runs what flare run
