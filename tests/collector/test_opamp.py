@@ -140,3 +140,23 @@ def test_an_agent_not_heard_from_is_marked_gone_and_its_request_dropped():
     assert [(a["rank"], a["state"], a["pending"]) for a in server.agents()] == [(5, "gone", False)]
     assert server.counters.get("opamp_requests_dropped") == 1
     assert server.gauges() == [("opamp_agents", {"flare_job": "job-b", "state": "gone"}, 1.0)]
+
+
+def test_an_agent_that_polls_slowly_is_not_marked_gone_between_its_polls():
+    from flare.collector.opamp import OpampServer
+    from flare.collector.telemetry import Counters
+
+    server = OpampServer(Counters(), gone_after_s=0.3)
+    for uid, interval in ((1, 10.0), (2, None)):  # says it polls every 10 s / says nothing
+        message = opamp_pb2.AgentToServer(instance_uid=bytes([uid]) * 16)
+        description = message.agent_description
+        description.identifying_attributes.add(key="flare.job.id").value.string_value = "job-c"
+        description.identifying_attributes.add(key="flare.rank").value.int_value = uid
+        if interval is not None:
+            description.non_identifying_attributes.add(key="flare.opamp.interval_s").value.double_value = interval
+        server.handle(message.SerializeToString())
+    server.request_capture("job-c", [1, 2], 20)
+    time.sleep(0.5)
+    rows = {a["rank"]: a for a in server.agents()}
+    assert rows[1]["state"] == "alive" and rows[1]["pending"]  # 3 × 10 s not yet past
+    assert rows[2]["state"] == "gone" and not rows[2]["pending"]

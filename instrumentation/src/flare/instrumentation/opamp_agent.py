@@ -42,6 +42,7 @@ ENV_INTERVAL_S = "FLARE_OPAMP_INTERVAL_S"
 DEFAULT_INTERVAL_S = 5.0
 MAX_BACKOFF_S = 60.0
 CONFIG_NAME = "flare"
+INTERVAL_ATTRIBUTE = "flare.opamp.interval_s"
 SAY_FAILURE_EVERY_S = 300.0
 
 
@@ -108,7 +109,8 @@ class CaptureAgent:
                 "service.name": identity.service_name},
             agent_non_identifying_attributes={
                 semconv.HOST_NAME: identity.host_name, semconv.PROCESS_PID: identity.pid,
-                semconv.LOCAL_RANK: identity.local_rank, semconv.WORLD_SIZE: identity.world_size},
+                semconv.LOCAL_RANK: identity.local_rank, semconv.WORLD_SIZE: identity.world_size,
+                INTERVAL_ATTRIBUTE: interval_s},  # (the collector marks it gone after 3 missed polls)
             tls_certificate=_env("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE") or True,
             tls_client_certificate=_env("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
                                         "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"),

@@ -12,8 +12,9 @@ What the server keeps per agent: its job and rank (the identifying attributes
 it reports as effective, and at most one pending remote config. `request_capture` sets
 that remote config (`{"capture": {"steps": K, "id": ...}}`, or `"detail"` for detail
 steps without stack sampling) on the agents of the asked ranks; each poll's answer carries it until the agent reports it applied (by its hash).
-An agent not heard from for `gone_after_s` is marked gone and its pending request
-dropped; one that says `agent_disconnect` is gone at once.
+An agent not heard from for `gone_after_s` (15 s), or for three of the poll intervals it
+says it keeps (`flare.opamp.interval_s`) when that is longer, is marked gone and its
+pending request dropped; one that says `agent_disconnect` is gone at once.
 
 A body that is not an `AgentToServer` gets the protocol's error answer (a
 `ServerToAgent` with a `BadRequest` `error_response`), never an exception.
@@ -59,6 +60,7 @@ class Agent:
     last_seen: float = 0.0
     gone: bool = False
     effective: dict = field(default_factory=dict)
+    interval_s: float = 0.0  # the poll interval it says it keeps (flare.opamp.interval_s)
     pending: bytes | None = None  # the remote config's JSON body still to be applied
     pending_hash: bytes = b""
     applied_hash: bytes = b""
@@ -135,6 +137,8 @@ class OpampServer:
                 rank = attrs.get("flare.rank")
                 agent.rank = int(rank) if isinstance(rank, (int, float, str)) and str(rank).lstrip("-").isdigit() else None
                 agent.host = attrs.get("host.name")
+                interval = attrs.get("flare.opamp.interval_s")
+                agent.interval_s = float(interval) if isinstance(interval, (int, float)) else 0.0
             if message.HasField("effective_config"):
                 files = message.effective_config.config_map.config_map
                 if CONFIG_NAME in files:
@@ -165,7 +169,7 @@ class OpampServer:
             return  # (a pass over every agent, at most once a second per poll)
         self._expired_at = now
         for agent in self._agents.values():
-            if not agent.gone and now - agent.last_seen > self.gone_after_s:
+            if not agent.gone and now - agent.last_seen > max(self.gone_after_s, 3 * agent.interval_s):
                 self._drop(agent, f"not heard from for {now - agent.last_seen:.0f} s")
 
     def _drop(self, agent: Agent, why: str) -> None:
