@@ -134,6 +134,31 @@ class FlareRun:
         return {int(rank): json.loads(resource) for rank, resource in rows}
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process under it (torchrun's workers leave its process
+    group, so killing the group would leave them training): the whole tree is read from
+    /proc first, then killed at once, silently."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo.extend(children.get(current, []))
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def stall_share(steps: dict[int, dict[int, float]], stall_steps: list[int]) -> float:
     """The share of the job's time its stalls cost, from its own step times: per step the
     median over ranks of the step's duration; share = sum over the stall steps of (that

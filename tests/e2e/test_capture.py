@@ -15,7 +15,7 @@ import time
 import harness
 import pytest
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 
 ONSET = 40
 

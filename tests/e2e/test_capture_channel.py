@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -84,7 +83,7 @@ def test_flare_capture_by_hand_and_a_collector_that_goes_away(tmp_path):
     with open(ranks_log, "w") as err, open(steps_log, "w") as out:
         training = subprocess.Popen(
             _instrument_command() + harness.torchrun(harness.TRAIN_DDP, *TRAIN, nproc=2),
-            env=env, cwd=tmp_path, stdout=out, stderr=err, process_group=0)
+            env=env, cwd=tmp_path, stdout=out, stderr=err)
 
     def last_step() -> int:  # rank 0 prints "step N loss …" every 50 steps
         steps = re.findall(r"^step (\d+) ", steps_log.read_text(), re.M)
@@ -120,9 +119,8 @@ def test_flare_capture_by_hand_and_a_collector_that_goes_away(tmp_path):
               "the job stopped training without its collector", timeout_s=60)
         assert training.poll() is None, ranks_log.read_text()[-3000:]  # trains on, no error
     finally:
-        if training.poll() is None:
-            os.killpg(training.pid, signal.SIGKILL)
-            training.wait(60)
+        harness.kill_tree(training.pid)  # torchrun and its workers (they leave its group)
+        training.wait(60)
         collector.kill()
     text = ranks_log.read_text()
     assert "Traceback" not in text, text[-3000:]
