@@ -99,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                     "sample their training thread's stack for a few steps; a later flare "
                     "diagnose gives the labels of those ranks the lines their time goes to. "
                     "The token and TLS files come from FLARE_BACKEND_TOKEN, FLARE_BACKEND_CA_FILE, "
-                    "FLARE_BACKEND_CERT_FILE and FLARE_BACKEND_KEY_FILE, as for flare diagnose.")
+                    "FLARE_BACKEND_CERT_FILE and FLARE_BACKEND_KEY_FILE, as for flare diagnose; "
+                    "where the collector scopes its control channel, FLARE_JOB_TOKEN (the job's) "
+                    "or FLARE_OPERATOR_TOKEN (every job) is sent too.")
     capture.add_argument("--collector", metavar="URL",
                          help="the collector's OTLP/HTTP endpoint (default http://$FLARE_OTLP_HOST or "
                               "$FLARE_HOST or 127.0.0.1, port $FLARE_OTLP_HTTP_PORT or 4318)")
@@ -111,13 +113,25 @@ def _parser() -> argparse.ArgumentParser:
                          help="detail steps only (collectives, kernel windows), no stack sampling")
     capture.set_defaults(handler=capture_command, command_parser=capture)
 
+    token = sub.add_parser(
+        "job-token", help="print a job's control-channel token (for a collector with a job_secret)",
+        description="Print the token that admits a job's ranks to a collector's control channel "
+                    "and scopes flare capture to that job: HMAC-SHA256 of the collector's "
+                    "flare_opamp.job_secret and the job id. Give it to the job's ranks as "
+                    "FLARE_JOB_TOKEN (flare run does this by itself).")
+    token.add_argument("job", metavar="JOB", help="the job id (the ranks' flare.job.id)")
+    token.add_argument("--secret-file", required=True, metavar="PATH",
+                       help="the file holding the collector's job_secret")
+    token.set_defaults(handler=job_token_command, command_parser=token)
+
     kineto = sub.add_parser(
         "import-kineto", help="import PyTorch profiler (Kineto) traces into a store",
         description="Import PyTorch profiler (Kineto) traces, one rank per file, into a store "
                     "that flare diagnose reads.")
     kineto.add_argument("directory", metavar="DIR", help="a trace file or a folder of them")
     kineto.add_argument("--store", default=DEFAULT_STORE, metavar="PATH",
-                        help=f"DuckDB store, created if missing (default {DEFAULT_STORE})")
+                        help=f"DuckDB store, created if missing (in an existing directory; default "
+                             f"{DEFAULT_STORE}, whose directory is created too)")
     kineto.add_argument("--job", metavar="NAME", help="job name (default: the folder's name)")
     kineto.add_argument("--max-file-size", default="2G", metavar="SIZE",
                         help="skip a file holding more JSON than this, decompressed (default 2G)")
@@ -230,6 +244,21 @@ def jobs_command(args: argparse.Namespace) -> int:
         steps = "-" if r["first_step"] is None else f"{r['first_step']}-{r['last_step']}"
         print(f"{r['job']:<{width}}  {r['ranks']:>5}  {steps:<13}  {r['first_step_time'] or '-':<20}  "
               f"{r['last_step_time'] or '-'}")
+    return 0
+
+
+def job_token_command(args: argparse.Namespace) -> int:
+    from flare.collector.opamp import job_token
+
+    try:
+        with open(args.secret_file, "rb") as file:
+            secret = file.read().strip()
+    except OSError as exc:
+        raise UserError(f"cannot read --secret-file {args.secret_file}: {exc.strerror}") from None
+    if len(secret) < 16:
+        raise UserError(f"--secret-file {args.secret_file} holds fewer than 16 characters; "
+                        "not a job secret")
+    print(job_token(secret, args.job))
     return 0
 
 
@@ -364,11 +393,17 @@ def import_kineto_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:
-        result = kineto.import_directory(args.directory, args.store, job=args.job, limits=limits)
+        # Only the default store's directory (.flare) is made; a missing one named
+        # by --store is more likely a mistyped path than a wish for new directories.
+        result = kineto.import_directory(args.directory, args.store, job=args.job, limits=limits,
+                                         create_directory=args.store == DEFAULT_STORE)
     except kineto.TraceError as exc:
         raise UserError(str(exc)) from None
-    except Exception as exc:  # a store that is locked, newer or not a store
-        raise UserError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    except Exception as exc:  # a store that is locked, newer, not a store, or a full disk
+        from flare.exporters import store as flare_store
+
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(str(flare_store.no_space(args.store, exc) or first)) from None
     for error in result.errors:
         print(f"flare: skipped {error}", file=sys.stderr)
     for warning in result.warnings:  # events left out of a file that imported

@@ -8,12 +8,12 @@ keeps a write-ahead log passes `commit_marker=(key, value)`: the marker lands in
 exactly which log position it already holds (replay is exactly-once).
 
 A flush that fails (store held by a reader past the timeout, disk full) keeps every
-buffered row for the next flush and raises `store.StoreError`.
+buffered row for the next flush and raises `store.StoreError` (`store.StoreFull` when
+the disk is full, naming it and the space left).
 
-Flush size matters for cost: DuckDB writes an insert of at least one row group
-(122,880 rows) straight into the file, while a smaller one is written twice (WAL at
-commit, then the file at checkpoint when the connection closes); see
-docs/store-schema.md for the measured difference.
+Each commit is a checkpoint (`checkpoint_threshold` 0): the rows go into the file
+once and DuckDB's own log (`.wal`) stays empty; see docs/store-schema.md for what
+flush size costs.
 """
 
 from __future__ import annotations
@@ -130,8 +130,15 @@ class FlareStoreExporter:
             checked = self._checked_file is not None and self._checked_file == _file_id(self.path)
             self._checked_file = None  # a failed flush checks again next time
             rows = sum(t.num_rows for t in span_tables) + sum(t.num_rows for t in metric_tables)
-            with store.writer(self.path, timeout_s=self.timeout_s, ensure_schema=not checked) as con:
+            # The collector's store: its directory is made as its files are.
+            with store.writer(self.path, timeout_s=self.timeout_s, ensure_schema=not checked,
+                              create_directory=True) as con:
                 con.execute(f"SET threads = {self.threads}")
+                # The commit checkpoints: the rows go into the file once, compressed,
+                # and never into DuckDB's own log (`.wal`), which would hold them
+                # uncompressed until the checkpoint at close; on a nearly full disk
+                # that log is what no longer fits. About the same CPU for a small flush.
+                con.execute("SET checkpoint_threshold = '0b'")
                 with _vacuum_off_if_large(con, rows >= self.large_flush_rows):
                     con.begin()
                     try:
@@ -146,13 +153,16 @@ class FlareStoreExporter:
                             )
                         con.commit()
                     except BaseException:
-                        con.rollback()
+                        # A failed COMMIT has ended the transaction already: the error
+                        # to report is the commit's, not the rollback's.
+                        with contextlib.suppress(duckdb.Error):
+                            con.rollback()
                         raise
             self._checked_file = _file_id(self.path)
         except store.StoreError:
             raise
         except Exception as exc:  # duckdb errors (disk full, I/O) become one sentence
-            raise store.StoreError(
+            raise store.no_space(self.path, exc) or store.StoreError(
                 f"cannot write store {self.path}: {str(exc).splitlines()[0]}"
             ) from exc
         return written_spans, written_points
@@ -192,24 +202,22 @@ def _vacuum_off_if_large(con: Any, large: bool) -> Iterator[None]:
     quiet collector) keep the vacuum, which stops the store fragmenting into a row group
     per flush. The setting is back to DuckDB's default before the file is closed.
 
-    Such a flush is also checkpointed at its commit rather than logged first: with
-    DuckDB's `checkpoint_threshold` at its minimum the commit writes the rows to the
-    file directly (what it already does for a whole row group) instead of writing them
-    to DuckDB's own WAL and again at the checkpoint. A flush of 65,000 spans: 0.28 s
-    of CPU → 0.23 s. Just as durable: the commit returns once the checkpoint is on disk.
+    Like every flush, it is checkpointed at its commit (`checkpoint_threshold` 0, set
+    by `_write`) rather than logged first: the commit writes the rows to the file
+    directly instead of to DuckDB's own WAL and again at the checkpoint. A flush of
+    65,000 spans: 0.28 s of CPU → 0.23 s; a 500-span flush about the same either way.
+    Just as durable: the commit returns once the checkpoint is on disk.
     """
     if not large:
         yield
         return
     con.execute("SET max_vacuum_tasks = 0")
-    con.execute("SET checkpoint_threshold = '0b'")
     try:
         yield
         con.execute("CHECKPOINT")
     finally:
         try:
             con.execute("RESET max_vacuum_tasks")
-            con.execute("RESET checkpoint_threshold")
         except duckdb.Error:
             pass  # a broken connection is closed next, and the setting with it
 

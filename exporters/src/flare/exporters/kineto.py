@@ -36,6 +36,7 @@ leaves the store as it was.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import gc
 import gzip
@@ -1292,12 +1293,14 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def import_directory(path: str | os.PathLike[str], store_path: str | os.PathLike[str],
-                     job: str | None = None, limits: Limits | None = None) -> ImportResult:
+                     job: str | None = None, limits: Limits | None = None,
+                     create_directory: bool = False) -> ImportResult:
     """Import every trace file under `path` (or `path` itself) into the store.
 
     Raises TraceError only when `path` itself is missing or holds no trace file; a file
     that cannot be read (or breaks `limits`, default `Limits()`) gets one error line in
     the result, its rank's spans already stored stay, and the other files still import.
+    The store's directory must exist unless `create_directory`.
     """
     import duckdb  # loaded with the store module already
 
@@ -1329,7 +1332,7 @@ def import_directory(path: str | os.PathLike[str], store_path: str | os.PathLike
         seen_ranks[spans.rank] = str(file)
         row_file = _RowFile(spans.columns)  # the rows leave Python before DuckDB opens
         try:
-            with store.writer(store_path) as con:
+            with store.writer(store_path, create_directory=create_directory) as con:
                 # One thread: the insert and its checkpoint peak ~10 MB lower, for a few
                 # thousand rows per file no slower.
                 con.execute("SET threads = 1")
@@ -1339,7 +1342,8 @@ def import_directory(path: str | os.PathLike[str], store_path: str | os.PathLike
                     rows = row_file.insert_into(con)
                     con.execute("COMMIT")
                 except BaseException:
-                    con.execute("ROLLBACK")
+                    with contextlib.suppress(duckdb.Error):  # a failed COMMIT ended it
+                        con.execute("ROLLBACK")
                     raise
         except (duckdb.ConversionException, duckdb.InvalidInputException,
                 duckdb.OutOfRangeException) as exc:  # this file's values; the store is as it was

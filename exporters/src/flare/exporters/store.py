@@ -18,7 +18,9 @@ collector's write-ahead log, never in memory alone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -133,7 +135,39 @@ class StoreLocked(StoreError):
     pass
 
 
+class StoreFull(StoreError):
+    """A write failed for want of space (the disk, a quota or the file size limit)."""
+
+
+# The C library's words for running out of room, which DuckDB's I/O errors quote.
+_NO_ROOM = {os.strerror(errno.ENOSPC): "the disk is full",
+            os.strerror(errno.EDQUOT): "the disk quota is used up",
+            os.strerror(errno.EFBIG): "the file size limit is reached"}
+
+
+def no_space(path: str | os.PathLike[str], exc: BaseException) -> StoreFull | None:
+    """A write error as a StoreFull naming the cause (and the space left), or None when
+    it is another error."""
+    reason = next((r for r in _NO_ROOM if r in str(exc)), None)
+    if reason is None:
+        return None
+    text = f"{_NO_ROOM[reason]} ({reason}) writing {path}"
+    if reason != os.strerror(errno.EFBIG):  # (the disk itself may have room)
+        with contextlib.suppress(OSError):
+            text += f"; {shutil.disk_usage(Path(path).parent).free / (1 << 20):.1f} MiB free"
+    return StoreFull(text)
+
+
+def _check_regular(path: Path) -> None:
+    """Refuse a store (or its DuckDB log) that is a FIFO, a device or a directory:
+    opening one would block forever or read endless bytes."""
+    for candidate in (path, path.with_name(path.name + ".wal")):
+        if candidate.exists() and not candidate.is_file():
+            raise StoreError(f"store {candidate} is not a regular file")
+
+
 def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
+    _check_regular(path)
     try:
         return duckdb.connect(str(path), read_only=read_only)
     except (duckdb.IOException, duckdb.ConnectionException) as exc:
@@ -197,15 +231,20 @@ def _check_schema_version(con: duckdb.DuckDBPyConnection, path: Path) -> None:
 
 
 def create_or_open(
-    path: str | os.PathLike[str], ensure_schema: bool = True
+    path: str | os.PathLike[str], ensure_schema: bool = True, create_directory: bool = False
 ) -> duckdb.DuckDBPyConnection:
     """Open `path` for writing, creating the file and schema when absent.
 
     `ensure_schema=False` skips the checks and DDL (about 5 ms of a ~40 ms open): for a
-    writer that already checked this very file in an earlier open.
+    writer that already checked this very file in an earlier open. A missing directory
+    is an error (a mistyped path must not leave directories behind) unless
+    `create_directory`.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if create_directory:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    elif not path.parent.is_dir():
+        raise StoreError(f"the directory of store {path} does not exist")
     con = _connect(path, read_only=False)
     if not ensure_schema:
         return con
@@ -258,14 +297,16 @@ def open_reader(
 
 @contextlib.contextmanager
 def writer(
-    path: str | os.PathLike[str], timeout_s: float = 10.0, ensure_schema: bool = True
+    path: str | os.PathLike[str], timeout_s: float = 10.0, ensure_schema: bool = True,
+    create_directory: bool = False,
 ) -> Iterator[duckdb.DuckDBPyConnection]:
     """Hold the store for writing for the duration of one flush."""
     deadline = time.monotonic() + timeout_s
     delay = 0.01
     while True:
         try:
-            con = create_or_open(path, ensure_schema=ensure_schema)
+            con = create_or_open(path, ensure_schema=ensure_schema,
+                                 create_directory=create_directory)
             break
         except StoreLocked:
             if time.monotonic() >= deadline:

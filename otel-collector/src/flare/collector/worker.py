@@ -35,7 +35,7 @@ from flare.collector.ingest import Item, ItemQueue
 from flare.collector.pipeline import ExportGate, Pipeline
 from flare.collector.telemetry import Counters
 from flare.collector.wal import SIGNAL_METRICS, SIGNAL_TRACES, WriteAheadLog
-from flare.exporters.store import ROW_GROUP_ROWS
+from flare.exporters.store import ROW_GROUP_ROWS, StoreFull
 
 # Under load the periodic flush waits for a whole DuckDB row group (written once
 # instead of twice, ~2x cheaper per span), but never longer than this many flush
@@ -43,6 +43,11 @@ from flare.exporters.store import ROW_GROUP_ROWS
 MAX_FLUSH_DELAY_INTERVALS = 4
 
 log = logging.getLogger(__name__)
+
+# Store flushes that found no room (`flare_collector_store_disk_full_errors_total`).
+DISK_FULL_COUNTER = "store_disk_full_errors"
+# A flush error that lasts is logged again this often (each flush counts in /metrics).
+REPEAT_FLUSH_ERROR_LOG_S = 60.0
 
 
 def is_durable(exporter: Any) -> bool:
@@ -110,7 +115,7 @@ class Worker:
         self.committed: dict[str, int] = {}  # durable exporter id -> lsn it holds
         self._unreleased: list[Item] = []  # admitted items not yet durable downstream
         self._thread: threading.Thread | None = None
-        self._flush_error_logged: dict[str, str] = {}
+        self._flush_error_logged: dict[str, tuple[str, float]] = {}  # id -> (cause, when)
         self.flush_seconds_last = 0.0
         self.dead_letter = DeadLetter(wal.directory / "dead-letter") if wal is not None else None
         self.gate = ExportGate(set(self.durable), counters, self.dead_letter)
@@ -119,6 +124,11 @@ class Worker:
         self._inflight: _FlushResult | None = None  # a flush running on its own thread
         self._last_flush_started = time.monotonic()
         self._last_flush_errors: set[str] = set()  # durable exporters whose last flush failed
+        counters.describe(DISK_FULL_COUNTER, "store flushes that failed because the disk "
+                          "(or the file size limit) had no room; the rows wait in the "
+                          "write-ahead log and are retried")
+        for exporter_id in self.durable:  # a panel shows 0, not "No data", until it happens
+            counters.add(DISK_FULL_COUNTER, 0.0, exporter=exporter_id)
 
     # ------------------------------------------------------------ start-up
     def load_markers(self) -> int:
@@ -331,6 +341,8 @@ class Worker:
             exc = result.errors.get(exporter_id)
             if exc is not None:
                 self.counters.add("flush_errors", exporter=exporter_id)
+                if isinstance(exc, StoreFull):
+                    self.counters.add(DISK_FULL_COUNTER, exporter=exporter_id)
                 self._log_flush_error(exporter_id, exc)
                 continue
             self.committed[exporter_id] = max(result.mark, self.committed.get(exporter_id, 0))
@@ -361,10 +373,17 @@ class Worker:
         self._unreleased = keep
 
     def _log_flush_error(self, exporter_id: str, exc: Exception) -> None:
+        """When the cause is new (a full disk is one cause, whatever the space left),
+        and again every REPEAT_FLUSH_ERROR_LOG_S while it lasts; "flushes again" ends it."""
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if self._flush_error_logged.get(exporter_id) != text:
-            log.error("exporter %s could not flush (data stays in the write-ahead log): %s", exporter_id, text)
-            self._flush_error_logged[exporter_id] = text
+        cause = "disk full" if isinstance(exc, StoreFull) else text
+        now = time.monotonic()
+        said = self._flush_error_logged.get(exporter_id)
+        if said is None or said[0] != cause or now - said[1] >= REPEAT_FLUSH_ERROR_LOG_S:
+            kept = "the write-ahead log" if self.wal is not None else "memory"
+            log.error("exporter %s could not flush: %s; the rows stay in %s and are retried",
+                      exporter_id, text, kept)
+            self._flush_error_logged[exporter_id] = (cause, now)
 
     def _drain(self, deadline: float) -> bool:
         while time.monotonic() < deadline:

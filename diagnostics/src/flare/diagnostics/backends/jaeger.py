@@ -68,6 +68,7 @@ class HttpClient:
         ca_file = ca_file or os.environ.get(sc.ENV_BACKEND_CA_FILE) or None
         cert_file = cert_file or os.environ.get(sc.ENV_BACKEND_CERT_FILE) or None
         key_file = key_file or os.environ.get(sc.ENV_BACKEND_KEY_FILE) or None
+        token_from = "the bearer token" if bearer_token else sc.ENV_BACKEND_TOKEN
         bearer_token = bearer_token or os.environ.get(sc.ENV_BACKEND_TOKEN) or None
         if (cert_file is None) != (key_file is None):
             raise BackendError("a client certificate needs both cert_file and key_file")
@@ -75,6 +76,13 @@ class HttpClient:
         self.base_url = base_url.rstrip("/")
         self._headers = {"Accept": "application/json", "User-Agent": "flare-diagnostics"}
         if bearer_token:
+            # An HTTP header carries visible ASCII only: a line break or a non-ASCII
+            # letter would fail in the send (ValueError, UnicodeEncodeError) instead.
+            # The token itself is never quoted back.
+            if not all("!" <= c <= "~" for c in bearer_token):
+                raise BackendError(f"{token_from} holds characters a bearer token cannot "
+                                   "have (spaces, line breaks or non-ASCII); only visible "
+                                   "ASCII characters can be sent")
             self._headers["Authorization"] = f"Bearer {bearer_token}"
         context: ssl.SSLContext | None = None
         if parsed.scheme == "https":
@@ -85,7 +93,8 @@ class HttpClient:
             except (OSError, ssl.SSLError) as exc:
                 raise BackendError(f"cannot load TLS files for {product}: {exc}") from exc
         elif ca_file or cert_file:
-            raise BackendError(f"TLS options given but the {product} URL is not https://")
+            raise BackendError(f"TLS options given for {product}, but its URL {base_url!r} "
+                               "is not https://")
         self._conn = http_client.HttpClient(base_url, timeout_s, context)
         self.requests = 0
 
