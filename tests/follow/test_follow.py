@@ -287,7 +287,8 @@ def test_new_labels_have_their_ranks_and_a_peer_captured_through_the_collector(t
     try:
         url = f"http://{collector.http_endpoint}"
         agents = {rank: OpAMPClient(endpoint=f"{url}/v1/opamp", agent_identifying_attributes={
-            "flare.job.id": "jobC", "flare.rank": rank}) for rank in range(4)}
+            "flare.job.id": "jobC", "flare.rank": rank}, headers={"X-Flare-Agent-Key": f"agent-key-{rank:016d}"})
+            for rank in range(4)}
         for agent in agents.values():
             agent.send(agent.build_full_state_message())
         path = str(tmp_path / "store.duckdb")

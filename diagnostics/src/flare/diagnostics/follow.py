@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -607,17 +608,35 @@ def main(
     return 0
 
 
+def control_headers() -> dict[str, str]:
+    """The control channel's credentials from the environment: the job's token
+    (FLARE_JOB_TOKEN: that job only) and the operator's (FLARE_OPERATOR_TOKEN: any job)."""
+    headers = {}
+    for env, header in ((sc.ENV_JOB_TOKEN, sc.HEADER_JOB_TOKEN),
+                        (sc.ENV_OPERATOR_TOKEN, sc.HEADER_OPERATOR_TOKEN)):
+        value = os.environ.get(env)
+        if value:
+            if not all("!" <= c <= "~" for c in value):
+                raise BackendError(f"{env} holds characters a token cannot have (spaces, line breaks "
+                                   "or non-ASCII); only visible ASCII characters can be sent")
+            headers[header] = value
+    return headers
+
+
 def collector_asker(url: str):
     """`ask(job, ranks, steps, stacks=True)` → the answer of a Flare collector's
     /flare/v1/capture (token and TLS from the FLARE_BACKEND_* settings, as for the
-    backends); transport and HTTP failures are BackendErrors."""
+    backends, and the control channel's from `control_headers`); transport and HTTP
+    failures are BackendErrors."""
     from flare.diagnostics.backends.jaeger import HttpClient
 
     client = HttpClient(url, "the collector")
+    headers = control_headers()
 
     def ask(job_id: str | None, ranks: list[int], steps: int, stacks: bool = True) -> dict:
         return client.post_json("/flare/v1/capture",
-                                {"job": job_id, "ranks": ranks, "steps": steps, "stacks": stacks})
+                                {"job": job_id, "ranks": ranks, "steps": steps, "stacks": stacks},
+                                headers)
 
     ask.close = client.close
     return ask

@@ -86,7 +86,12 @@ def main(argv: list[str]) -> int:
     forward_protocol = None
     if args.otlp_forward:
         forward_protocol = _forward_protocol(args.otlp_forward, args.otlp_forward_protocol)
-    collector = _start_collector(args.store, args.otlp_forward, forward_protocol)
+    # This run's ranks, and no one else's, register as its agents: they get the job's
+    # token (an HMAC of a secret that never leaves this process).
+    from flare.collector.opamp import job_token
+
+    job_secret = secrets.token_urlsafe(32)
+    collector = _start_collector(args.store, args.otlp_forward, forward_protocol, job_secret)
     _create_store(collector, args.store)
     # Ranks send over OTLP/HTTP: a gRPC channel would keep threads in every rank that
     # cost CPU even between exports (docs/instrumentation.md). Written-back anomalies
@@ -104,7 +109,8 @@ def main(argv: list[str]) -> int:
         # stderr then.
         machine_report = args.format != "text" and not args.output
         child = _launch(command, job, endpoint, stdout=sys.stderr if machine_report else None,
-                        opamp=capture is not None)
+                        opamp=capture is not None,
+                        job_token=job_token(job_secret.encode(), job))
         if monitor:
             monitor.start()
         status = _wait(child, on_interrupt=monitor.mute if monitor else None, stopped=stopped)
@@ -225,12 +231,14 @@ def _refuse_existing_job(store_path: str, job: str) -> None:
                         "this run's: choose another --job (or another --store)")
 
 
-def _start_collector(store_path: str, forward: str | None, protocol: str | None):
+def _start_collector(store_path: str, forward: str | None, protocol: str | None,
+                     job_secret: str | None = None):
     from flare.collector.config import embedded_config
     from flare.collector.service import Collector
 
     try:
-        config = embedded_config(store_path, forward_endpoint=forward, forward_protocol=protocol or "grpc")
+        config = embedded_config(store_path, forward_endpoint=forward, forward_protocol=protocol or "grpc",
+                                 job_secret=job_secret)
         collector = Collector(config)
         collector.start()
     except Exception as exc:  # config, port, store problems: all one line for the user
@@ -261,7 +269,7 @@ def _instrument_command() -> list[str]:
 
 
 def child_environment(job: str, endpoint: str, base: dict[str, str] | None = None,
-                      opamp: bool = False) -> dict[str, str]:
+                      opamp: bool = False, job_token: str | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update({
         "OTEL_SERVICE_NAME": env.get("OTEL_SERVICE_NAME") or job,
@@ -280,6 +288,8 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
         from flare.collector.opamp import PATH
 
         env.setdefault(opamp_agent.ENV_ENDPOINT, endpoint.rstrip("/") + PATH)
+    if job_token:
+        env[sc.ENV_JOB_TOKEN] = job_token
     # Alerts are only as fresh as the batches ranks send: each rank's finisher hands its
     # step spans over and exports them every max(2 s, this delay). The SDK's default of
     # 5 s, set here so that the instrumentation overhead benchmark runs what flare run
@@ -292,12 +302,12 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
 
 
 def _launch(command: list[str], job: str, endpoint: str, stdout=None,
-            opamp: bool = False) -> subprocess.Popen:
+            opamp: bool = False, job_token: str | None = None) -> subprocess.Popen:
     try:
         # Its own process group: Ctrl-C reaches Flare, which passes it on and still
         # gets to drain the collector and print the report.
         return subprocess.Popen(_instrument_command() + command,
-                                env=child_environment(job, endpoint, opamp=opamp),
+                                env=child_environment(job, endpoint, opamp=opamp, job_token=job_token),
                                 process_group=0, stdout=stdout)
     except OSError as exc:
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None

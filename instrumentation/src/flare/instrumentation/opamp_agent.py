@@ -12,7 +12,9 @@ polls backing off (doubling up to 60 s), never a step.
 The agent identifies itself by the rank's `flare.job.id` and `flare.rank` (and says its
 host and pid), with the token and TLS files the rank's OTLP exporter uses
 (`OTEL_EXPORTER_OTLP_[TRACES_]HEADERS`, `…_CERTIFICATE`, `…_CLIENT_CERTIFICATE`,
-`…_CLIENT_KEY`). Flare's remote config is one JSON file, `flare`:
+`…_CLIENT_KEY`), and proves who it is: a random key of its own on every message (the
+collector binds its instance uid to it, so no one else can speak for this agent) and
+its job's token, `FLARE_JOB_TOKEN`, where the launcher gives one (`flare run` does). Flare's remote config is one JSON file, `flare`:
 
     {"capture": {"steps": 20, "id": "capture-3"}}
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import secrets
 import threading
 import time
 
@@ -89,6 +92,10 @@ class CaptureAgent:
 
         headers = parse_env_headers(_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") or "",
                                     liberal=True)
+        headers[semconv.HEADER_AGENT_KEY] = secrets.token_urlsafe(32)
+        job_token = os.environ.get(semconv.ENV_JOB_TOKEN)
+        if job_token:
+            headers[semconv.HEADER_JOB_TOKEN] = job_token
         self.capture = capture
         self.identity = identity
         self.interval_s = interval_s

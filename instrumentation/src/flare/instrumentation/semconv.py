@@ -253,6 +253,16 @@ ENV_BACKEND_CA_FILE = "FLARE_BACKEND_CA_FILE"
 ENV_BACKEND_CERT_FILE = "FLARE_BACKEND_CERT_FILE"
 ENV_BACKEND_KEY_FILE = "FLARE_BACKEND_KEY_FILE"
 ENV_BACKEND_TOKEN = "FLARE_BACKEND_TOKEN"
+# The control channel's credentials (docs/collector.md, "The control channel"): a job's
+# token (HMAC of the collector's job secret; flare run makes one per run and gives it to
+# the ranks) admits its ranks as agents and scopes `flare capture` to the job; an
+# operator's token covers every job. Sent as the headers below (the collector's
+# flare.collector.opamp spells the same names).
+ENV_JOB_TOKEN = "FLARE_JOB_TOKEN"
+ENV_OPERATOR_TOKEN = "FLARE_OPERATOR_TOKEN"
+HEADER_AGENT_KEY = "X-Flare-Agent-Key"
+HEADER_JOB_TOKEN = "X-Flare-Job-Token"
+HEADER_OPERATOR_TOKEN = "X-Flare-Operator-Token"
 DEFAULT_DETAIL_EVERY = 100
 
 

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                              "`flare collector --print-config NAME` shows it)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the configuration --config names and exit")
+    parser.add_argument("--insecure-expose", action="store_true",
+                        help="serve endpoints that listen off loopback with neither TLS nor a "
+                             "bearer token (refused without it; logged as a warning with it)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="log verbosity on stderr (default: info)")
     return parser
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(path.read_text())
             return 0
         collector = Collector.from_config_file(str(path))
+        if args.insecure_expose:
+            collector.config.insecure_expose = True
         collector.start()
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SIGNALS = ("traces", "metrics")
 RECEIVER_TYPES = ("otlp",)
-EXTENSION_TYPES = ("flare_wal", "flare_metrics", "flare_query")
+EXTENSION_TYPES = ("flare_wal", "flare_metrics", "flare_query", "flare_opamp")
 DEFAULT_MAX_BODY = 64 << 20
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
@@ -51,11 +51,33 @@ _ENV_REF = re.compile(r"\$\$|\$\{env:([A-Za-z_][A-Za-z0-9_]*)"
 
 # ---------------------------------------------------------------- typed configuration
 @dataclass
+class Limits:
+    """What one listener gives a client before it is cut off (otelcol's confighttp names):
+    a TLS handshake, a request's headers and its body each have a deadline, a kept-alive
+    connection its idle time; connections (and, on gRPC, calls in flight) have a cap.
+    Refusals and timeouts are counted in /metrics (`refused_connections`,
+    `timed_out_requests`)."""
+
+    handshake_timeout_s: float = 10.0
+    read_header_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    idle_timeout_s: float = 120.0
+    max_connections: int = 1024
+    max_concurrent_calls: int = 256  # gRPC: calls admitted and not yet answered
+
+
+_LIMIT_KEYS = {"handshake_timeout": "handshake_timeout_s", "read_header_timeout": "read_header_timeout_s",
+               "read_timeout": "read_timeout_s", "idle_timeout": "idle_timeout_s",
+               "max_connections": "max_connections", "max_concurrent_calls": "max_concurrent_calls"}
+
+
+@dataclass
 class ProtocolConfig:
     endpoint: Endpoint
     max_body_bytes: int = DEFAULT_MAX_BODY
     tls: dict[str, Any] | None = None
     auth: dict[str, Any] | None = None
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass
@@ -92,6 +114,17 @@ class HttpExtensionConfig:
 
 
 @dataclass
+class OpampConfig:
+    """The control channel's credentials and bounds (`extensions.flare_opamp`; the OpAMP
+    endpoint itself is served on the OTLP/HTTP receiver): see docs/collector.md."""
+
+    operator_token: str | None = None  # lists agents' uids, asks captures of any job
+    job_secret: bytes | None = None  # job tokens are HMAC-SHA256(job_secret, job id)
+    max_agents: int = 20_000
+    forget_after_s: float = 600.0  # a gone agent is forgotten this long after it went
+
+
+@dataclass
 class ServiceConfig:
     receivers: dict[str, ReceiverConfig]
     processors: dict[str, tuple[str, dict[str, Any]]]  # id -> (type, options)
@@ -103,6 +136,8 @@ class ServiceConfig:
     flush_interval_s: float = 0.5
     drain_timeout_s: float = 10.0
     queue_max_bytes: int = 256 << 20
+    opamp: OpampConfig = field(default_factory=OpampConfig)
+    insecure_expose: bool = False  # serve off loopback without TLS or a token (warned)
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,16 +164,18 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return substitute_env(doc)
 
 
-def substitute_env(value: Any, environ: dict[str, str] | None = None) -> Any:
+def substitute_env(value: Any, environ: dict[str, str] | None = None,
+                   _unset: set[str] | None = None) -> Any:
     env = os.environ if environ is None else environ
+    unset = set() if _unset is None else _unset  # each unset variable is warned about once
     if isinstance(value, dict):
-        return {k: substitute_env(v, env) for k, v in value.items()}
+        return {k: substitute_env(v, env, unset) for k, v in value.items()}
     if isinstance(value, list):
-        return [substitute_env(v, env) for v in value]
+        return [substitute_env(v, env, unset) for v in value]
     if not isinstance(value, str) or "$" not in value:
         return value
     whole = _ENV_REF.fullmatch(value)
-    text = _ENV_REF.sub(lambda m: _expand(m, env), value)
+    text = _ENV_REF.sub(lambda m: _expand(m, env, unset), value)
     if whole is not None and whole.group(0) != "$$":
         # A value that is only a reference is typed like YAML would type the text.
         try:
@@ -149,16 +186,18 @@ def substitute_env(value: Any, environ: dict[str, str] | None = None) -> Any:
     return text
 
 
-def _expand(match: re.Match[str], env) -> str:
+def _expand(match: re.Match[str], env, unset: set[str]) -> str:
     if match.group(0) == "$$":
         return "$"
     name, default = match.group(1), match.group(2)
     value = env.get(name)
     if value is None or (value == "" and default is not None):
         if default is None:
-            log.warning("environment variable %s is not set; using an empty value", name)
+            if name not in unset:
+                unset.add(name)
+                log.warning("environment variable %s is not set; using an empty value", name)
             return ""
-        return _ENV_REF.sub(lambda m: _expand(m, env), default) if "$" in default else default
+        return _ENV_REF.sub(lambda m: _expand(m, env, unset), default) if "$" in default else default
     return value
 
 
@@ -207,6 +246,24 @@ def _security_options(options: dict[str, Any], where: str) -> tuple[dict | None,
     return tls, auth
 
 
+def _limits(options: dict[str, Any], where: str) -> Limits:
+    limits = Limits()
+    for key, attr in _LIMIT_KEYS.items():
+        if key not in options:
+            continue
+        value = options[key]
+        if attr.endswith("_s"):
+            seconds = parse_duration(value, f"{where}.{key}")
+            if not 0 < seconds <= 86400:
+                raise ConfigError(f"{where}.{key}: expected a duration between 0 and 24h, got {value!r}")
+            setattr(limits, attr, seconds)
+        else:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+                raise ConfigError(f"{where}.{key}: expected a whole number from 1 to 1000000, got {value!r}")
+            setattr(limits, attr, value)
+    return limits
+
+
 def _receiver(component_id: str, options: dict[str, Any]) -> ReceiverConfig:
     where = f"receivers.{component_id}"
     if component_type(component_id) not in RECEIVER_TYPES:
@@ -228,7 +285,7 @@ def _receiver(component_id: str, options: dict[str, Any]) -> ReceiverConfig:
             continue
         pwhere = f"{where}.protocols.{name}"
         popts = _mapping(protocols[name], pwhere)
-        _reject_unknown(popts, ("endpoint", size_key, "tls", "auth"), pwhere)
+        _reject_unknown(popts, ("endpoint", size_key, "tls", "auth", *_LIMIT_KEYS), pwhere)
         endpoint = parse_endpoint(popts.get("endpoint"), f"{pwhere}.endpoint", default_port)
         if size_key in popts:
             if name == "grpc":
@@ -241,7 +298,7 @@ def _receiver(component_id: str, options: dict[str, Any]) -> ReceiverConfig:
         else:
             max_body = DEFAULT_MAX_BODY
         tls, auth = _security_options(popts, pwhere)
-        parsed[name] = ProtocolConfig(endpoint, max_body, tls, auth)
+        parsed[name] = ProtocolConfig(endpoint, max_body, tls, auth, _limits(popts, pwhere))
     return ReceiverConfig(component_id, parsed["grpc"], parsed["http"])
 
 
@@ -313,6 +370,42 @@ def _http_extension(component_id: str, options: dict[str, Any], default_port: in
     )
 
 
+def _secret(options: dict[str, Any], key: str, where: str) -> str | None:
+    value, path = options.get(key), options.get(f"{key}_file")
+    if value is not None and path is not None:
+        raise ConfigError(f"{where}: give {key} or {key}_file, not both")
+    if path is not None:
+        try:
+            value = Path(os.path.expanduser(str(path))).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}.{key}_file: cannot read {path}: {exc.strerror}") from None
+    if value is None:
+        return None
+    text = str(value)
+    if len(text) < 16 or not text.isascii() or not text.isprintable():
+        raise ConfigError(f"{where}.{key}: expected at least 16 printable ASCII characters")
+    return text
+
+
+def _opamp(options: dict[str, Any]) -> OpampConfig:
+    where = "extensions.flare_opamp"
+    _reject_unknown(options, ("operator_token", "operator_token_file", "job_secret", "job_secret_file",
+                              "max_agents", "forget_after"), where)
+    cfg = OpampConfig(operator_token=_secret(options, "operator_token", where))
+    job_secret = _secret(options, "job_secret", where)
+    cfg.job_secret = job_secret.encode() if job_secret else None
+    if "max_agents" in options:
+        value = options["max_agents"]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+            raise ConfigError(f"{where}.max_agents: expected a whole number from 1 to 1000000, got {value!r}")
+        cfg.max_agents = value
+    if "forget_after" in options:
+        cfg.forget_after_s = parse_duration(options["forget_after"], f"{where}.forget_after")
+        if cfg.forget_after_s < 0:
+            raise ConfigError(f"{where}.forget_after must not be negative")
+    return cfg
+
+
 def _wal(options: dict[str, Any]) -> WalConfig:
     where = "extensions.flare_wal"
     _reject_unknown(options, ("directory", "fsync", "max_size", "segment_size"), where)
@@ -352,7 +445,8 @@ def parse(doc: dict[str, Any]) -> ServiceConfig:
     service = _mapping(doc.get("service"), "service")
     _reject_unknown(
         service,
-        ("extensions", "pipelines", "telemetry", "flush_interval", "drain_timeout", "queue_max_size"),
+        ("extensions", "pipelines", "telemetry", "flush_interval", "drain_timeout", "queue_max_size",
+         "insecure_expose"),
         "service",
     )
     defined = {"receivers": receivers, "processors": processors, "exporters": exporters}
@@ -366,6 +460,8 @@ def parse(doc: dict[str, Any]) -> ServiceConfig:
             cfg.wal = _wal(options)
         elif ext_id == "flare_metrics":
             cfg.metrics_endpoint = _http_extension(ext_id, options, 8888)
+        elif ext_id == "flare_opamp":
+            cfg.opamp = _opamp(options)
         else:
             cfg.query_endpoint = _http_extension(ext_id, options, 16686)
     if "flush_interval" in service:
@@ -376,6 +472,8 @@ def parse(doc: dict[str, Any]) -> ServiceConfig:
         cfg.drain_timeout_s = parse_duration(service["drain_timeout"], "service.drain_timeout")
     if service.get("telemetry"):
         log.warning("service.telemetry is ignored; the flare_metrics extension serves self-metrics")
+    if "insecure_expose" in service:
+        cfg.insecure_expose = parse_bool(service["insecure_expose"], "service.insecure_expose")
     if "queue_max_size" in service:
         cfg.queue_max_bytes = parse_size(service["queue_max_size"], "service.queue_max_size")
     used = {r for p in pipelines for r in p.receivers}
@@ -392,11 +490,13 @@ def embedded_config(
     forward_endpoint: str | None = None,
     forward_protocol: str = "grpc",
     metrics_port: int | None = None,
+    job_secret: str | None = None,
 ) -> dict[str, Any]:
     """The configuration `flare run` starts: loopback receivers, the store, a WAL.
 
     Port 0 binds a free port (read it back from `Collector.grpc_endpoint`). With
-    `forward_endpoint`, traces and metrics are also forwarded over OTLP.
+    `forward_endpoint`, traces and metrics are also forwarded over OTLP. With
+    `job_secret`, only agents that show their job's token register (`flare_opamp`).
     """
     store_path = os.fspath(store_path)
     exporters: dict[str, Any] = {"flare_store": {"path": store_path}}
@@ -408,6 +508,8 @@ def embedded_config(
     extensions: dict[str, Any] = {"flare_wal": {"directory": store_path + ".ingest-wal"}}
     if metrics_port is not None:
         extensions["flare_metrics"] = {"endpoint": f"127.0.0.1:{metrics_port}"}
+    if job_secret:
+        extensions["flare_opamp"] = {"job_secret": job_secret}
     return {
         "receivers": {
             "otlp": {

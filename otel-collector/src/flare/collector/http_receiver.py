@@ -54,6 +54,40 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number")
+
+
+def capture_request(body: bytes) -> tuple[str | None, list[int], int, bool]:
+    """(job, ranks, steps, stacks) of a capture request's JSON; ValueError names what is
+    wrong (types are checked, not coerced: `"job": ["a"]` is refused, not read as "['a']")."""
+    try:
+        asked = json.loads(body or b"{}", parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(asked, dict):
+        raise ValueError("expected a JSON object")
+    unknown = sorted(set(asked) - {"job", "ranks", "steps", "stacks"})
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}")
+    job = asked.get("job")
+    if job is not None and (not isinstance(job, str) or not job or len(job) > opamp.MAX_FIELD_CHARS):
+        raise ValueError(f"job must be a string of 1-{opamp.MAX_FIELD_CHARS} characters")
+    ranks = asked.get("ranks")
+    if not isinstance(ranks, list) or not ranks or len(ranks) > 65536 or not all(
+            type(r) is int and 0 <= r < 1 << 31 for r in ranks):
+        raise ValueError("ranks must be a list of 1-65536 ranks (whole numbers from 0)")
+    steps = asked.get("steps", opamp.DEFAULT_STEPS)
+    if type(steps) is not int or not 0 < steps <= opamp.MAX_STEPS:
+        raise ValueError(f"steps must be a whole number from 1 to {opamp.MAX_STEPS}")
+    stacks = asked.get("stacks", True)
+    if not isinstance(stacks, bool):
+        raise ValueError("stacks must be true or false")
+    return job, ranks, steps, stacks
+
+
 _RPC_CODES = {400: code_pb2.INVALID_ARGUMENT, 401: code_pb2.UNAUTHENTICATED, 413: code_pb2.INVALID_ARGUMENT,
               429: code_pb2.RESOURCE_EXHAUSTED, 500: code_pb2.INTERNAL, 503: code_pb2.UNAVAILABLE}
 
@@ -97,33 +131,40 @@ class _Handler(Handler):
 
     def _control(self, receiver: HttpReceiver, method: str, path: str) -> Response:
         """OpAMP (POST /v1/opamp), a capture request (POST /flare/v1/capture, JSON
-        `{"job", "ranks", "steps", "stacks"}`) and the agents (GET /flare/v1/agents?job=)."""
+        `{"job", "ranks", "steps", "stacks"}`) and the agents (GET /flare/v1/agents?job=),
+        each within the credentials `opamp` checks (its docstring: who is who)."""
         server = receiver.opamp
         wanted = "GET" if path == _AGENTS else "POST"
         if method != wanted:
             receiver.counters.add("unsupported_requests", transport="http")
             return 405, {"Content-Type": "text/plain"}, f"{path} takes {wanted} requests\n".encode()
-        if path == _AGENTS:
-            from urllib.parse import parse_qs, urlsplit
-
-            job = (parse_qs(urlsplit(self.path).query).get("job") or [None])[0]
-            return 200, {"Content-Type": _JSON}, json.dumps({"agents": server.agents(job)}).encode()
-        if self.body_length is None:
-            raise MalformedPayload("Content-Length or chunked Transfer-Encoding is required")
-        body = self.read_body()
-        if path == opamp.PATH:
-            status, answer = server.handle(body)
-            return status, {"Content-Type": opamp.CONTENT_TYPE}, answer
+        headers = self.headers
         try:
-            asked = json.loads(body or b"{}")
-            ranks = [int(r) for r in asked["ranks"]]
-            job = asked.get("job")
-            result = server.request_capture(None if job is None else str(job), ranks,
-                                            int(asked.get("steps", opamp.DEFAULT_STEPS)),
-                                            stacks=bool(asked.get("stacks", True)))
-        except (ValueError, KeyError, TypeError) as exc:
-            text = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
-            return 400, {"Content-Type": "text/plain"}, f"capture request refused: {text}\n".encode()
+            if path == _AGENTS:
+                from urllib.parse import parse_qs, urlsplit
+
+                job = (parse_qs(urlsplit(self.path).query).get("job") or [None])[0]
+                server.check_control(headers, job)
+                rows = server.agents(job, with_uids=server.is_operator(headers))
+                return 200, {"Content-Type": _JSON}, json.dumps({"agents": rows}).encode()
+            if self.body_length is None:
+                raise MalformedPayload("Content-Length or chunked Transfer-Encoding is required")
+            body = self.read_body(opamp.MAX_MESSAGE_BYTES)
+            if path == opamp.PATH:
+                status, answer = server.handle(body, headers)
+                return status, {"Content-Type": opamp.CONTENT_TYPE}, answer
+            try:
+                job, ranks, steps, stacks = capture_request(body)
+            except ValueError as exc:
+                return 400, {"Content-Type": "text/plain"}, f"capture request refused: {exc}\n".encode()
+            server.check_control(headers, job)
+            try:
+                result = server.request_capture(job, ranks, steps, stacks=stacks)
+            except ValueError as exc:
+                return 400, {"Content-Type": "text/plain"}, f"capture request refused: {exc}\n".encode()
+        except opamp.Denied as denied:
+            server.refused(denied)
+            return denied.status, {"Content-Type": "text/plain"}, f"{denied}\n".encode()
         return 200, {"Content-Type": _JSON}, json.dumps(result).encode()
 
     def _content_type(self) -> str:
@@ -153,7 +194,8 @@ class HttpReceiver(HttpService):
         auth: Any | None = None,
         opamp_server: opamp.OpampServer | None = None,
     ) -> None:
-        super().__init__("OTLP/HTTP", "http", f"http-{receiver_id}", options.endpoint, options.tls, counters, options.max_body_bytes)
+        super().__init__("OTLP/HTTP", "http", f"http-{receiver_id}", options.endpoint, options.tls, counters, options.max_body_bytes,
+                         options.limits)
         self.id = receiver_id
         self.options = options
         self.acceptor = acceptor

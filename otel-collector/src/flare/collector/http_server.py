@@ -14,23 +14,35 @@ goes through `Handler._dispatch`, which fixes the order:
 3. the endpoint's `respond`, which reads the body with `read_body` (never more than
    the cap: a chunked body is refused at the first chunk size that is not hex or
    that takes it over the cap); what it leaves unread is dropped, within the cap.
+
+Slow and half-open clients are bounded (`config.Limits`): connections over
+`max_connections` are closed at accept; a TLS handshake has `handshake_timeout`, a
+request's line and headers `read_header_timeout` from their first byte (from accept
+for a connection's first request), its body `read_timeout`, and a kept-alive
+connection waits `idle_timeout` for its next request. Each is a deadline for the whole
+phase, not for one read, so a client that trickles a byte at a time is cut off too.
+Refusals and timeouts are counted (`refused_connections`, `timed_out_requests`, by
+cause) and logged at most once a minute per cause.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from flare.collector.config import Limits
 from flare.collector.config_values import Endpoint
 from flare.collector.errors import MalformedPayload, PayloadTooLarge, StartError
 from flare.collector.security_hooks import ssl_context
-from flare.collector.telemetry import Counters
+from flare.collector.telemetry import Counters, Refusals
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +76,17 @@ class Server(ThreadingHTTPServer):
         super().__init__(address, handler)
 
     def process_request(self, request, client_address) -> None:
+        owner = self.owner
         with self.connections_lock:
-            self.connections.add(request)
+            full = len(self.connections) >= owner.limits.max_connections
+            if not full:
+                self.connections.add(request)
+        if full:  # closed unread: a thread per connection is what the cap bounds
+            owner.refusals.add("refused_connections", "connection_cap",
+                               "%s: %d connections open, the cap; new ones are closed at accept",
+                               owner.label, owner.limits.max_connections, transport=owner.transport)
+            self.shutdown_request(request)
+            return
         super().process_request(request, client_address)
 
     def shutdown_request(self, request) -> None:
@@ -92,13 +113,65 @@ class Server(ThreadingHTTPServer):
         # The TLS handshake runs here, on the connection's own thread, so a slow or
         # broken client cannot hold up accept() for everyone else.
         if self.ssl_ctx is not None:
+            owner = self.owner
+            request.settimeout(owner.limits.handshake_timeout_s)  # each read; few are needed
+            started = time.monotonic()
             try:
                 request = self.ssl_ctx.wrap_socket(request, server_side=True)
+            except TimeoutError:
+                owner.refusals.add("timed_out_requests", "handshake",
+                                   "%s: a TLS handshake did not finish within %g s; connection closed",
+                                   owner.label, owner.limits.handshake_timeout_s, transport=owner.transport)
+                return
             except (OSError, ValueError) as exc:
-                self.owner.counters.add("tls_handshake_errors", transport=self.owner.transport)
+                owner.counters.add("tls_handshake_errors", transport=owner.transport)
                 log.debug("TLS handshake from %s failed: %s", client_address, exc)
                 return
+            if time.monotonic() - started > owner.limits.handshake_timeout_s:
+                owner.refusals.add("timed_out_requests", "handshake",
+                                   "%s: a TLS handshake did not finish within %g s; connection closed",
+                                   owner.label, owner.limits.handshake_timeout_s, transport=owner.transport)
+                return
         super().finish_request(request, client_address)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The connection's reads, each within what is left of the current phase's deadline.
+
+    Phases: "idle" (waiting for a request; its first byte starts "headers"),
+    "headers", "body". A deadline that passes ends the connection with TimeoutError,
+    counted for "headers" and "body" (an idle keep-alive connection ending is normal)."""
+
+    def __init__(self, sock: socket.socket, owner: HttpService) -> None:
+        self.sock = sock
+        self.owner = owner
+        self.phase = "headers"
+        self.deadline = time.monotonic() + owner.limits.read_header_timeout_s
+
+    def expect(self, phase: str, within_s: float) -> None:
+        self.phase, self.deadline = phase, time.monotonic() + within_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            self.sock.settimeout(left)
+            n = self.sock.recv_into(buffer)
+        except TimeoutError:
+            owner, limits = self.owner, self.owner.limits
+            if self.phase != "idle":
+                timeout = limits.read_timeout_s if self.phase == "body" else limits.read_header_timeout_s
+                owner.refusals.add("timed_out_requests", self.phase,
+                                   "%s: a request's %s did not arrive within %g s; connection closed",
+                                   owner.label, self.phase, timeout, transport=owner.transport)
+            raise TimeoutError(f"no request {self.phase} within the deadline") from None
+        if n and self.phase == "idle":
+            self.expect("headers", self.owner.limits.read_header_timeout_s)
+        return n
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -109,12 +182,25 @@ class Handler(BaseHTTPRequestHandler):
     # The head and the body of a reply are two writes: with Nagle's algorithm the body
     # waits for the client's delayed ACK of the head, 40 ms per request on Linux.
     disable_nagle_algorithm = True
-    timeout = 120  # idle keep-alive connections end, so their threads do too
+    timeout = None  # each phase has a deadline of its own (_DeadlineReader)
     server: Server
     body_length: int | None  # None: no framing headers; CHUNKED; else Content-Length
 
     def version_string(self) -> str:
         return self.server_version
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self._reader = _DeadlineReader(self.connection, self.server.owner)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()
+        limits = self.server.owner.limits
+        self._reader.expect("idle", limits.idle_timeout_s)
+        # the reply to a client that does not read it is given up after read_timeout
+        self.connection.settimeout(limits.read_timeout_s)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)
@@ -141,6 +227,7 @@ class Handler(BaseHTTPRequestHandler):
         self.body_length = None
         self._body_done = False
         try:
+            self._reader.expect("body", owner.limits.read_timeout_s)
             if not self._authorized(method, path):
                 owner.counters.add("unauthenticated_requests", transport=owner.transport)
                 self._drop_unauthenticated_body()
@@ -224,15 +311,20 @@ class Handler(BaseHTTPRequestHandler):
             raise PayloadTooLarge(f"body of {length} bytes exceeds the {limit} byte limit")
         return length
 
-    def read_body(self) -> bytes:
-        """The body, at most the cap; b"" without one. A second call returns b""."""
+    def read_body(self, limit: int | None = None) -> bytes:
+        """The body, at most the cap (or `limit` when smaller: 413 over it); b"" without
+        one. A second call returns b""."""
         if self._body_done:
             return b""
         self._body_done = True
         if self.body_length is None:
             return b""
+        limit = min(limit or self.server.owner.max_body_bytes, self.server.owner.max_body_bytes)
         if self.body_length == CHUNKED:
-            return self._read_chunked(self.server.owner.max_body_bytes)
+            return self._read_chunked(limit)
+        if self.body_length > limit:
+            self.close_connection = True  # the body is not read
+            raise PayloadTooLarge(f"body of {self.body_length} bytes exceeds the {limit} byte limit here")
         body = self.rfile.read(self.body_length)
         if len(body) != self.body_length:
             raise ConnectionError("client closed the connection mid-body")
@@ -287,6 +379,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ the reply
     def _send(self, method: str, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.connection.settimeout(self.server.owner.limits.read_timeout_s)
         self.send_response(status)
         for key, value in headers.items():
             if key.lower() not in ("content-length", "connection"):
@@ -305,7 +398,8 @@ class HttpService:
     handler: type[Handler] = Handler
 
     def __init__(self, label: str, transport: str, thread: str, endpoint: Endpoint,
-                 tls: dict[str, Any] | None, counters: Counters, max_body_bytes: int) -> None:
+                 tls: dict[str, Any] | None, counters: Counters, max_body_bytes: int,
+                 limits: Limits | None = None) -> None:
         self.label = label  # for log lines and start errors: "OTLP/HTTP", "flare_query"
         self.transport = transport  # the counters' transport label
         self.thread = thread
@@ -313,6 +407,8 @@ class HttpService:
         self.tls = tls
         self.counters = counters
         self.max_body_bytes = max_body_bytes
+        self.limits = limits or Limits()
+        self.refusals = Refusals(counters)
         self.auth: Any | None = None  # security.BearerAuth
         self.open_paths: frozenset[str] = frozenset()  # GET/HEAD without the token
         self.endpoint: str | None = None

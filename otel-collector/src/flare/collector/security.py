@@ -190,6 +190,6 @@ def exposure_problem(
     if _is_loopback(host) or tls_cfg or auth_cfg:
         return None
     return (
-        f"endpoint {endpoint} is reachable from other hosts without TLS or a bearer token; "
+        f"endpoint {endpoint} is reachable from other hosts with neither TLS nor a bearer token; "
         "bind it to 127.0.0.1 or add tls/auth settings"
     )

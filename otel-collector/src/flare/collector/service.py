@@ -79,6 +79,14 @@ _COUNTER_HELP = {
     "opamp_malformed": "OpAMP bodies that were not an AgentToServer (answered with a BadRequest "
                        "error response)",
     "opamp_requests_dropped": "capture requests dropped because their agent went away first",
+    "opamp_refused": "control-channel messages and requests refused, by cause: no or another "
+                     "agent's key, a rank held by a live agent, a changed identity, no job token, "
+                     "an oversized field, the agent cap, a caller without the job's or the "
+                     "operator's token",
+    "opamp_forgotten": "gone agents forgotten (after flare_opamp.forget_after, or to make room)",
+    "refused_connections": "connections (HTTP) or calls (gRPC) refused by a cap, by cause",
+    "timed_out_requests": "connections ended because a TLS handshake, a request's headers or "
+                          "its body did not arrive in time, by cause",
 }
 
 
@@ -182,7 +190,7 @@ class Collector:
         self._started = False
         self._stopped = False
         self._stop_lock = threading.Lock()
-        self.opamp = OpampServer(self.counters)  # the ranks' agents, served on OTLP/HTTP
+        self.opamp = OpampServer(self.counters, policy=cfg.opamp)  # the ranks' agents, on OTLP/HTTP
         self.registry.register_gauge_source(self._gauges)
         self._rank_gauges: _Throttled | None = None  # the store's per-rank gauges, when served
 
@@ -246,6 +254,7 @@ class Collector:
             self.counters, cfg.flush_interval_s,
         )
         try:
+            self._check_exposure()
             self._recover()
             self.worker.start()
             self._start_receivers()
@@ -266,6 +275,28 @@ class Collector:
             self.counters.add("replayed_requests", count)
             log.info("replayed %d request(s) from the write-ahead log in %.2f s",
                      count, time.monotonic() - started)
+
+    def _check_exposure(self) -> None:
+        """Refuse to serve off loopback with neither TLS nor a token, unless told to
+        (`service.insecure_expose`, `flare collector --insecure-expose`): then warn."""
+        from flare.collector.security import exposure_problem
+
+        cfg = self.config
+        used = {r for p in cfg.pipelines for r in p.receivers}
+        listeners = [(f"receivers.{rid}.protocols.{name}", proto)
+                     for rid, rcfg in cfg.receivers.items() if rid in used
+                     for name, proto in (("grpc", rcfg.grpc), ("http", rcfg.http)) if proto is not None]
+        listeners += [(f"extensions.{name}", ext) for name, ext in
+                      (("flare_metrics", cfg.metrics_endpoint), ("flare_query", cfg.query_endpoint))
+                      if ext is not None]
+        for where, listener in listeners:
+            problem = exposure_problem(str(listener.endpoint), listener.tls, listener.auth)
+            if problem is None:
+                continue
+            if not cfg.insecure_expose:
+                raise ConfigError(f"{where}: {problem}, or pass --insecure-expose "
+                                  "(service.insecure_expose: true) to serve it open anyway")
+            log.warning("%s: %s; serving it open because insecure_expose is set", where, problem)
 
     def _start_receivers(self) -> None:
         used = {r for p in self.config.pipelines for r in p.receivers}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flare.collector.errors import ConfigError
 
-NAMES = ("embedded", "jaeger", "tempo", "loadbalancing")
+NAMES = ("embedded", "secure", "jaeger", "tempo", "loadbalancing")
 DASHBOARD = "flare-dashboard.json"
 
 

@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,32 @@ class Counters:
 
     def help_text(self, name: str) -> str | None:
         return self._help.get(name)
+
+
+class Refusals:
+    """What a listener turns away, counted by cause and logged at most once per `every_s`
+    per cause (with how many there were since the last line), so a flood of hostile
+    clients costs one log line a minute, not one per connection."""
+
+    def __init__(self, counters: Counters, every_s: float = 60.0) -> None:
+        self.counters = counters
+        self.every_s = every_s
+        self._next: dict[tuple[str, str], float] = {}
+        self._unsaid: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, cause: str, message: str, *args: object, **labels: str) -> None:
+        self.counters.add(name, cause=cause, **labels)
+        key = (name, cause)
+        now = time.monotonic()
+        with self._lock:
+            unsaid = self._unsaid.get(key, 0) + 1
+            if now < self._next.get(key, 0.0):
+                self._unsaid[key] = unsaid
+                return
+            self._next[key], self._unsaid[key] = now + self.every_s, 0
+        more = f" ({unsaid - 1} more since the last such line)" if unsaid > 1 else ""
+        log.warning(message + more, *args)
 
 
 @dataclasses.dataclass
