@@ -395,3 +395,24 @@ def test_a_capture_body_over_64_kib_is_refused_unread(collector, helpers):
                                    content_type="application/json",
                                    headers={"Authorization": f"Bearer {TOKEN}"})
     assert status == 413 and body.decode().count("\n") <= 1
+
+
+def test_flare_capture_sends_the_job_token_and_says_why_it_is_refused(scoped_collector):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    client = _client(scoped_collector, 0, headers={"X-Flare-Job-Token": _job_token("job-a")})
+    client.send(client.build_full_state_message())
+    flare = str(Path(sys.executable).parent / "flare")
+    command = [flare, "capture", "--collector", f"http://{scoped_collector.http}", "--job", "job-a", "--ranks", "0"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                             env={**base, "FLARE_BACKEND_TOKEN": TOKEN})
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "HTTP 403" in refused.stderr and "X-Flare-Job-Token" in refused.stderr
+    asked = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                           env={**base, "FLARE_BACKEND_TOKEN": TOKEN, "FLARE_JOB_TOKEN": _job_token("job-a")})
+    assert asked.returncode == 0 and "asked job job-a ranks 0" in asked.stdout, asked.stderr
+    assert client.send(client.build_heartbeat_message()).HasField("remote_config")

@@ -135,18 +135,21 @@ class HttpClient:
         status, body = self.get(path, params)
         return status, self._json(path, status, body, allow)
 
-    def post_json(self, path: str, payload: Any) -> Any:
+    def post_json(self, path: str, payload: Any, headers: Mapping[str, str] | None = None) -> Any:
         """POST `payload` as JSON and decode the JSON answer (a status other than 200 is
         a BackendError naming it and the answer's first line)."""
         status, body = self._send("POST", self._conn.prefix + path, json.dumps(payload).encode(),
-                                  {"Content-Type": "application/json"})
+                                  {"Content-Type": "application/json", **(headers or {})})
         return self._json(path, status, body, ())
 
     def _json(self, path: str, status: int, body: bytes, allow: Iterable[int]) -> Any:
         if status in (401, 403):
+            # (a plain-text answer says why: the collector's control channel names the
+            # token it wants; a protobuf or HTML one is not quoted)
+            said = _first_line(body) if body[:1].isalpha() and body.isascii() else ""
             raise BackendError(
                 f"{self.product} at {self.base_url} refused the request (HTTP {status}): "
-                "check the bearer token or client certificate"
+                + (said if status == 403 and said else "check the bearer token or client certificate")
             )
         if status != 200 and status not in allow:
             raise BackendError(
