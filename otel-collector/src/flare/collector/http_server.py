@@ -323,7 +323,12 @@ class Handler(BaseHTTPRequestHandler):
         if self.body_length == CHUNKED:
             return self._read_chunked(limit)
         if self.body_length > limit:
-            self.close_connection = True  # the body is not read
+            # Read and dropped up to 1 MiB over, so the client, still sending, gets the
+            # 413 rather than a reset connection; beyond that, hang up.
+            if self.body_length <= limit + UNAUTHENTICATED_DRAIN and not self._expect_continue:
+                self._discard(self.body_length)
+            else:
+                self.close_connection = True
             raise PayloadTooLarge(f"body of {self.body_length} bytes exceeds the {limit} byte limit here")
         body = self.rfile.read(self.body_length)
         if len(body) != self.body_length:
