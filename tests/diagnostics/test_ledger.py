@@ -244,3 +244,96 @@ def test_a_periodic_stall_stays_periodic_across_a_stretch_where_its_rank_is_slow
     assert [(a.ranks, a.evidence["period_steps"]) for a in periodic] == [([3], 10)]
     assert periodic[0].evidence["stall_steps"] == list(range(10, 120, 10))
     assert any(a.evidence.get("pattern") is None and a.first_step == 40 for a in found)
+
+
+def test_a_culprit_whose_work_grew_is_the_jobs_however_long_it_also_waited_for_a_cpu():
+    """The FSDP2 + TP case on a loaded host: rank 2's own CPU per step grew by about half
+    its excess and its run-queue wait by the other half. It did more work: a straggler,
+    cause compute, never "the host"."""
+    diagnosis = diagnose(_job(job_spans("j", 4, 120, (Fault("busy_compute", 2, 30, 50.0),))))
+    assert [(a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies if a.kind == "straggler"] == [
+        ([2], "compute", 30)]
+    assert diagnosis.host_contention == []
+
+
+def test_a_job_wide_slowdown_without_more_work_is_the_host_not_compute():
+    """Every rank waits longer for a CPU, none does more work (other processes on the
+    host): no fail-slow of cause compute or communication; the host, said beside."""
+    faults = tuple(Fault("host", rank, 40, 30.0) for rank in range(4))
+    diagnosis = diagnose(_job(job_spans("j", 4, 120, faults)))
+    assert [(a.kind, a.cause) for a in diagnosis.anomalies] == []
+    assert [(h["ranks"], h["first_step"]) for h in diagnosis.host_contention] == [([], 40)]
+    text = render(diagnosis)
+    assert "No anomalies found." in text and "all ranks steps 40-119" in text
+    # the same slowdown with more work on every rank is the job's
+    worked = diagnose(_job(job_spans("j", 4, 120, tuple(Fault("compute", r, 40, 30.0) for r in range(4)))))
+    assert [(a.kind, a.cause) for a in worked.anomalies] == [("fail_slow", "compute")]
+
+
+def test_a_rank_slow_and_stalling_is_counted_once_in_where_the_time_went():
+    """Rank 1 computes 30 ms more every step and pauses 100 ms in GC every 5th: two
+    labels (two causes), but each lost second is credited once, split by what each adds
+    per step, so the table adds up to what was lost and never past it."""
+    faults = (Fault("compute", 1, 22, 30.0), Fault("gc", 1, 22, 100.0, every=5))
+    diagnosis = diagnose(_job(job_spans("j", 4, 300, faults)))
+    labels = {(a.cause, a.evidence.get("pattern")) for a in diagnosis.anomalies if a.kind == "straggler"}
+    assert labels == {("compute", None), ("gc", "periodic")}
+    rows = {(r["who"], r["cause"]): r["share"] for r in diagnosis.time_lost}
+    lost = sum(rows.values())
+    assert lost <= 1.0 and abs(lost - 0.49) < 0.05, rows
+    # 30 ms every step against 100 ms every 5th: about 60 / 40
+    assert 0.5 < rows[("rank 1", "compute")] / (lost - rows[("no label (noise, short stalls)", "-")]) < 0.7, rows
+
+
+def test_a_straggler_is_not_also_the_hosts_over_the_same_steps():
+    """Rank 1 is the job's straggler (its work grew) from step 22; over part of the run a
+    second label calls the same rank host-starved. The rank's extra run-queue wait came
+    with its extra work: no "The host, not the job" row for it. Another rank the host
+    starved is still said."""
+    from flare.diagnostics.model import Anomaly
+    from flare.diagnostics.pipeline import _host_contention
+
+    def label(ranks, first, last, host=False, cause="compute"):
+        return Anomaly(kind="straggler", ranks=ranks, cause=cause, first_step=first, last_step=last,
+                       impact=0.1, confidence=0.9, summary="",
+                       evidence={"host_starved": True} if host else {})
+
+    job = label([1], 22, 399)
+    kept, host = _host_contention([job, label([1], 33, 342, host=True), label([3], 50, 80, host=True)])
+    assert kept == [job]
+    assert [(h.ranks, h.first_step) for h in host] == [([3], 50)]
+
+
+def test_a_ranks_stalls_inside_its_own_slowdown_of_the_same_cause_are_its_evidence():
+    """`straggler 2 input 40-299` and `straggler 2 input 40-298 … stalls every 2 steps`
+    (a slow loader whose workers fall behind every other step) are one problem: one
+    label, the stalls its evidence. A stall pattern of another cause stays its own."""
+    from flare.diagnostics.model import Anomaly
+    from flare.diagnostics.pipeline import merge
+
+    def label(cause, first, last, **evidence):
+        return Anomaly(kind="straggler", ranks=[2], cause=cause, first_step=first, last_step=last,
+                       impact=0.5, confidence=0.9, summary="rank 2 is slow", evidence=dict(evidence))
+
+    slow = label("input", 40, 299)
+    stalls = label("input", 40, 298, pattern="periodic", period_steps=2, stall_ms=80.0)
+    gc = label("gc", 40, 290, pattern="periodic", period_steps=10, stall_ms=300.0)
+    kept = merge([slow, stalls, gc])
+    assert kept == [slow, gc]
+    assert slow.evidence["stalls"] == {"pattern": "periodic", "period_steps": 2, "stall_ms": 80.0}
+    assert slow.summary.endswith("it stalls every 2 steps")
+
+
+def test_a_hangs_time_is_named_in_where_the_time_went():
+    from flare.diagnostics import ledger as ledgers
+    from flare.diagnostics.model import Anomaly
+
+    book = ledgers.Ledger(lost_ms=np.zeros(10), step_ms=np.full(10, 100.0), steps=np.ones(10),
+                          culprits=np.zeros((4, 10), dtype=bool), significant=np.zeros(10, dtype=bool),
+                          warm=np.ones(10, dtype=bool), noise_ms=1.0, has_wait=True)
+    hang = Anomaly(kind="hang", ranks=[2], cause="software", first_step=10, last_step=None, impact=1.0,
+                   confidence=0.9, summary="hang at step 10", evidence={"elapsed_s": 3.0})
+    rows = ledgers.where_the_time_went(book, [hang])
+    assert rows[0] == {"who": "rank 2", "cause": "hang (software)", "kind": "hang", "seconds": 3.0,
+                       "share": 0.75}  # 3 s stuck of 1 s of steps + 3 s stuck
+    assert sum(r["share"] for r in rows) <= 1.0

@@ -121,21 +121,35 @@ def means(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | sli
     return out
 
 
-# A slowdown whose growth is at least this share run-queue wait, and less than this share
-# CPU burnt by the training thread, was the host's doing (other work took the CPU).
+# A slowdown whose growth is at least this share run-queue wait, with no more work done
+# (below), was the host's doing (other work took the CPU).
 HOST_STARVED_SHARE = 0.5
+# More work: the training thread's own CPU grew by this share of the excess, and by this
+# many ms at least. Then the slowdown is the job's on any host, however long the rank
+# also waited for a CPU: on a busy host the extra work waits for CPU slices as well (an
+# FSDP rank doing 40 extra matmuls on a loaded 2-core host: +24 ms of its own CPU and
+# +26 ms of run-queue wait per step; the rule that asked for half the excess in CPU
+# withdrew it as "the host").
+WORK_GREW_SHARE = 0.25
+WORK_GREW_FLOOR_MS = 2.0
+
+
+def work_grew(subject_mean: dict[str, float], reference_mean: dict[str, float], excess_ms: float) -> bool:
+    """Whether the subject's training thread burnt more CPU than the reference's (peers,
+    or its own past) by a part of the excess that more work, not contention, explains."""
+    burnt = subject_mean.get("thread_cpu", math.nan) - reference_mean.get("thread_cpu", math.nan)
+    return math.isfinite(burnt) and burnt >= max(WORK_GREW_FLOOR_MS, WORK_GREW_SHARE * excess_ms)
 
 
 def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float],
                  excess_ms: float) -> bool:
     """Whether the subject's excess over the reference (peers, or its own past) is the
-    host's doing: it waited for a CPU (run-queue time) without burning more CPU itself.
-    A CPU-hungry culprit on an oversubscribed host waits in the run queue too, but its
-    thread burns the extra CPU; a rank the host starves does the same work, later."""
+    host's doing: it waited for a CPU (run-queue time) without doing more work itself.
+    A rank the host starves does the same work, later; a rank whose work grew is the
+    job's however much it also waited (`work_grew`)."""
     if not excess_ms > 0:
         return False
     runqueue = subject_mean.get("runqueue", math.nan) - reference_mean.get("runqueue", math.nan)
-    burnt = subject_mean.get("thread_cpu", math.nan) - reference_mean.get("thread_cpu", math.nan)
     if not math.isfinite(runqueue) or runqueue < HOST_STARVED_SHARE * excess_ms:
         return False
-    return not (math.isfinite(burnt) and burnt >= HOST_STARVED_SHARE * excess_ms)
+    return not work_grew(subject_mean, reference_mean, excess_ms)

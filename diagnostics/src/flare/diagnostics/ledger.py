@@ -122,13 +122,42 @@ def noise_ms(deviation: np.ndarray) -> float:
     return mad(changes) / math.sqrt(2)
 
 
-def where_the_time_went(ledger: Ledger, labels: list) -> list[dict]:
+def where_the_time_went(ledger: Ledger, labels: list, cells=None) -> list[dict]:
     """Rows of the report's closing table: each rank-level label's seconds and share
-    of the run, then what no label explains."""
-    run_ms = ledger.run_ms
+    of the run, then what no label explains.
+
+    One count of each lost second: with `cells(label)` → (rows, columns) of the frame, a
+    straggler label is credited with its ranks' part of each step's loss in its steps;
+    where labels share a cell (a rank's slowdown and its periodic stalls, a rank and its
+    group) the cell is split between them by what each says it adds per step (its
+    excess, or its stall), so the table never adds up past what was lost.
+
+    A hang's row is the time the job has been stuck (its `elapsed_s`): the run's time is
+    then the finished steps' and the stuck time together, and every share is of that."""
+    hung_s = max((float(a.evidence.get("elapsed_s") or 0.0) for a in labels if a.kind == "hang"), default=0.0)
+    run_ms = ledger.run_ms + hung_s * 1e3
     rows = []
+    credited: dict[int, float] = {}
+    located = [(a, cells(a)) for a in labels if cells is not None and a.kind == "straggler"]
+    located = [(a, where) for a, where in located if where is not None]
+    if located:
+        size = np.maximum(ledger.culprits.sum(axis=0), 1)
+        cell_ms = np.where(ledger.culprits, (ledger.lost_ms * ledger.steps / size)[None, :], 0.0)
+        masks, weights = [], []
+        for anomaly, (at_rows, at_cols) in located:
+            mask = np.zeros_like(ledger.culprits)
+            mask[np.ix_(np.asarray(at_rows), np.asarray(at_cols))] = True
+            ev = anomaly.evidence
+            masks.append(mask & ledger.culprits)
+            weights.append(max(float(ev.get("stall_ms") or ev.get("excess_ms_per_step") or 0.0), 1e-6))
+        claims = sum(m * w for m, w in zip(masks, weights, strict=True))  # weight per cell
+        for (anomaly, _), mask, weight in zip(located, masks, weights, strict=True):
+            share = np.where(mask, weight / np.where(claims > 0, claims, 1.0), 0.0)
+            credited[id(anomaly)] = float(np.sum(share * cell_ms)) / 1e3
     for anomaly in labels:
-        lost = anomaly.evidence.get("lost_s")
+        lost = credited.get(id(anomaly), anomaly.evidence.get("lost_s"))
+        if anomaly.kind == "hang":
+            lost = anomaly.evidence.get("elapsed_s")
         if lost is None:
             continue
         who = anomaly.evidence.get("group") or (
@@ -137,6 +166,8 @@ def where_the_time_went(ledger: Ledger, labels: list) -> list[dict]:
         if anomaly.evidence.get("pattern"):
             who += f" ({anomaly.evidence['pattern']})"
         cause = "host CPU" if anomaly.evidence.get("host_starved") else anomaly.cause
+        if anomaly.kind == "hang":
+            cause = f"hang ({anomaly.cause})"
         rows.append({"who": who, "cause": cause, "kind": anomaly.kind,
                      "seconds": round(float(lost), 3),
                      "share": round(float(lost) * 1e3 / run_ms, 4) if run_ms > 0 else 0.0})

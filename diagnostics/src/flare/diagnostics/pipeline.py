@@ -216,10 +216,17 @@ def _host_contention(anomalies: list[Anomaly]) -> tuple[list[Anomaly], list[Anom
     """Stragglers the host starved of CPU (most of their excess was run-queue wait: other
     work on the machine) are the host's condition, not the job's fault: they leave the
     anomalies (with a fail-slow of the same ranks they explain) and are reported beside
-    them. A busy shared node must not make a healthy job look broken; it is still said."""
-    host = [a for a in anomalies if a.evidence.get("host_starved")]
-    if not host:
+    them. A busy shared node must not make a healthy job look broken; it is still said.
+    One the job's own straggler names over the same steps is neither: that rank's extra
+    run-queue wait came with its extra work and is counted there, once."""
+    if not any(a.evidence.get("host_starved") for a in anomalies):
         return anomalies, []
+    jobs = [a for a in anomalies if a.kind == "straggler" and not a.evidence.get("host_starved")]
+
+    def covered(a: Anomaly) -> bool:
+        return bool(a.ranks) and any(set(a.ranks) <= set(j.ranks) and _overlap(a, j) for j in jobs)
+
+    host = [a for a in anomalies if a.evidence.get("host_starved") and not covered(a)]
     stragglers = [a for a in host if a.kind == "straggler"]
     starved = {r for a in stragglers for r in a.ranks}
 
@@ -249,10 +256,28 @@ def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) 
     frame = frames.load(job, config)
     if frame is None or len(frame.ranks) < 2:
         return []
+    import numpy as np
+
     book, _ = straggler.ledger(job, frame, config)
-    labels = [a for a in anomalies if a.kind == "straggler"
+    labels = [a for a in anomalies if a.kind in ("straggler", "hang")
               or (a.kind == "fail_slow" and not a.ranks)]
-    return ledgers.where_the_time_went(book, labels)
+
+    def cells(anomaly: Anomaly):
+        if not anomaly.ranks or anomaly.first_step is None or anomaly.last_step is None:
+            return None
+        rows = [frame.row(r) for r in anomaly.ranks if r in set(frame.ranks.tolist())]
+        stalls = anomaly.evidence.get("stall_steps")
+        if stalls:  # a pattern of stalls: its stall steps, not the steps between
+            period = anomaly.evidence.get("period_steps")
+            if period:  # (the evidence lists the first 50)
+                stalls = range(int(stalls[0]), int(anomaly.last_step) + 1, int(period))
+            cols = np.unique([frame.column(step) for step in stalls])
+        else:
+            cols = np.flatnonzero((frame.steps >= frame.steps[frame.column(anomaly.first_step)])
+                                  & (frame.steps <= anomaly.last_step))
+        return (rows, cols) if rows and cols.size else None
+
+    return ledgers.where_the_time_went(book, labels, cells)
 
 
 def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
@@ -298,12 +323,26 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                           and _overlap(s, anomaly)), None)
         if anomaly.kind == "fail_slow" and not anomaly.ranks:
             _blame_straggler(anomaly, stragglers)
-            if not anomaly.ranks and anomaly.cause == "unknown":
+            if not anomaly.ranks and anomaly.cause == "unknown" and not anomaly.evidence.get("host_starved"):
                 # A whole-job slowdown with no rank and no part to blame is what a busier
                 # shared host looks like; Flare cannot see that host, so it says nothing.
                 continue
         elif anomaly.kind == "fail_slow":
             _agree_with_straggler(anomaly, stragglers)
+        if anomaly.kind == "straggler" and anomaly.evidence.get("pattern"):
+            # A rank's stalls of the same cause inside its own lasting slowdown are how
+            # that slowdown shows (a slow loader stalling every other step), not a
+            # second straggler: they become its evidence.
+            owner = next((s for s in stragglers if s is not anomaly and not s.evidence.get("pattern")
+                          and set(s.ranks) == set(anomaly.ranks) and s.cause == anomaly.cause
+                          and _overlap(s, anomaly)), None)
+            if owner is not None:
+                ev = anomaly.evidence
+                owner.evidence["stalls"] = {k: ev[k] for k in ("pattern", "period_steps", "stall_ms")
+                                            if k in ev}
+                if ev.get("period_steps"):
+                    owner.summary += f"; it stalls every {ev['period_steps']} steps"
+                continue
         if owner is None:
             kept.append(anomaly)
         else:
@@ -319,6 +358,7 @@ def _blame_straggler(fail_slow: Anomaly, stragglers: list[Anomaly]) -> None:
     if near:
         culprit = max(near, key=lambda s: s.impact)
         fail_slow.ranks = list(culprit.ranks)
+        fail_slow.evidence.pop("host_starved", None)  # the straggler's doing, not the host's
         fail_slow.cause = culprit.cause
         # The job's step time crosses its midpoint a little after the culprit slowed.
         fail_slow.first_step = min(onset, culprit.first_step or onset)

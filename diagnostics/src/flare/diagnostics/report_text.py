@@ -85,7 +85,8 @@ def _host(rows: list[dict]) -> list[str]:
         return []
     out = ["", "The host, not the job (ranks waiting for a CPU while other work ran):"]
     for row in rows:
-        out.append(f"    ranks {_ranks(row['ranks'])} steps {_steps(row['first_step'], row['last_step'])}: "
+        who = f"ranks {_ranks(row['ranks'])}" if row["ranks"] else "all ranks"
+        out.append(f"    {who} steps {_steps(row['first_step'], row['last_step'])}: "
                    f"+{row['runqueue_delta_ms'] or 0:.1f} ms/step waiting for a CPU, "
                    f"{row['share']:.0%} of the run's time")
     return out

@@ -101,6 +101,12 @@ def job_spans(
                     part["compute"] += f.extra_ms
                     runqueue += 0.9 * f.extra_ms
                     idle += f.extra_ms
+                elif f.kind == "busy_compute":
+                    # More compute on a busy host: the extra work waits for CPU slices
+                    # too, so about half the excess is run-queue wait, half own CPU.
+                    part["compute"] += f.extra_ms
+                    runqueue += 0.52 * f.extra_ms
+                    idle += 0.52 * f.extra_ms
                 elif f.kind == "busy_thread":
                     # A GIL-holding thread: the training thread's ops wait for the GIL
                     # (compute grows alone) while the other thread burns the CPU.

@@ -62,7 +62,9 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         now_work += now["wait"]
         past_work += past["wait"]
     mean_now, mean_past = means(frame, rows, after), means(frame, rows, before)
-    starved = bool(ranks) and host_starved(mean_now, mean_past, now_work - past_work)
+    # Job-wide too: every rank waiting longer for a CPU without more work is the host
+    # (other processes on it), never compute or communication.
+    starved = host_starved(mean_now, mean_past, (now_work - past_work) if ranks else point.after - point.before)
     why = attribute(now, past, config.cause_min_share, now_work, past_work, mean_now, mean_past)
     if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
         # Without byte counts a longer least wait may be a slower fabric or a busier
@@ -80,6 +82,11 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         + (f": {grew} time grew by {why.deltas_ms[grew]:.1f} ms/step" if why.cause != "unknown" else "")
         + _starved_text(why.cause, mean_now, mean_past)
     )
+    if starved:
+        summary = (f"the job slowed down by {point.shift:.0%} from step {first} "
+                   f"({point.before:.1f} → {point.after:.1f} ms/step): {who} waited "
+                   f"+{mean_now['runqueue'] - mean_past['runqueue']:.1f} ms/step for a CPU "
+                   "without doing more work (the host is busy with other work)")
     # Impact: what the slower steps cost over the whole run (seconds lost / seconds run).
     step_ms = nanmedian(frame.duration.astype(np.float64), axis=0)
     counts = np.ones(len(frame.steps)) * frame.bucket if frame.step_counts is None else frame.step_counts
