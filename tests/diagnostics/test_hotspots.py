@@ -25,3 +25,21 @@ def test_the_culprits_extra_line_comes_first_with_both_sides_per_step():
 
 def test_without_captures_of_the_labels_ranks_there_is_nothing_to_say():
     assert hotspots._compare([_capture(0, 41, {"a.py:1 in f": 5})], {2}, 40, 60) == []
+
+
+def test_culprit_and_peer_are_compared_over_the_steps_both_were_captured():
+    """The culprit captured over 12 steps, the peer over 40 (it was asked earlier): the
+    culprit's wait in a collective in its first steps must not outrank the function that
+    spends its extra time, so only the steps both have are compared."""
+    rows = []
+    for step in range(40, 52):  # both captured: the culprit's extra 38 ms in extra_matmuls
+        rows.append(_capture(1, step, {"fsdp_tp.py:39 in extra_matmuls": 4, "fsdp_tp.py:66 in main": 5}))
+        rows.append(_capture(3, step, {"fsdp_tp.py:66 in main": 5}))
+    for step in range(10, 40):  # the peer alone, earlier: not in the culprit's label
+        rows.append(_capture(3, step, {"fsdp_tp.py:66 in main": 1}))
+    for step in range(52, 55):  # the culprit alone, later, waiting in all_reduce
+        rows.append(_capture(1, step, {"fsdp_tp.py:66 in main": 30}))
+    found = hotspots._compare(rows, {1}, 10, 60)
+    assert found[0]["frame"] == "fsdp_tp.py:39 in extra_matmuls", found
+    assert found[0]["culprit_steps"] == found[0]["peer_steps"] == 12
+    assert [h["frame"] for h in found] == ["fsdp_tp.py:39 in extra_matmuls"]

@@ -42,12 +42,18 @@ def attach(job: JobData, anomalies: list[Anomaly]) -> None:
 
 
 def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int | None) -> list[dict]:
+    rows = [r for r in rows if r.get("step") is None or not (
+        (first is not None and r["step"] < first) or (last is not None and r["step"] > last))]
+    # Like against like: where culprit and peer were both captured over some of the same
+    # steps, only those steps are compared (a culprit captured over 12 steps against a peer
+    # over 40 compares different phases of the run: its wait in a collective came first).
+    steps = {side: {r.get("step") for r in rows if (int(r["rank"]) in culprits) == side} for side in (True, False)}
+    common = steps[True] & steps[False] - {None}
+    if common:
+        rows = [r for r in rows if r.get("step") in common]
     sides: dict[bool, tuple[dict[str, float], set]] = {True: ({}, set()), False: ({}, set())}
     for row in rows:
         step = row.get("step")
-        if step is not None and ((first is not None and step < first)
-                                 or (last is not None and step > last)):
-            continue
         ms, steps = sides[int(row["rank"]) in culprits]
         steps.add((row["rank"], step))
         interval = float(row.get(sc.CAPTURE_INTERVAL_MS) or 10.0)
