@@ -97,6 +97,13 @@ def test_hang_names_the_rank_and_line(store, fault, rank):
         native = hangs[0]["evidence"].get("native_frames") or []
         assert any("wait_for_shared_filesystem" in f for f in native), native
         assert any("sleep" in f and ("libc" in f or ".c:" in f) for f in native), native
+    # Ctrl-C: one line per process, not a traceback per rank above the report
+    said = "".join(run.stderr)
+    assert "KeyboardInterrupt" not in said and "SignalException: Process" not in said, said[-3000:]
+    assert f"flare: rank {rank} stopped by Ctrl-C at" in said and "torchrun stopped by Ctrl-C" in said
+    # the time table names the hang
+    assert any(r["kind"] == "hang" and r["cause"].startswith("hang") for r in report["time_lost"]), \
+        report["time_lost"]
     seconds = (alert[0] - run.onset_ns(rank, ONSET, end_of_previous=True)) / 1e9
     _record(fault, f"hang rank {rank} at {hangs[0]['callsite']}", seconds)
     assert seconds <= HANG_TIMEOUT_S + 10

@@ -105,6 +105,17 @@ class ErrorHooks:
 
     # ------------------------------------------------------------------ exceptions
     def _excepthook(self, exc_type, exc, tb) -> None:
+        if issubclass(exc_type, KeyboardInterrupt) and os.environ.get(semconv.ENV_RUN_PID):
+            # Ctrl-C under flare run: its report is what the user came for, not a
+            # traceback per rank above it (four ranks' made ~100 lines). One line each
+            # (torch.distributed's own hook, which calls this one, prefixes it [rankN]).
+            inner = tb
+            while inner is not None and inner.tb_next is not None:
+                inner = inner.tb_next
+            site = (frame_site(inner.tb_frame) if inner is not None else None) or traceback_site(tb)
+            sys.stderr.write(f"flare: rank {self.runtime.identity.rank} stopped by Ctrl-C"
+                             f"{f' at {site}' if site else ''}\n")
+            return
         try:
             if not issubclass(exc_type, KeyboardInterrupt):
                 self.record_exception(exc, tb)

@@ -31,6 +31,26 @@ def _version() -> tuple[int, int] | None:
     return major_minor(__version__)
 
 
+def quiet_interrupts(environ=os.environ) -> bool:
+    """Under `flare run` (FLARE_RUN_PID set), a launcher stopped by Ctrl-C or SIGTERM
+    says so in one line instead of its traceback (torchrun's SignalException, twice:
+    ~50 lines above flare run's report). Anything else is printed as before."""
+    if not environ.get("FLARE_RUN_PID"):
+        return False
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:
+        if issubclass(exc_type, KeyboardInterrupt) or exc_type.__name__ == "SignalException":
+            what = str(exc).rsplit(": ", 1)[-1] if exc_type.__name__ == "SignalException" else "2"
+            name = {"2": "Ctrl-C", "15": "SIGTERM"}.get(what, f"signal {what}")
+            sys.stderr.write(f"flare: {os.path.basename(sys.argv[0] or 'launcher')} stopped by {name}\n")
+            return
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    return True
+
+
 def keep_for_children(environ=os.environ) -> bool:
     """Put the auto-instrumentation folder back on PYTHONPATH when this process was
     started through it and an older opentelemetry-instrumentation took it off; True

@@ -108,9 +108,11 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         self._parts: list = []
         self._runtime = None
         if not in_training_rank() or _is_helper_of_a_rank():
-            from flare.instrumentation.launcher import keep_for_children
+            from flare.instrumentation.launcher import keep_for_children, quiet_interrupts
 
             keep_for_children()  # a launcher (torchrun): its ranks are instrumented too
+            if not _is_helper_of_a_rank():
+                quiet_interrupts()
             return
         try:
             import torch
