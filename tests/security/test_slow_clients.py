@@ -144,6 +144,24 @@ def test_connections_that_never_start_tls_are_closed_at_the_handshake_timeout(tm
             for s in idle:
                 s.close()
         assert _counter(collector, "timed_out_requests", cause="handshake", transport="http") == 5
+        # a client hello sent a byte every 0.2 s: the deadline is for the whole handshake
+        hello_context = ssl.create_default_context()
+        hello_context.check_hostname, hello_context.verify_mode = False, ssl.CERT_NONE
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        client = hello_context.wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+        with pytest.raises(ssl.SSLWantReadError):
+            client.do_handshake()
+        hello = outgoing.read()
+        with socket.create_connection(_host_port(collector.http_endpoint)) as slow:
+            started = time.monotonic()
+            try:
+                for byte in hello:
+                    slow.sendall(bytes([byte]))
+                    time.sleep(0.2)
+            except OSError:
+                pass  # cut off
+            assert time.monotonic() - started < 5.0
+        assert _counter(collector, "timed_out_requests", cause="handshake", transport="http") == 6
         # a client that does handshake is served as before
         context = ssl.create_default_context(cafile=certs["ca"] + ".pem")
         with socket.create_connection(_host_port(collector.http_endpoint)) as raw, \

@@ -30,7 +30,9 @@ from __future__ import annotations
 import io
 import logging
 import re
+import select
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -114,10 +116,8 @@ class Server(ThreadingHTTPServer):
         # broken client cannot hold up accept() for everyone else.
         if self.ssl_ctx is not None:
             owner = self.owner
-            request.settimeout(owner.limits.handshake_timeout_s)  # each read; few are needed
-            started = time.monotonic()
             try:
-                request = self.ssl_ctx.wrap_socket(request, server_side=True)
+                request = self._handshake(request)
             except TimeoutError:
                 owner.refusals.add("timed_out_requests", "handshake",
                                    "%s: a TLS handshake did not finish within %g s; connection closed",
@@ -127,12 +127,30 @@ class Server(ThreadingHTTPServer):
                 owner.counters.add("tls_handshake_errors", transport=owner.transport)
                 log.debug("TLS handshake from %s failed: %s", client_address, exc)
                 return
-            if time.monotonic() - started > owner.limits.handshake_timeout_s:
-                owner.refusals.add("timed_out_requests", "handshake",
-                                   "%s: a TLS handshake did not finish within %g s; connection closed",
-                                   owner.label, owner.limits.handshake_timeout_s, transport=owner.transport)
-                return
         super().finish_request(request, client_address)
+
+    def _handshake(self, sock: socket.socket) -> ssl.SSLSocket:
+        """The server side of a TLS handshake, all of it within `handshake_timeout` (a
+        client that sends its hello a byte at a time is cut off too)."""
+        deadline = time.monotonic() + self.owner.limits.handshake_timeout_s
+        conn = self.ssl_ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        conn.setblocking(False)
+        while True:
+            try:
+                conn.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                event = select.POLLIN
+            except ssl.SSLWantWriteError:
+                event = select.POLLOUT
+            poller = select.poll()  # (not select(): descriptors past 1,024 are normal here)
+            poller.register(conn, event)
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                conn.close()
+                raise TimeoutError
+        conn.setblocking(True)
+        return conn
 
 
 class _DeadlineReader(io.RawIOBase):
