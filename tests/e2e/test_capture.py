@@ -44,7 +44,8 @@ def test_a_live_straggler_is_given_its_line(store, fault):
     # asked of the culprit and one peer only: no other rank captured
     captured = {rank for (rank,) in run.query(
         "SELECT DISTINCT rank FROM spans WHERE job = ? AND name = 'flare.capture'", [run.job])}
-    assert 2 in captured and len(captured) == 2, captured
+    assert 2 in captured and len(captured) == 2, (captured, "".join(
+        line for line in run.stderr if line.startswith(("flare:", "1", "0", "2"))))
     # the line came live, within 30 s of the fault's onset
     located = next((t for t, line in run.alerts if "[straggler]" in line and " at " in line
                     and top["frame"].rsplit(" in ", 1)[-1] in line), None)
