@@ -188,4 +188,7 @@ def describe(report: dict) -> str:
                      f"{a['last_step']} impact {a['impact']} evidence "
                      f"{ {k: a['evidence'][k] for k in ('group', 'pattern', 'period_steps') if k in a['evidence']} }"
                      f" keys {sorted(a['evidence'])}")
+    for row in report.get("host_contention", []):
+        lines.append(f"host contention ranks {row['ranks']} steps {row['first_step']}-{row['last_step']} "
+                     f"runqueue +{row['runqueue_delta_ms']} ms/step share {row['share']}")
     return "\n".join(lines) or "no anomalies"
