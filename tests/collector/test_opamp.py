@@ -416,3 +416,18 @@ def test_flare_capture_sends_the_job_token_and_says_why_it_is_refused(scoped_col
                            env={**base, "FLARE_BACKEND_TOKEN": TOKEN, "FLARE_JOB_TOKEN": _job_token("job-a")})
     assert asked.returncode == 0 and "asked job job-a ranks 0" in asked.stdout, asked.stderr
     assert client.send(client.build_heartbeat_message()).HasField("remote_config")
+
+
+def test_an_agent_back_after_it_was_gone_does_not_share_its_rank_with_its_successor():
+    from flare.collector.opamp import OpampServer
+    from flare.collector.telemetry import Counters
+
+    server = OpampServer(Counters(), gone_after_s=0.2)
+    old, new = KEY, {"X-Flare-Agent-Key": "the-restarted-ranks-key"}
+    assert server.handle(_describe(b"o" * 16, "job-h", 1), old)[0] == 200
+    time.sleep(0.3)  # gone; the rank restarts under a new uid and takes its rank
+    assert server.handle(_describe(b"n" * 16, "job-h", 1), new)[0] == 200
+    heartbeat = opamp_pb2.AgentToServer(instance_uid=b"o" * 16).SerializeToString()
+    assert server.handle(heartbeat, old)[0] == 409
+    assert server.request_capture("job-h", [1], 5)["asked"] == [1]
+    assert sorted((a["state"], a["pending"]) for a in server.agents()) == [("alive", True), ("gone", False)]

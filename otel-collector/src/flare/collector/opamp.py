@@ -213,6 +213,12 @@ class OpampServer:
         if agent is not None and not hmac.compare_digest(agent.key_hash, _digest(key)):
             raise Denied(403, "agent_key", f"instance uid {uid.hex()} belongs to another agent")
         new = agent is None
+        if agent is not None and agent.gone and agent.job is not None and agent.rank is not None:
+            holder = self._holders.get((agent.job, agent.rank))
+            if holder is not None and holder is not agent and not holder.gone:
+                # back after it was gone, but its rank is another live agent's now
+                raise Denied(409, "identity_taken", f"rank {agent.rank} of job {agent.job} is held by "
+                             "another live agent since this one went")
         if new:
             self._make_room()
             agent = Agent(uid=uid, key_hash=_digest(key), first_seen=now)
@@ -285,6 +291,8 @@ class OpampServer:
                 raise Denied(403, "job_token", f"no valid {JOB_TOKEN_HEADER} for job {job}")
         if job is not None and rank is not None:
             holder = self._holders.get((job, rank))
+            if holder is not None and holder is not agent and not holder.gone and self._overdue(holder):
+                self._drop(holder, "a new agent registered its rank after it fell silent")
             if holder is not None and holder is not agent and not holder.gone:
                 raise Denied(409, "identity_taken",
                              f"rank {rank} of job {job} is held by a live agent; a second one is refused "
@@ -307,12 +315,16 @@ class OpampServer:
             del self._holders[(agent.job, agent.rank)]
         self.counters.add("opamp_forgotten")
 
+    def _overdue(self, agent: Agent, now: float | None = None) -> bool:
+        silent = (time.monotonic() if now is None else now) - agent.last_seen
+        return silent > max(self.gone_after_s, 3 * agent.interval_s)
+
     def _expire(self, now: float, every_s: float = 1.0) -> None:
         if now - self._expired_at < every_s:
             return  # (a pass over every agent, at most once a second per poll)
         self._expired_at = now
         for agent in list(self._agents.values()):
-            if not agent.gone and now - agent.last_seen > max(self.gone_after_s, 3 * agent.interval_s):
+            if not agent.gone and self._overdue(agent, now):
                 self._drop(agent, f"not heard from for {now - agent.last_seen:.0f} s")
             elif agent.gone and now - agent.gone_at >= self.policy.forget_after_s:
                 self._forget(agent)
