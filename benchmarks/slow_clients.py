@@ -82,6 +82,8 @@ def _collector(d: Path, certs: dict[str, str]) -> tuple[subprocess.Popen, dict[s
         if match:
             return proc, dict(p.split(" ", 1) for p in match.group(1).split(", "))
         time.sleep(0.1)
+    proc.kill()
+    proc.wait(10)
     raise SystemExit(f"the collector did not start:\n{(d / 'c.log').read_text()}")
 
 

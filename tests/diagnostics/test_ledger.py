@@ -322,6 +322,10 @@ def test_a_ranks_stalls_inside_its_own_slowdown_of_the_same_cause_are_its_eviden
     assert kept == [slow, gc]
     assert slow.evidence["stalls"] == {"pattern": "periodic", "period_steps": 2, "stall_ms": 80.0}
     assert slow.summary.endswith("it stalls every 2 steps")
+    # a short stretch of the same cause inside a long pattern is not its owner: both stay
+    burst = label("compute", 48, 58)
+    checkpoint = label("compute", 8, 56, pattern="periodic", period_steps=8, stall_ms=80.0)
+    assert merge([burst, checkpoint]) == [burst, checkpoint]
 
 
 def test_a_hangs_time_is_named_in_where_the_time_went():

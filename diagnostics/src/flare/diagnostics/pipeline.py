@@ -335,7 +335,7 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             # second straggler: they become its evidence.
             owner = next((s for s in stragglers if s is not anomaly and not s.evidence.get("pattern")
                           and set(s.ranks) == set(anomaly.ranks) and s.cause == anomaly.cause
-                          and _overlap(s, anomaly)), None)
+                          and _covers(s, anomaly)), None)
             if owner is not None:
                 ev = anomaly.evidence
                 owner.evidence["stalls"] = {k: ev[k] for k in ("pattern", "period_steps", "stall_ms")
@@ -380,6 +380,16 @@ def _agree_with_straggler(fail_slow: Anomaly, stragglers: list[Anomaly]) -> None
     if same is not None and same.cause != fail_slow.cause:
         fail_slow.evidence["own_history_cause"] = fail_slow.cause
         fail_slow.cause = same.cause
+
+
+def _covers(outer: Anomaly, inner: Anomaly, share: float = 0.8) -> bool:
+    """Whether `outer`'s steps span at least `share` of `inner`'s (a lasting slowdown and
+    its own stalls over the same stretch; not a short burst inside a long pattern)."""
+    if inner.first_step is None or inner.last_step is None or outer.first_step is None:
+        return _overlap(outer, inner)
+    last = outer.last_step if outer.last_step is not None else inner.last_step
+    common = min(last, inner.last_step) - max(outer.first_step, inner.first_step) + 1
+    return common >= share * (inner.last_step - inner.first_step + 1)
 
 
 def _overlap(a: Anomaly, b: Anomaly) -> bool:
