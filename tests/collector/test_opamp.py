@@ -390,7 +390,7 @@ def test_a_hostile_capture_request_is_one_line_400_and_asks_nothing(collector, b
     assert collector.scrape().get("flare_collector_internal_errors_total", 0) == 0
 
 
-def test_a_capture_body_over_64_kib_is_refused_unread(collector, helpers):
+def test_a_capture_body_over_64_kib_is_refused_with_a_413(collector, helpers):
     status, _, body = helpers.post(f"http://{collector.http}/flare/v1/capture", b"[" * 100_000,
                                    content_type="application/json",
                                    headers={"Authorization": f"Bearer {TOKEN}"})
