@@ -611,15 +611,14 @@ def main(
 def control_headers() -> dict[str, str]:
     """The control channel's credentials from the environment: the job's token
     (FLARE_JOB_TOKEN: that job only) and the operator's (FLARE_OPERATOR_TOKEN: any job)."""
+    from flare.diagnostics.backends.jaeger import header_token
+
     headers = {}
     for env, header in ((sc.ENV_JOB_TOKEN, sc.HEADER_JOB_TOKEN),
                         (sc.ENV_OPERATOR_TOKEN, sc.HEADER_OPERATOR_TOKEN)):
         value = os.environ.get(env)
         if value:
-            if not all("!" <= c <= "~" for c in value):
-                raise BackendError(f"{env} holds characters a token cannot have (spaces, line breaks "
-                                   "or non-ASCII); only visible ASCII characters can be sent")
-            headers[header] = value
+            headers[header] = header_token(value, env)
     return headers
 
 

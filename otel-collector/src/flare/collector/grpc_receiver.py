@@ -109,8 +109,7 @@ class GrpcReceiver:
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        for cause in ("in_flight_cap",):
-            counters.add("refused_connections", 0.0, cause=cause, transport="grpc")
+        counters.add("refused_connections", 0.0, cause="in_flight_cap", transport="grpc")
         counters.add("timed_out_requests", 0.0, cause="body", transport="grpc")
 
     # ------------------------------------------------------------------ a call

@@ -284,11 +284,9 @@ class OpampServer:
             raise Denied(403, "identity_changed",
                          f"this agent registered as rank {agent.rank} of job {agent.job}; it cannot become "
                          f"rank {rank} of job {job}")
-        secret = self.policy.job_secret
-        if secret is not None and job is not None and agent.job is None:
-            given = headers.get(JOB_TOKEN_HEADER) or ""
-            if not hmac.compare_digest(given.encode("utf-8", "replace"), job_token(secret, job).encode()):
-                raise Denied(403, "job_token", f"no valid {JOB_TOKEN_HEADER} for job {job}")
+        if self.policy.job_secret is not None and job is not None and agent.job is None \
+                and not self._job_token_ok(headers, job):
+            raise Denied(403, "job_token", f"no valid {JOB_TOKEN_HEADER} for job {job}")
         if job is not None and rank is not None:
             holder = self._holders.get((job, rank))
             if holder is not None and holder is not agent and not holder.gone and self._overdue(holder):
@@ -351,8 +349,12 @@ class OpampServer:
         """True when the caller may list or capture `job` (None: every job)."""
         if not self.scoped or self.is_operator(headers):
             return True
+        return job is not None and self._job_token_ok(headers, job)
+
+    def _job_token_ok(self, headers: Mapping[str, str], job: str) -> bool:
+        """The request carries `job`'s token (constant-time; False without a job secret)."""
         secret, given = self.policy.job_secret, headers.get(JOB_TOKEN_HEADER)
-        return secret is not None and job is not None and given is not None \
+        return secret is not None and given is not None \
             and hmac.compare_digest(given.encode("utf-8", "replace"), job_token(secret, job).encode())
 
     def check_control(self, headers: Mapping[str, str], job: str | None) -> None:

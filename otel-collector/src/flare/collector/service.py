@@ -36,7 +36,7 @@ from flare.collector.opamp import OpampServer
 from flare.collector.pipeline import Pipeline, Stage
 from flare.collector.query_api import RankGauges
 from flare.collector.receiver import Acceptor
-from flare.collector.security_hooks import bearer_auth
+from flare.collector.security_hooks import bearer_auth, load_security
 from flare.collector.telemetry import Registry, Source
 from flare.collector.wal import SIGNAL_METRICS, SIGNAL_TRACES, WriteAheadLog
 from flare.collector.worker import Worker, is_durable, parse_record
@@ -279,8 +279,7 @@ class Collector:
     def _check_exposure(self) -> None:
         """Refuse to serve off loopback with neither TLS nor a token, unless told to
         (`service.insecure_expose`, `flare collector --insecure-expose`): then warn."""
-        from flare.collector.security import exposure_problem
-
+        exposure_problem = load_security().exposure_problem
         cfg = self.config
         used = {r for p in cfg.pipelines for r in p.receivers}
         listeners = [(f"receivers.{rid}.protocols.{name}", proto)

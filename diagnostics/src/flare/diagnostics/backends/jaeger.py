@@ -76,14 +76,7 @@ class HttpClient:
         self.base_url = base_url.rstrip("/")
         self._headers = {"Accept": "application/json", "User-Agent": "flare-diagnostics"}
         if bearer_token:
-            # An HTTP header carries visible ASCII only: a line break or a non-ASCII
-            # letter would fail in the send (ValueError, UnicodeEncodeError) instead.
-            # The token itself is never quoted back.
-            if not all("!" <= c <= "~" for c in bearer_token):
-                raise BackendError(f"{token_from} holds characters a bearer token cannot "
-                                   "have (spaces, line breaks or non-ASCII); only visible "
-                                   "ASCII characters can be sent")
-            self._headers["Authorization"] = f"Bearer {bearer_token}"
+            self._headers["Authorization"] = f"Bearer {header_token(bearer_token, token_from)}"
         context: ssl.SSLContext | None = None
         if parsed.scheme == "https":
             try:
@@ -167,6 +160,16 @@ class HttpClient:
                 f"{self.product} at {self.base_url} answered {path} with something that is "
                 f"not JSON: {_first_line(body)}"
             ) from None
+
+
+def header_token(value: str, setting: str) -> str:
+    """`value` as an HTTP header may carry it (visible ASCII only: a line break or a
+    non-ASCII letter would fail in the send, ValueError or UnicodeEncodeError), or a
+    BackendError naming `setting`; the token itself is never quoted back."""
+    if not all("!" <= c <= "~" for c in value):
+        raise BackendError(f"{setting} holds characters a bearer token cannot have (spaces, line "
+                           "breaks or non-ASCII); only visible ASCII characters can be sent")
+    return value
 
 
 def _first_line(body: bytes) -> str:
