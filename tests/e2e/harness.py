@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -60,6 +61,50 @@ def run_plain(command: list[str], cwd: Path, timeout_s: float = 240) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+')
+
+
+def flare_tracebacks(lines: list[str]) -> list[str]:
+    """The tracebacks raised in Flare's own code among a job's stderr lines: those whose
+    innermost frame is in a `flare` package and is not a wrapper handing the call on
+    to the function it wraps (a collective that fails under Flare's hook is the job's
+    error, not Flare's). The ranks, torchrun and flare run share one pipe, so each
+    process's lines are followed by their [rankN] prefix, and a traceback that starts
+    mid-line (another process's text before it) still counts."""
+    blocks: dict[str, list[str]] = {}
+    done: list[list[str]] = []
+    for raw in lines:
+        line = raw.rstrip("\n")
+        at = line.find("Traceback (most recent call last)")
+        if at >= 0:
+            before = re.search(r"\[(?:rank|default)\d+\]:\s?$", line[:at])
+            prefix = before.group(0) if before else ""
+            if prefix in blocks:
+                done.append(blocks.pop(prefix))
+            blocks[prefix] = [line]
+            continue
+        match = _RANK_PREFIX.match(line)
+        prefix = match.group(0) if match else ""
+        if prefix in blocks:
+            body = line[len(prefix):]
+            blocks[prefix].append(line)
+            if body and not body.startswith((" ", "\t")):  # the exception line ends it
+                done.append(blocks.pop(prefix))
+    done.extend(blocks.values())
+    ours = []
+    for block in done:
+        frames = [(i, m.group(1)) for i, text in enumerate(block)
+                  if (m := _FRAME.match(_RANK_PREFIX.sub("", text)))]
+        if not frames:
+            continue
+        index, path = frames[-1]
+        code = _RANK_PREFIX.sub("", block[index + 1]).strip() if index + 1 < len(block) else ""
+        if "/flare/" in path and not re.search(r"\boriginal\w*\(", code):
+            ours.append("\n".join(block))
+    return ours
+
+
 class FlareRun:
     """One `flare run --format json -o JOB.json` of `command` (what follows `--`), with
     its live alerts timestamped on arrival."""
@@ -99,7 +144,8 @@ class FlareRun:
             raise
         self._reader.join(timeout=10)
         assert self.report_path.exists(), "".join(self.stderr[-30:])
-        assert not any("Traceback" in line for line in self.stderr if "flare" in line)
+        ours = flare_tracebacks(self.stderr)
+        assert not ours, "\n\n".join(ours)
         return json.loads(self.report_path.read_text())
 
     def interrupt(self) -> None:
