@@ -341,3 +341,40 @@ def test_a_hangs_time_is_named_in_where_the_time_went():
     assert rows[0] == {"who": "rank 2", "cause": "hang (software)", "kind": "hang", "seconds": 3.0,
                        "share": 0.75}  # 3 s stuck of 1 s of steps + 3 s stuck
     assert sum(r["share"] for r in rows) <= 1.0
+
+
+def _without_runqueue(table: pa.Table, ranks: set[int]) -> pa.Table:
+    """The table as ranks on a host without scheduler statistics report it: their
+    training thread's CPU per step, no run-queue wait."""
+    import json
+
+    rows = []
+    for attrs, rank in zip(table["attributes"].to_pylist(), table["rank"].to_pylist(), strict=True):
+        values = json.loads(attrs)
+        if rank in ranks:
+            values.pop("flare.step.cpu.runqueue_ms", None)
+        rows.append(json.dumps(values))
+    return table.set_column(table.schema.get_field_index("attributes"), "attributes", pa.array(rows))
+
+
+def test_ranks_whose_host_hides_scheduler_statistics_are_said_once_and_labelled_by_work():
+    """A container that hides /proc/thread-self/schedstat: the ranks report their CPU but
+    no run-queue wait. The report says once that contention cannot be told apart there,
+    a straggler whose work grew is still named, and nothing is withdrawn as the host's."""
+    table = _without_runqueue(job_spans("j", 4, 80, (Fault("compute", 2, 30, 40.0),)), {1, 2})
+    diagnosis = diagnose(_job(table))
+    assert [(a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies if a.kind == "straggler"] == [
+        ([2], "compute", 30)]
+    assert diagnosis.contention_unknown["ranks"] == [1, 2]
+    assert diagnosis.host_contention == []
+    text = render(diagnosis)
+    assert text.count("Host contention unknown: ranks 1,2 report no run-queue wait") == 1, text
+    assert diagnosis.to_json()["contention_unknown"]["ranks"] == [1, 2]
+    # a rank starved by the host, on such a host: not withdrawn as "the host", said once
+    starved = diagnose(_job(_without_runqueue(job_spans("j", 4, 80, (Fault("host", 2, 30, 40.0),)),
+                                              {0, 1, 2, 3})))
+    assert starved.host_contention == []
+    assert [a.ranks for a in starved.anomalies if a.kind == "straggler"] == [[2]]
+    assert render(starved).count("Host contention unknown") == 1
+    # where every rank reports its wait, nothing is said
+    assert diagnose(_job(job_spans("j", 4, 80))).contention_unknown is None

@@ -114,6 +114,9 @@ class Diagnosis:
     # their wait is unknown and inside compute; said once here and in the labels'
     # evidence (see _wait_unknown).
     wait_unknown: dict | None = None
+    # Ranks whose host gives no scheduler statistics (no run-queue wait: not Linux, or a
+    # container that hides /proc/thread-self/schedstat): said once (see _contention_unknown).
+    contention_unknown: dict | None = None
 
     def to_json(self) -> dict:
         out = {
@@ -130,6 +133,8 @@ class Diagnosis:
             out["host_contention"] = list(self.host_contention)
         if self.wait_unknown:
             out["wait_unknown"] = dict(self.wait_unknown)
+        if self.contention_unknown:
+            out["contention_unknown"] = dict(self.contention_unknown)
         if self.detector_errors:  # a partial report says so in itself, not only on stderr
             out["detector_errors"] = dict(self.detector_errors)
         return out
@@ -171,7 +176,35 @@ def diagnose(
             anomaly.trace_ids = list(dict.fromkeys(t for t, _ in links[anomaly.key]))[:5]
     return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached,
                      _time_lost(cached, config, anomalies + host),
-                     host_contention=[_host_row(a) for a in host], wait_unknown=unknown)
+                     host_contention=[_host_row(a) for a in host], wait_unknown=unknown,
+                     contention_unknown=_contention_unknown(cached, config))
+
+
+CONTENTION_UNKNOWN_TEXT = ("report no run-queue wait (their host gives no scheduler statistics, "
+                           "/proc/thread-self/schedstat): contention from other work on the host "
+                           "cannot be told apart from the job's own there, and they are labelled "
+                           "by their work alone")
+
+
+def _contention_unknown(job: JobData, config: DiagnosisConfig) -> dict | None:
+    """Ranks whose steps carry their training thread's CPU but never its run-queue wait.
+    Without that wait a slowdown cannot be split into more work and a busy host, so
+    no label of theirs is withdrawn as the host's (the rules need the wait to claim
+    it): the report says so once rather than let "no host contention" read as measured."""
+    import numpy as np
+
+    from flare.diagnostics import frame as frames
+
+    frame = frames.load(job, config)
+    if frame is None or frame.thread_cpu is None:
+        return None  # an older instrumentation, or no step summaries: nothing is claimed
+    reported = np.isfinite(frame.thread_cpu).any(axis=1)
+    waits = (np.isfinite(frame.runqueue).any(axis=1) if frame.runqueue is not None
+             else np.zeros(len(frame.ranks), dtype=bool))
+    blind = reported & ~waits
+    if not blind.any():
+        return None
+    return {"ranks": [int(r) for r in frame.ranks[blind]], "note": CONTENTION_UNKNOWN_TEXT}
 
 
 WAIT_UNKNOWN_TEXT = ("collective(s) per step that Flare could not time (issued from C++ code or a compiled "

@@ -43,7 +43,8 @@ def render(diagnosis: Diagnosis, job: JobData, config: DiagnosisConfig) -> str:
              f"<p>Backend {_e(diagnosis.backend)}; "
              + (f"steps {diagnosis.steps[0]}–{diagnosis.steps[1]}" if diagnosis.steps else "no steps")
              + (f"; {len(frame.ranks)} ranks" if frame is not None else "") + "</p>",
-             "<h2>Anomalies</h2>", _anomalies(diagnosis), _wait_unknown(diagnosis), _time_lost(diagnosis),
+             "<h2>Anomalies</h2>", _anomalies(diagnosis), _wait_unknown(diagnosis),
+             _contention_unknown(diagnosis), _time_lost(diagnosis),
              _withdrawn(diagnosis), _flame_graphs(diagnosis, job)]
     if frame is not None:
         parts += ["<h2>Step time, rank × step</h2>", _heat(frame.duration, frame, "ms per step"),
@@ -86,6 +87,14 @@ def _wait_unknown(diagnosis: Diagnosis) -> str:
         return ""
     return (f"<p class='bad'><b>Wait unknown</b>: ranks {_e(', '.join(map(str, row['ranks'])))} "
             f"ran {row['collectives_per_step']:g} {_e(row['note'])}.</p>")
+
+
+def _contention_unknown(diagnosis: Diagnosis) -> str:
+    row = diagnosis.contention_unknown
+    if not row:
+        return ""
+    return (f"<p class='bad'><b>Host contention unknown</b>: ranks "
+            f"{_e(', '.join(map(str, row['ranks'])))} {_e(row['note'])}.</p>")
 
 
 def _withdrawn(diagnosis: Diagnosis) -> str:

@@ -41,6 +41,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
                      else "No anomalies found.")
         lines.extend(_host(diagnosis.host_contention))
         lines.extend(_wait_unknown(diagnosis.wait_unknown))
+        lines.extend(_contention_unknown(diagnosis.contention_unknown))
         lines.extend(_withdrawn(diagnosis.withdrawn))
         return "\n".join(lines) + "\n"
     lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
@@ -63,6 +64,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
                          + (" < …" if len(native) > NATIVE_SHOWN else ""))
     lines.extend(_host(diagnosis.host_contention))
     lines.extend(_wait_unknown(diagnosis.wait_unknown))
+    lines.extend(_contention_unknown(diagnosis.contention_unknown))
     lines.extend(_time_table(diagnosis.time_lost))
     lines.extend(_withdrawn(diagnosis.withdrawn))
     lines.append("")
@@ -77,6 +79,12 @@ def _wait_unknown(row: dict | None) -> list[str]:
     return ["", f"Wait unknown: ranks {_ranks(row['ranks'])} steps "
                 f"{_steps(row['first_step'], row['last_step'])} ran "
                 f"{row['collectives_per_step']:g} {row['note']}."]
+
+
+def _contention_unknown(row: dict | None) -> list[str]:
+    if not row:
+        return []
+    return ["", f"Host contention unknown: ranks {_ranks(row['ranks'])} {row['note']}."]
 
 
 def _host(rows: list[dict]) -> list[str]:
