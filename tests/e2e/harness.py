@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from flare.exporters import store as flare_store
@@ -216,14 +217,71 @@ def stall_share(steps: dict[int, dict[int, float]], stall_steps: list[int]) -> f
 
 
 @contextmanager
-def busy_core():
-    """Another process burning one core for as long as the block runs."""
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def busy_host(per_core: int = 1):
+    """`per_core` processes per core of the host burning CPU for as long as the block
+    runs, beside the job itself: the loaded host every diagnosis scenario must hold on
+    (users' nodes run dataloader workers, checkpoint writers and neighbours' jobs)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(per_core * (os.cpu_count() or 1))]
     try:
-        yield hog
+        yield hogs
     finally:
-        hog.kill()
-        hog.wait(timeout=10)
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait(timeout=10)
+
+
+# Every diagnosis scenario runs on a quiet host and on a loaded one (busy_host) and must
+# give the same answer on both: {scenario: {host: Verdict}}, printed as one table at the
+# end of the run (conftest.py) and compared as each loaded variant finishes (agree()).
+VERDICTS: dict[str, dict[str, Verdict]] = {}
+ONSET_SLACK = 3  # steps a loaded variant's onset may differ from the quiet one's
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a scenario's diagnosis said: each label's kind, ranks, cause and onset, and
+    the line (the function of the first label's call site), if the scenario has one."""
+
+    labels: tuple[tuple[str, tuple[int, ...], str, int | None], ...]
+    line: str | None = None
+
+    @classmethod
+    def of(cls, report: dict, line: str | None = None) -> Verdict:
+        labels = sorted((a["kind"], tuple(a["ranks"]), a["cause"], a["first_step"])
+                        for a in report["anomalies"])
+        return cls(tuple(labels), line)
+
+    def text(self) -> str:
+        said = ", ".join(f"{kind} {list(ranks)} {cause}" + ("" if onset is None else f" @{onset}")
+                         for kind, ranks, cause, onset in self.labels) or "no anomalies"
+        return said + (f" · {self.line}" if self.line else "")
+
+    def differences(self, other: Verdict) -> list[str]:
+        """How `other` (the loaded variant) differs from this one (the quiet variant)."""
+        mine = [label[:3] for label in self.labels]
+        theirs = [label[:3] for label in other.labels]
+        if mine != theirs:
+            return [f"labels {self.text()} -> {other.text()}"]
+        out = [f"{kind} {list(ranks)} onset {a} -> {b}"
+               for (kind, ranks, _cause, a), (*_, b) in zip(self.labels, other.labels, strict=True)
+               if (a is None) != (b is None) or (a is not None and abs(a - b) > ONSET_SLACK)]
+        if self.line != other.line:
+            out.append(f"line {self.line} -> {other.line}")
+        return out
+
+
+def agree(scenario: str, host: str, report: dict, line: str | None = None) -> Verdict:
+    """Record `scenario`'s verdict on `host`; a loaded variant must say what the quiet
+    one said (same labels and causes, onsets within ONSET_SLACK steps, same line)."""
+    verdict = Verdict.of(report, line)
+    VERDICTS.setdefault(scenario, {})[host] = verdict
+    quiet = VERDICTS[scenario].get("quiet")
+    if host == "loaded" and quiet is not None:
+        differences = quiet.differences(verdict)
+        assert not differences, f"{scenario}: loaded differs from quiet: {'; '.join(differences)}"
+    return verdict
 
 
 def describe(report: dict) -> str:

@@ -2,7 +2,9 @@
 peer for a targeted capture when the live label appears, and the label gains the line
 the culprit spends its extra time on (the slowing function of the injected fault). The
 compute scenario is also fault injection's compute slowdown: its labels, onset and live
-alerts are asserted here (`_compute_labels_and_report`).
+alerts are asserted here (`_compute_labels_and_report`). Each runs on a quiet host and on
+a loaded one (one busy process per core beside the job: the `host` fixture), which must
+give the same labels and the same line.
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ LINES = {"compute": r"examples/train_ddp\.py:\d+ in burn_compute$",
 
 
 @pytest.mark.parametrize("fault", ["compute", "input", "cpu"])
-def test_a_live_straggler_is_given_its_line(store, fault):
+def test_a_live_straggler_is_given_its_line(store, host, fault):
     started = time.time()
-    run = harness.FlareRun(store, f"capture_{fault}", harness.torchrun(
+    job = f"capture_{fault}" if host == "quiet" else f"capture_{fault}_{host}"
+    run = harness.FlareRun(store, job, harness.torchrun(
         harness.TRAIN_DDP, "--steps", 320, "--hidden", 256, "--fault", fault,
         "--fault-rank", 2, "--fault-from", ONSET))
     report = run.finish()
-    print(f"\nE2E capture, rank 2 {fault}:\n{harness.describe(report)}")
+    print(f"\nE2E capture, rank 2 {fault} ({host}):\n{harness.describe(report)}")
     straggler = next(a for a in report["anomalies"] if a["kind"] == "straggler")
     assert straggler["ranks"] == [2], harness.describe(report)
     top = straggler["evidence"]["hotspots"][0]
+    harness.agree(f"capture rank 2 {fault}", host, report, top["frame"].split(":")[0] + " in "
+                  + top["frame"].rsplit(" in ", 1)[-1])
     assert re.search(LINES[fault], top["frame"]), straggler["evidence"]["hotspots"]
     assert top["delta_ms"] > 20 and top["peer_ms"] < 0.3 * top["culprit_ms"], top
     assert straggler["callsite"].startswith(top["frame"] + ": +")

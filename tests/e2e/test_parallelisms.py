@@ -1,7 +1,9 @@
 """Parallelisms beyond DDP, end to end (issue #20): an FSDP2 job (`fully_shard` per
 layer) whose ranks block in FSDP2's all-gathers and reduce-scatters for the slowest.
 The slow rank must be named, not spread over all four as compute (the time blocked in
-`all_gather_single` / `reduce_scatter_single`, torch >= 2.11, was not seen)."""
+`all_gather_single` / `reduce_scatter_single`, torch >= 2.11, was not seen). Each
+diagnosis scenario runs on a quiet host and on a loaded one (one busy process per core
+beside the job: the `host` fixture) and must give the same answer on both."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import harness
 import pytest
 
-# Each scenario is a statistical judgement on a 2-core host shared with a busy loop and
+# Each scenario is a statistical judgement on a 2-core host shared with busy loops and
 # the collector: a run that lands a label on the wrong side of a threshold is run once
 # more (and reported as rerun); two in a row fail the test.
 pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
@@ -20,14 +22,18 @@ ONSET = 20
 TRAIN_FSDP2 = harness.ROOT / "examples" / "train_fsdp2.py"
 
 
+def _named(job: str, host: str) -> str:
+    return job if host == "quiet" else f"{job}_{host}"
+
+
 @pytest.mark.parametrize("slow_ms", [80])
-def test_fsdp2_names_the_slow_rank(store, slow_ms):
-    with harness.busy_core():  # on a loaded host, as users' nodes are
-        run = harness.FlareRun(store, f"fsdp2_{slow_ms}", harness.torchrun(
-            TRAIN_FSDP2, "--steps", STEPS, "--slow-rank", 2, "--slow-ms", slow_ms,
-            "--fault-from", ONSET))
-        report = run.finish()
-    print(f"\nE2E fsdp2 slow rank 2 (+{slow_ms} ms):\n{harness.describe(report)}")
+def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
+    run = harness.FlareRun(store, _named(f"fsdp2_{slow_ms}", host), harness.torchrun(
+        TRAIN_FSDP2, "--steps", STEPS, "--slow-rank", 2, "--slow-ms", slow_ms,
+        "--fault-from", ONSET))
+    report = run.finish()
+    print(f"\nE2E fsdp2 slow rank 2 (+{slow_ms} ms, {host}):\n{harness.describe(report)}")
+    harness.agree("fsdp2 slow rank 2", host, report)
     assert "wait_unknown" not in report  # every FSDP2 collective was seen from Python
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
@@ -40,13 +46,14 @@ def test_fsdp2_names_the_slow_rank(store, slow_ms):
         assert wait_ms <= duration_ms + 1.0, (step, duration_ms, wait_ms)
 
 
-def test_a_healthy_compiled_job_gives_no_label(store):
+def test_a_healthy_compiled_job_gives_no_label(store, host):
     """torch.compile over DDP: the first steps compile (step 0 ~0.5 s against ~12 ms
     after), each rank in its own time. Warm-up read from the data, not a fault."""
-    run = harness.FlareRun(store, "compiled", harness.torchrun(
+    run = harness.FlareRun(store, _named("compiled", host), harness.torchrun(
         harness.TRAIN_DDP, "--steps", 40, "--hidden", 256, "--compile", "--fault", "none"))
     report = run.finish()
-    print(f"\nE2E compiled DDP, healthy:\n{harness.describe(report)}")
+    print(f"\nE2E compiled DDP, healthy ({host}):\n{harness.describe(report)}")
+    harness.agree("compiled DDP, healthy", host, report)
     steps = run.step_ms()
     first = sorted(steps)[0]
     assert max(steps[first].values()) > 5 * sorted(max(v.values()) for v in steps.values())[len(steps) // 2]
@@ -54,17 +61,17 @@ def test_a_healthy_compiled_job_gives_no_label(store):
     assert "wait_unknown" not in report  # DDP's reducer is accounted, compiled or not
 
 
-def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store):
+def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store, host):
     """FSDP2 + TP on a 2x2 DeviceMesh: rank 2's TP partner (3) blocks in DTensor's
     functional all-reduces (waited in `wait_tensor`), its DP partner (0) in FSDP2's
     all-gathers. Before functional collectives were timed, rank 3's wait read as
     compute and the job got one job-wide fail-slow."""
-    with harness.busy_core():
-        run = harness.FlareRun(store, "fsdp2_tp", harness.torchrun(
-            TRAIN_FSDP2, "--tp", 2, "--layers", 2, "--steps", STEPS, "--slow-rank", 2,
-            "--slow-ms", 80, "--fault-from", ONSET))
-        report = run.finish()
-    print(f"\nE2E fsdp2 + tp, slow rank 2:\n{harness.describe(report)}")
+    run = harness.FlareRun(store, _named("fsdp2_tp", host), harness.torchrun(
+        TRAIN_FSDP2, "--tp", 2, "--layers", 2, "--steps", STEPS, "--slow-rank", 2,
+        "--slow-ms", 80, "--fault-from", ONSET))
+    report = run.finish()
+    print(f"\nE2E fsdp2 + tp, slow rank 2 ({host}):\n{harness.describe(report)}")
+    harness.agree("fsdp2 + tp slow rank 2", host, report)
     assert "wait_unknown" not in report  # DTensor's functional collectives included
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
@@ -75,16 +82,16 @@ def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store):
     assert all(len(json.loads(names)) == 2 for names in waits.values())  # the DP and TP groups
 
 
-def test_a_slow_stage_under_a_pipelining_schedule_is_named_as_the_stage(store):
+def test_a_slow_stage_under_a_pipelining_schedule_is_named_as_the_stage(store, host):
     """torch.distributed.pipelining's Schedule1F1B on 2 stages x 2 replicas: the
     schedule's `batch_isend_irecv` works, waited by the schedule itself, are the P2P
     waits; the pipeline groups (group_desc "pipeline<r>") give the stage."""
-    with harness.busy_core():
-        run = harness.FlareRun(store, "pp_1f1b", harness.torchrun(
-            harness.TRAIN_PIPELINE, "--schedule", "1f1b", "--steps", STEPS, "--slow-stage", 1,
-            "--slow-ms", 10, "--fault-from", ONSET))
-        report = run.finish()
-    print(f"\nE2E pipelining 1F1B, slow stage 1:\n{harness.describe(report)}")
+    run = harness.FlareRun(store, _named("pp_1f1b", host), harness.torchrun(
+        harness.TRAIN_PIPELINE, "--schedule", "1f1b", "--steps", STEPS, "--slow-stage", 1,
+        "--slow-ms", 10, "--fault-from", ONSET))
+    report = run.finish()
+    print(f"\nE2E pipelining 1F1B, slow stage 1 ({host}):\n{harness.describe(report)}")
+    harness.agree("pipelining 1F1B slow stage 1", host, report)
     assert "wait_unknown" not in report
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2, 3], "compute")], harness.describe(report)
@@ -96,15 +103,16 @@ def test_a_slow_stage_under_a_pipelining_schedule_is_named_as_the_stage(store):
     assert all("pipeline_parallel" in r for r in roles) and roles, roles
 
 
-def test_collectives_flare_cannot_see_give_wait_unknown_never_a_wrong_culprit(store):
+def test_collectives_flare_cannot_see_give_wait_unknown_never_a_wrong_culprit(store, host):
     """A custom communication path (`ProcessGroup.allreduce` called directly, as a C++
     extension would): counted by sequence numbers, its wait unknown. Said once per rank
     in the log and in the report; the slowdown keeps no claimed cause or wrong rank."""
-    run = harness.FlareRun(store, "untimed", [
+    run = harness.FlareRun(store, _named("untimed", host), [
         *harness.torchrun(harness.ROOT / "tests" / "e2e" / "untimed_collectives_job.py",
                           "--slow-rank", 2, "--fault-from", ONSET)])
     report = run.finish()
-    print(f"\nE2E untimed collectives, slow rank 2:\n{harness.describe(report)}")
+    print(f"\nE2E untimed collectives, slow rank 2 ({host}):\n{harness.describe(report)}")
+    harness.agree("untimed collectives slow rank 2", host, report)
     said = [line for line in run.stderr if "Flare cannot time" in line]
     assert len(said) == 4 and {line.split("rank ")[1].split(":")[0] for line in said} == {"0", "1", "2", "3"}
     assert report["wait_unknown"]["ranks"] == [0, 1, 2, 3], report.get("wait_unknown")
@@ -132,16 +140,17 @@ def test_training_is_bit_identical_with_and_without_flare(store, example):
     assert len(digests["plain"]) == 4 and digests["plain"] == digests["flare"], digests
 
 
-def test_a_single_process_job_without_torchrun_is_diagnosed(store):
+def test_a_single_process_job_without_torchrun_is_diagnosed(store, host):
     """`flare run -- python train.py`: no launcher, no RANK. The process flare run
     started is the job's one rank (its DataLoader workers are not); no cross-rank label,
     the job's own slowdown is labelled."""
-    run = harness.FlareRun(store, "single", [str(a) for a in (
+    run = harness.FlareRun(store, _named("single", host), [str(a) for a in (
         harness.BIN / "python", harness.TRAIN_DDP, "--steps", 60, "--hidden", 256,
         "--fault", "input", "--fault-rank", 0, "--fault-from", ONSET, "--fault-ms", 40,
         "--num-workers", 1)])
     report = run.finish()
-    print(f"\nE2E single process, slow input from step {ONSET}:\n{harness.describe(report)}")
+    print(f"\nE2E single process, slow input from step {ONSET} ({host}):\n{harness.describe(report)}")
+    harness.agree("single process slow input", host, report)
     assert sorted(run.step_ms()[ONSET]) == [0]  # one rank, the trainer itself
     kinds = {(a["kind"], a["cause"]) for a in report["anomalies"]}
     assert ("fail_slow", "input") in kinds, harness.describe(report)
