@@ -43,3 +43,19 @@ def test_culprit_and_peer_are_compared_over_the_steps_both_were_captured():
     assert found[0]["frame"] == "fsdp_tp.py:39 in extra_matmuls", found
     assert found[0]["culprit_steps"] == found[0]["peer_steps"] == 12
     assert [h["frame"] for h in found] == ["fsdp_tp.py:39 in extra_matmuls"]
+
+
+def test_a_line_the_culprit_was_blocked_on_never_leads_a_line_it_worked_on():
+    """The slow rank waited longer in its all_reduce (+39 ms) than it worked in its extra
+    function (+38 ms): the work leads, the wait follows as "waiting in …"; where its
+    extra time is all waiting (a loader sleeping in I/O) the wait is the line."""
+    wait = "waiting in train.py:59 in main"
+    work = "train.py:39 in extra_matmuls"
+    rows = [_capture(2, step, {wait: 9.3, work: 3.8}) for step in range(40, 52)]
+    rows += [_capture(1, step, {wait: 5.4}) for step in range(40, 52)]
+    found = hotspots._compare(rows, {2}, 40, None)
+    assert [h["frame"] for h in found] == [work, wait]
+    assert found[1]["delta_ms"] > found[0]["delta_ms"]
+    sleeping = [_capture(2, step, {"waiting in data.py:12 in __getitem__": 6.0}) for step in range(40, 50)]
+    sleeping += [_capture(1, step, {"train.py:20 in main": 1.0}) for step in range(40, 50)]
+    assert hotspots._compare(sleeping, {2}, 40, None)[0]["frame"] == "waiting in data.py:12 in __getitem__"

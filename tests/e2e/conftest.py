@@ -18,36 +18,33 @@ def store():
         yield Path(directory) / "store.duckdb"
 
 
-@pytest.fixture(params=["quiet", "loaded"])
-def host(request):
-    """The host a diagnosis scenario runs on: quiet, or loaded with one busy process per
-    core beside the job (harness.busy_host). Both variants assert the same answer, and
-    the loaded one is compared with the quiet one as it finishes (harness.agree)."""
+def pytest_generate_tests(metafunc):
+    if "host" in metafunc.fixturenames:
+        metafunc.parametrize("host", metafunc.config.flare_hosts, indirect=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _verdict_folder(pytestconfig):
     import harness
 
-    if request.param == "loaded":
+    folder = pytestconfig.getoption("verdicts")
+    harness.VERDICTS_DIR = Path(folder) if folder else None
+    if harness.VERDICTS_DIR is not None:
+        harness.VERDICTS_DIR.mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture
+def host(request):
+    """The host a diagnosis scenario runs on: quiet, or loaded with one busy process per
+    core beside the job (its own, harness.busy_host, or the session's: --busy-host).
+    Both variants assert the same answer, and the loaded one is compared with the quiet
+    one as it finishes (harness.agree)."""
+    import harness
+
+    if request.param == "loaded" and not request.config.getoption("busy_host"):
         with harness.busy_host():
             yield "loaded"
     else:
-        yield "quiet"
-
-
-def pytest_terminal_summary(terminalreporter):
-    """The quiet-versus-loaded agreement table of the scenarios that ran."""
-    import harness
-
-    if not harness.VERDICTS:
-        return
-    write = terminalreporter.write_line
-    terminalreporter.section("diagnosis on a quiet and a loaded host")
-    agreeing = both = 0
-    for scenario, by_host in sorted(harness.VERDICTS.items()):
-        quiet, loaded = by_host.get("quiet"), by_host.get("loaded")
-        if quiet is not None and loaded is not None:
-            both += 1
-            same = not quiet.differences(loaded)
-            agreeing += same
-        mark = "" if quiet is None or loaded is None else ("same" if same else "DIFFERS")
-        write(f"{scenario}: quiet: {quiet.text() if quiet else '-'} | loaded: "
-              f"{loaded.text() if loaded else '-'} {mark}".rstrip())
-    write(f"{agreeing} of {both} scenarios give the same answer loaded as quiet")
+        if request.param == "quiet" and request.config.getoption("busy_host"):
+            pytest.skip("the quiet variant does not run beside the session's busy processes")
+        yield request.param

@@ -233,9 +233,12 @@ def busy_host(per_core: int = 1):
 
 
 # Every diagnosis scenario runs on a quiet host and on a loaded one (busy_host) and must
-# give the same answer on both: {scenario: {host: Verdict}}, printed as one table at the
-# end of the run (conftest.py) and compared as each loaded variant finishes (agree()).
+# give the same answer on both: {scenario: {host: Verdict}}, compared as each loaded
+# variant finishes (agree()) and printed as one table at the end (tests/conftest.py).
+# With --verdicts DIR each verdict is also kept in DIR, where a later session (CI's
+# loaded tier, its xdist workers) finds the quiet variant's.
 VERDICTS: dict[str, dict[str, Verdict]] = {}
+VERDICTS_DIR: Path | None = None
 ONSET_SLACK = 3  # steps a loaded variant's onset may differ from the quiet one's
 
 
@@ -252,6 +255,14 @@ class Verdict:
         labels = sorted((a["kind"], tuple(a["ranks"]), a["cause"], a["first_step"])
                         for a in report["anomalies"])
         return cls(tuple(labels), line)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Verdict:
+        return cls(tuple((k, tuple(r), c, o) for k, r, c, o in data["labels"]), data["line"])
+
+    def to_json(self, scenario: str, host: str, differences: list[str] | None = None) -> dict:
+        return {"scenario": scenario, "host": host, "labels": [list(label) for label in self.labels],
+                "line": self.line, "text": self.text(), "differences": differences or []}
 
     def text(self) -> str:
         said = ", ".join(f"{kind} {list(ranks)} {cause}" + ("" if onset is None else f" @{onset}")
@@ -272,15 +283,26 @@ class Verdict:
         return out
 
 
+def _verdict_path(scenario: str, host: str) -> Path | None:
+    if VERDICTS_DIR is None:
+        return None
+    return VERDICTS_DIR / f"{re.sub(r'[^A-Za-z0-9]+', '_', scenario).strip('_')}.{host}.json"
+
+
 def agree(scenario: str, host: str, report: dict, line: str | None = None) -> Verdict:
     """Record `scenario`'s verdict on `host`; a loaded variant must say what the quiet
     one said (same labels and causes, onsets within ONSET_SLACK steps, same line)."""
     verdict = Verdict.of(report, line)
     VERDICTS.setdefault(scenario, {})[host] = verdict
     quiet = VERDICTS[scenario].get("quiet")
-    if host == "loaded" and quiet is not None:
-        differences = quiet.differences(verdict)
-        assert not differences, f"{scenario}: loaded differs from quiet: {'; '.join(differences)}"
+    kept = _verdict_path(scenario, "quiet")
+    if quiet is None and host == "loaded" and kept is not None and kept.exists():
+        quiet = Verdict.from_json(json.loads(kept.read_text()))
+    differences = quiet.differences(verdict) if host == "loaded" and quiet is not None else []
+    path = _verdict_path(scenario, host)
+    if path is not None:
+        path.write_text(json.dumps(verdict.to_json(scenario, host, differences)))
+    assert not differences, f"{scenario}: loaded differs from quiet: {'; '.join(differences)}"
     return verdict
 
 

@@ -97,6 +97,49 @@ def test_a_request_captures_k_steps_and_names_the_busy_line(rank_env, collector)
     assert top.startswith(f"{__file__}:") and top.endswith("in slow_part"), totals
 
 
+def sleepy_part(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_line_the_training_thread_is_blocked_on_reads_as_waiting(rank_env, collector):  # noqa: F811
+    """A step that burns 60 ms and sleeps 60 ms: the busy line is counted as itself, the
+    sleeping one as "waiting in …" (blocked, not on a CPU nor waiting for one). A sample
+    near the switch from one to the other may go either way, the more so on a busy host
+    (the sampler wakes late): most go the right way."""
+    provider, exporter, instrumentor = _instrumented(rank_env, collector)
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        assert collector.opamp.request_capture(JOB, [0], 6)["asked"] == [0]
+        _wait(lambda: _agent_state(collector)["remote_config_status"] == "APPLIED",
+              "the capture request was not applied")
+        for _ in range(8):
+            slow_part(0.06)
+            sleepy_part(0.06)
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+        provider.force_flush()
+    finally:
+        instrumentor.uninstrument()
+    totals: dict[str, int] = {}
+    for span in finished(exporter, semconv.SPAN_CAPTURE):
+        for frame, count in zip(span.attributes[semconv.CAPTURE_FRAMES],
+                                span.attributes[semconv.CAPTURE_SAMPLES], strict=True):
+            totals[frame] = totals.get(frame, 0) + count
+
+    def samples(suffix: str, waiting: bool) -> int:
+        return sum(n for f, n in totals.items() if f.endswith(suffix)
+                   and f.startswith(semconv.CAPTURE_WAITING) == waiting)
+
+    assert samples("in sleepy_part", waiting=True) >= 2 * samples("in sleepy_part", waiting=False), totals
+    assert samples("in slow_part", waiting=False) >= 2 * samples("in slow_part", waiting=True), totals
+    assert samples("in sleepy_part", waiting=True) >= 5 and samples("in slow_part", waiting=False) >= 5, totals
+    stacks = [s for span in finished(exporter, semconv.SPAN_CAPTURE)
+              for s in span.attributes[semconv.CAPTURE_STACKS]]
+    assert any(s.split(";")[-1].startswith(semconv.CAPTURE_WAITING) and "sleepy_part" in s
+               for s in stacks), stacks
+
+
 def test_a_collector_that_goes_away_mid_capture_stops_it_and_never_slows_a_step(rank_env, collector):  # noqa: F811
     _provider, exporter, instrumentor = _instrumented(rank_env, collector)
     capture = instrumentor._opamp.capture

@@ -6,7 +6,8 @@ each line's time per captured step is compared between the label's ranks (the cu
 and the other ranks captured over the same steps (the peer): the lines the culprit
 spends more on, in ms per step, are the label's `hotspots`, and the first is its
 `callsite` ("examples/train_ddp.py:155 in burn_compute: +58 ms/step (culprit 61 ms,
-peer 3 ms)"). Without a captured peer the culprit's own lines are listed, peer 0.
+peer 3 ms)"). Lines the culprit was blocked on ("waiting in …") never come before a
+line it worked on. Without a captured peer the culprit's own lines are listed, peer 0.
 `flames` gives the same comparison as whole stacks, for the HTML report's culprit-vs-peer
 flame graph.
 """
@@ -71,7 +72,10 @@ def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int 
             out.append({"frame": frame, "culprit_ms": round(mine, 1), "peer_ms": round(theirs, 1),
                         "delta_ms": round(mine - theirs, 1), "culprit_steps": len(culprit_steps),
                         "peer_steps": len(peer_steps)})
-    out.sort(key=lambda h: -h["delta_ms"])
+    # The work first: a line the culprit was blocked on (sc.CAPTURE_WAITING: in a
+    # collective, a queue, a lock, sleep or I/O) follows every line it spent more CPU on,
+    # and leads only when the extra time is all waiting (a data loader that sleeps in I/O).
+    out.sort(key=lambda h: (h["frame"].startswith(sc.CAPTURE_WAITING), -h["delta_ms"]))
     return out[:TOP]
 
 

@@ -46,6 +46,10 @@ CAPTURE_STACKS = "flare.capture.stacks"  # string[]: the user's frames, root fir
 CAPTURE_STACK_SAMPLES = "flare.capture.stack_samples"  # int[]: samples per stack
 CAPTURE_TOTAL = "flare.capture.total"  # int: samples in the step
 CAPTURE_INTERVAL_MS = "flare.capture.interval_ms"  # double
+# The prefix of a captured line the training thread was blocked on (a collective, a
+# queue, a lock, sleep or I/O: neither running nor waiting for a CPU), in frames and
+# as the innermost element of stacks: "waiting in file:line in function".
+CAPTURE_WAITING = "waiting in "
 SPAN_COLLECTIVE_RANKS = "collective.ranks"  # emitted by the correlator per (pg, seq)
 # service.name of the anomaly spans `flare diagnose` writes back: not a job
 DIAGNOSTICS_SERVICE = "flare-diagnostics"

@@ -7,8 +7,11 @@ py-spy's in-process cousins do); each sample counts the innermost frame of the u
 code (`callsite.user_frame`: outside torch, Flare and the standard library — the line
 that called into the slow kernel, the blocking collective or the data loader); any other
 thread of the user's that burnt CPU since the last sample (a GIL-holding logger) is
-counted too, as "[thread NAME] file", so a `cpu` label names the hog's line. Each
-captured step gets one `flare.capture` child: the frames and their sample counts.
+counted too, as "[thread NAME] file", so a `cpu` label names the hog's line. A sample
+in which the training thread was blocked (neither on a CPU nor waiting for one: in a
+collective, a queue, a lock, `sleep` or I/O) counts its line as "waiting in FILE:LINE
+in FUNCTION", so the diagnosis never takes a wait for work. Each captured step gets
+one `flare.capture` child: the frames and their sample counts.
 Capture stops after K steps or when the collector goes away (`stop`), and nothing is
 sampled on a rank that was not asked.
 
@@ -19,6 +22,7 @@ any ranks; the diagnosis compares the two (`flare.diagnostics.hotspots`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -34,6 +38,10 @@ MAX_STEPS = 1000
 TOP_FRAMES = 30
 MAX_DEPTH = 48  # user frames kept per sampled stack
 _OWN_THREADS = ("flare-", "Otel", "pt_", "QueueFeederThread")  # Flare's, the SDK's, torch's
+# The training thread was blocked over a sampling interval when it ran, or waited in the
+# run queue to run, for less than this share of it (a thread descheduled on a busy host
+# still wants its CPU: that is not a wait of its own).
+BLOCKED_BELOW = 0.5
 
 
 def _plumbing(frame) -> bool:
@@ -76,6 +84,7 @@ class StackCapture:
         self._sampling = threading.Event()
         self._thread: threading.Thread | None = None
         self._target: int | None = None  # the training thread
+        self._target_native: int | None = None  # its kernel thread id (its schedstat)
 
     # ------------------------------------------------------------ requests (agent's thread)
     def start(self, steps: int, request: str, stacks: bool = True) -> None:
@@ -109,6 +118,7 @@ class StackCapture:
         if self.steps_left <= 0 or not self.stacks:
             return
         self._target = threading.get_ident()
+        self._target_native = threading.get_native_id()
         with self._lock:
             self._counts, self._samples = {}, 0
         if self._thread is None:
@@ -161,17 +171,29 @@ class StackCapture:
         me = threading.get_ident()
         cpu_seen: dict[int, int] = {}  # other thread -> its CPU clock at the last sample
         names: dict[int, str] = {}
+        clock = _ThreadActivity()
+        # A sample is counted one interval late: whether the training thread was blocked
+        # on the line it was sampled at is read from what it did over the intervals on
+        # both sides of the sample (its active share, averaged): one side alone misreads
+        # a line sampled just before or after it blocks.
+        pending: tuple[tuple[str, ...] | None, list, float | None] | None = None
         while True:
             if not self._sampling.is_set():
                 cpu_seen.clear()
+                pending = None  # a step's last sample has no interval after it in the step
                 self._sampling.wait()
                 names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
+                clock.reset()  # the gap between captured steps is no sampling interval
             target = self._target
+            active = clock.active_share(self._target_native, target)
+            if pending is not None:
+                self._count(pending, active)
             frames = frames_of()
-            keys = []
+            own: tuple[str, ...] | None = None
+            others = []
             for ident, frame in frames.items():
                 if ident == target:
-                    keys.append(("", _user_stack(frame)))
+                    own = _user_stack(frame)
                 elif ident != me and self._busy(ident, cpu_seen):
                     # another thread that burnt CPU since the last sample (a GIL holder,
                     # a busy logger): its own line, marked with its name
@@ -181,14 +203,24 @@ class StackCapture:
                     name = names.get(ident, str(ident))
                     if name.startswith(_OWN_THREADS):
                         continue
-                    keys.append((name, _user_stack(frame)))
+                    others.append((name, _user_stack(frame)))
             del frames
-            if keys:
-                with self._lock:
-                    for key in keys:
-                        self._counts[key] = self._counts.get(key, 0) + 1
-                    self._samples += 1
+            pending = (own, others, active)
             time.sleep(INTERVAL_S)
+
+    def _count(self, sample: tuple[tuple[str, ...] | None, list, float | None],
+               after: float | None) -> None:
+        own, keys, before = sample
+        if own is not None:
+            shares = [share for share in (before, after) if share is not None]
+            if shares and sum(shares) / len(shares) < BLOCKED_BELOW:
+                own = (*own[:-1], semconv.CAPTURE_WAITING + own[-1])
+            keys = [("", own), *keys]
+        if keys:
+            with self._lock:
+                for key in keys:
+                    self._counts[key] = self._counts.get(key, 0) + 1
+                self._samples += 1
 
     @staticmethod
     def _busy(ident: int, cpu_seen: dict[int, int]) -> bool:
@@ -201,3 +233,59 @@ class StackCapture:
         before = cpu_seen.get(ident)
         cpu_seen[ident] = now
         return before is not None and now - before >= INTERVAL_S * 0.5e9
+
+
+class _ThreadActivity:
+    """The share of the wall time since the last look that the training thread was
+    active: running, or runnable and waiting for a CPU (`/proc/self/task/TID/schedstat`:
+    a thread descheduled on a busy host is not blocked). Without schedstat its CPU clock
+    alone is read, and without that nothing is said (None: samples count as running)."""
+
+    __slots__ = ("_fd", "_ident", "_last", "_native")
+
+    def __init__(self) -> None:
+        self._native: int | None = None
+        self._ident: int | None = None
+        self._fd: int | None = None
+        self._last: tuple[int, int] | None = None  # (wall ns, ns run or wanting to run)
+
+    def reset(self) -> None:
+        self._last = None
+
+    def active_share(self, native: int | None, ident: int | None) -> float | None:
+        if native != self._native:
+            self._switch(native, ident)
+        active = self._active()
+        if active is None:
+            return None
+        now = time.monotonic_ns()
+        last, self._last = self._last, (now, active)
+        if last is None or now <= last[0]:
+            return None
+        return (active - last[1]) / (now - last[0])
+
+    def _switch(self, native: int | None, ident: int | None) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._native, self._ident, self._fd, self._last = native, ident, None, None
+        if native is None:
+            return
+        try:
+            self._fd = os.open(f"/proc/self/task/{native}/schedstat", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self._fd = None
+
+    def _active(self) -> int | None:
+        if self._fd is not None:
+            try:
+                run, wait, _ = os.pread(self._fd, 64, 0).split()
+                return int(run) + int(wait)
+            except (OSError, ValueError):
+                os.close(self._fd)
+                self._fd = None
+        if self._ident is None:
+            return None
+        try:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(self._ident))
+        except (AttributeError, OSError, OverflowError):
+            return None
