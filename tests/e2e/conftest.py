@@ -19,8 +19,9 @@ def store():
 
 
 def pytest_generate_tests(metafunc):
-    if "host" in metafunc.fixturenames:
-        metafunc.parametrize("host", metafunc.config.flare_hosts, indirect=True)
+    if "host" in metafunc.fixturenames:  # marked: the tiers select the host variants by it
+        metafunc.parametrize("host", [pytest.param(h, marks=pytest.mark.host_variant)
+                                      for h in metafunc.config.flare_hosts], indirect=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -111,6 +111,13 @@ class FlareRun:
     its live alerts timestamped on arrival."""
 
     def __init__(self, store: Path, job: str, command: list[str], env: dict[str, str] | None = None):
+        # A rerun (pytest-rerunfailures) is a new job: flare run refuses a job name the
+        # store already holds, and the first attempt's report must not be read again.
+        attempt, name = 1, job
+        while (store.parent / f"{name}.json").exists():
+            attempt += 1
+            name = f"{job}-try{attempt}"
+        job = name
         self.store, self.job, self.report_path = store, job, store.parent / f"{job}.json"
         full = [str(BIN / "flare"), "run", "--store", str(store), "--job", job, "--format", "json",
                 "-o", str(self.report_path), "--", *command]
@@ -252,8 +259,13 @@ class Verdict:
 
     @classmethod
     def of(cls, report: dict, line: str | None = None) -> Verdict:
-        labels = sorted((a["kind"], tuple(a["ranks"]), a["cause"], a["first_step"])
-                        for a in report["anomalies"])
+        """A fail-slow of the same ranks and cause as a straggler is that straggler's
+        finding seen job-wide (the job slowed because the rank did): one answer, whether
+        the change point cleared its threshold or not on that run."""
+        anomalies = report["anomalies"]
+        stragglers = {(tuple(a["ranks"]), a["cause"]) for a in anomalies if a["kind"] == "straggler"}
+        labels = sorted((a["kind"], tuple(a["ranks"]), a["cause"], a["first_step"]) for a in anomalies
+                        if not (a["kind"] == "fail_slow" and (tuple(a["ranks"]), a["cause"]) in stragglers))
         return cls(tuple(labels), line)
 
     @classmethod
