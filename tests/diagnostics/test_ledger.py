@@ -7,6 +7,8 @@ then a barrier the early ranks wait at), so every figure is known exactly.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -143,7 +145,7 @@ def test_live_alerts_the_final_report_drops_are_listed_as_withdrawn():
     """A live pass sees only the steps every rank has sent: a short burst can look
     persistent there. The final report says what it withdrew, and why, in one line each."""
     from flare.diagnostics.model import Anomaly
-    from flare.diagnostics.pipeline import withdrawn
+    from flare.diagnostics.pipeline import live_alerts, withdrawn
 
     table = job_spans("j", 4, 120, (Fault("gc", 3, 10, 400.0, every=10),))
     diagnosis = diagnose(_job(table))
@@ -159,6 +161,15 @@ def test_live_alerts_the_final_report_drops_are_listed_as_withdrawn():
     assert "Withdrawn live alerts:" in text
     assert "[straggler] ranks 1 cause cpu from step 30: not confirmed" in text
     assert diagnosis.to_json()["withdrawn_alerts"][0]["ranks"] == [1]
+    # with the job's data the reason states the figures it rests on
+    figured = withdrawn([burst], diagnosis.anomalies, diagnosis.job_data)[0]["reason"]
+    assert re.search(r"\(steps 30-119: its work [\d.]+ ms/step against its peers' [\d.]+ "
+                     r"\([+-][\d.]+\), the peers waiting [\d.]+ ms/step\)$", figured), figured
+    # and the report lists every live alert, kept or not
+    diagnosis.live_alerts = live_alerts([burst, kept], diagnosis.anomalies)
+    assert [a["kept"] for a in diagnosis.live_alerts] == [False, True]
+    assert "Live alerts: 2 said while the job ran, 1 kept in this report" in render(diagnosis)
+    assert diagnosis.to_json()["live_alerts"][1]["kind"] == "straggler"
     healthy = diagnose(_job(job_spans("j", 4, 60, seed=5)))
     healthy.withdrawn = withdrawn([burst], healthy.anomalies)
     assert "No anomalies found.\n\nWithdrawn live alerts:" in render(healthy)

@@ -107,6 +107,8 @@ class Diagnosis:
     time_lost: list[dict] = dataclasses.field(default_factory=list)
     # Live alerts (flare run, --follow) the final diagnosis does not keep, each with why.
     withdrawn: list[dict] = dataclasses.field(default_factory=list)
+    # Every live alert flare run printed, in order, each with whether this report keeps it.
+    live_alerts: list[dict] = dataclasses.field(default_factory=list)
     # Ranks the host starved of CPU (other work on the machine, not the job's doing):
     # reported beside the anomalies, not as one (see _host_contention).
     host_contention: list[dict] = dataclasses.field(default_factory=list)
@@ -129,6 +131,8 @@ class Diagnosis:
             out["time_lost"] = list(self.time_lost)
         if self.withdrawn:
             out["withdrawn_alerts"] = list(self.withdrawn)
+        if self.live_alerts:
+            out["live_alerts"] = list(self.live_alerts)
         if self.host_contention:
             out["host_contention"] = list(self.host_contention)
         if self.wait_unknown:
@@ -313,7 +317,43 @@ def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) 
     return ledgers.where_the_time_went(book, labels, cells)
 
 
-def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
+def live_alerts(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
+    """What the live monitor said, in order, each with whether this report keeps it
+    (a label of its kind on the same ranks): the final report lists all of them."""
+    return [{"kind": a.kind, "ranks": sorted(a.ranks), "cause": a.cause, "first_step": a.first_step,
+             "kept": any(f.kind == a.kind and set(f.ranks) == set(a.ranks) for f in final)}
+            for a in alerted]
+
+
+def _measured(job: JobData | None, ranks: set[int], first_step: int | None) -> str:
+    """The figures behind "not confirmed": over the alert's steps to the end, the ranks'
+    work (step time less collective wait) against their peers', and the peers' wait."""
+    import numpy as np
+
+    from flare.diagnostics import frame as frames
+
+    frame = frames.load(job, DiagnosisConfig()) if job is not None else None
+    if frame is None or not ranks or len(frame.ranks) < 2:
+        return ""
+    mine = np.isin(frame.ranks, sorted(ranks))
+    if not mine.any() or mine.all():
+        return ""
+    cols = frame.steps >= (first_step if first_step is not None else frame.steps.min())
+    if not cols.any():
+        return ""
+    work = frame.duration - np.nan_to_num(frame.wait, nan=0.0)
+    with np.errstate(all="ignore"):
+        subject = float(np.nanmean(np.nanmedian(work[mine][:, cols], axis=0)))
+        peers = float(np.nanmean(np.nanmedian(work[~mine][:, cols], axis=0)))
+        waited = float(np.nanmean(np.nanmedian(frame.wait[~mine][:, cols], axis=0)))
+    if not all(np.isfinite(v) for v in (subject, peers, waited)):
+        return ""
+    last = int(frame.steps[cols].max() + frame.bucket - 1)
+    return (f" (steps {int(frame.steps[cols].min())}-{last}: its work {subject:.1f} ms/step against "
+            f"its peers' {peers:.1f} ({subject - peers:+.1f}), the peers waiting {waited:.1f} ms/step)")
+
+
+def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | None = None) -> list[dict]:
     """The live alerts the final report does not keep, each with one line of why.
 
     An alert is kept when the final report has a label of its kind on the same ranks
@@ -332,7 +372,7 @@ def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
                    f"cause {instead.cause} from step {instead.first_step}")
         else:
             why = ("not confirmed over the whole run: it did not persist once every step "
-                   "was in")
+                   "was in" + _measured(job, ranks, alert.first_step))
         out.append({"kind": alert.kind, "ranks": sorted(alert.ranks), "cause": alert.cause,
                     "first_step": alert.first_step, "reason": why})
     return out

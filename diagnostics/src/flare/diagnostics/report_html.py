@@ -98,11 +98,14 @@ def _contention_unknown(diagnosis: Diagnosis) -> str:
 
 
 def _withdrawn(diagnosis: Diagnosis) -> str:
+    live = diagnosis.live_alerts
+    said = (f"<p>Live alerts: {len(live)} said while the job ran, "
+            f"{sum(1 for a in live if a['kept'])} kept in this report.</p>") if live else ""
     if not diagnosis.withdrawn:
-        return ""
+        return said
     items = "".join(f"<li>[{_e(w['kind'])}] ranks {_e(', '.join(map(str, w['ranks'])))} cause "
                     f"{_e(w['cause'])}: {_e(w['reason'])}</li>" for w in diagnosis.withdrawn)
-    return f"<h2>Withdrawn live alerts</h2><ul>{items}</ul>"
+    return f"{said}<h2>Withdrawn live alerts</h2><ul>{items}</ul>"
 
 
 def _anomaly_table(diagnosis: Diagnosis) -> str:

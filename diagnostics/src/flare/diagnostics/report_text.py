@@ -42,6 +42,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         lines.extend(_host(diagnosis.host_contention))
         lines.extend(_wait_unknown(diagnosis.wait_unknown))
         lines.extend(_contention_unknown(diagnosis.contention_unknown))
+        lines.extend(_live(diagnosis.live_alerts))
         lines.extend(_withdrawn(diagnosis.withdrawn))
         return "\n".join(lines) + "\n"
     lines.append(f"{len(diagnosis.anomalies)} anomal{'y' if len(diagnosis.anomalies) == 1 else 'ies'}:")
@@ -66,6 +67,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     lines.extend(_wait_unknown(diagnosis.wait_unknown))
     lines.extend(_contention_unknown(diagnosis.contention_unknown))
     lines.extend(_time_table(diagnosis.time_lost))
+    lines.extend(_live(diagnosis.live_alerts))
     lines.extend(_withdrawn(diagnosis.withdrawn))
     lines.append("")
     lines.append("IMPACT: share of the run's time the problem cost; CONF: confidence (0-1). "
@@ -98,6 +100,15 @@ def _host(rows: list[dict]) -> list[str]:
                    f"+{row['runqueue_delta_ms'] or 0:.1f} ms/step waiting for a CPU, "
                    f"{row['share']:.0%} of the run's time")
     return out
+
+
+def _live(alerts: list[dict]) -> list[str]:
+    """What the live monitor said, against this report: one line."""
+    if not alerts:
+        return []
+    kept = sum(1 for a in alerts if a["kept"])
+    return ["", f"Live alerts: {len(alerts)} said while the job ran, {kept} kept in this report"
+                + ("." if kept == len(alerts) else " (the others are withdrawn, below).")]
 
 
 def _withdrawn(alerts: list[dict]) -> list[str]:
