@@ -51,29 +51,46 @@ def _steps() -> list[dict]:
         con.close()
 
 
-def flare_spans():
+def flare_spans(replicas: int = 1, slow_rank: int | None = None, slow_ms: float = 0.0):
+    """The trace as Flare's spans; `replicas` > 1 lays that many copies of the 8-rank job
+    side by side as one larger data-parallel job (replica k's rank r is rank 8k + r, its
+    data-parallel rank 2k + d; each stage's group spans every replica), and `slow_rank`
+    does `slow_ms` more compute per step, which every other rank waits for (a worker
+    slowed by hand, as the what-if analysis does)."""
     columns: dict[str, list] = {k: [] for k in (
         "job", "service", "trace_id", "span_id", "name", "kind", "start_ns", "end_ns",
         "duration_ns", "status_code", "rank", "step", "attributes", "resource")}
-    steps = sorted({row[3] for row in _steps()})
-    for rank, stage, dp_rank, step, first, last, compute, gc, comm in _steps():
-        base = steps.index(step) * 10_000_000_000 + 1_700_000_000_000_000_000
-        start = base + int(first * 1e9)
-        end = base + int(last * 1e9)
-        row = {
-            "job": "pp-st", "service": "pp-st", "trace_id": f"{sc.step_trace_id('pp-st', step):032x}",
-            "span_id": f"{rank + 1:04x}{step:012x}", "name": sc.SPAN_STEP, "kind": 1,
-            "start_ns": start, "end_ns": end, "duration_ns": end - start, "status_code": 0,
-            "rank": rank, "step": step,
-            "attributes": json.dumps({
-                sc.STEP: step, sc.STEP_COMPUTE_MS: compute * 1e3, sc.STEP_GC_MS: gc * 1e3,
-                sc.STEP_DATALOADER_MS: 0.0, sc.STEP_PYCALL_MS: 0.0,
-                sc.STEP_COLLECTIVE_WAIT_MS: comm * 1e3,
-                sc.STEP_PG_NAMES: [f"stage{stage}", f"pipe{dp_rank}"]}),
-            "resource": json.dumps({sc.RANK: rank, sc.WORLD_SIZE: 8, sc.JOB_ID: "pp-st"}),
-        }
-        for key, values in columns.items():
-            values.append(row[key])
+    rows = _steps()
+    steps = sorted({row[3] for row in rows})
+    world = 8 * replicas
+    for replica in range(replicas):
+        for rank, stage, dp_rank, step, first, last, compute, gc, comm in rows:
+            rank, dp_rank = 8 * replica + rank, 2 * replica + dp_rank
+            compute_ms, comm_ms, last_s = compute * 1e3, comm * 1e3, last + slow_ms / 1e3
+            if slow_rank is not None:
+                if rank == slow_rank:
+                    compute_ms += slow_ms
+                else:
+                    comm_ms += slow_ms
+            else:
+                last_s = last
+            base = steps.index(step) * 10_000_000_000 + 1_700_000_000_000_000_000
+            start = base + int(first * 1e9)
+            end = base + int(last_s * 1e9)
+            row = {
+                "job": "pp-st", "service": "pp-st", "trace_id": f"{sc.step_trace_id('pp-st', step):032x}",
+                "span_id": f"{rank + 1:04x}{step:012x}", "name": sc.SPAN_STEP, "kind": 1,
+                "start_ns": start, "end_ns": end, "duration_ns": end - start, "status_code": 0,
+                "rank": rank, "step": step,
+                "attributes": json.dumps({
+                    sc.STEP: step, sc.STEP_COMPUTE_MS: compute_ms, sc.STEP_GC_MS: gc * 1e3,
+                    sc.STEP_DATALOADER_MS: 0.0, sc.STEP_PYCALL_MS: 0.0,
+                    sc.STEP_COLLECTIVE_WAIT_MS: comm_ms,
+                    sc.STEP_PG_NAMES: [f"stage{stage}", f"pipe{dp_rank}"]}),
+                "resource": json.dumps({sc.RANK: rank, sc.WORLD_SIZE: world, sc.JOB_ID: "pp-st"}),
+            }
+            for key, values in columns.items():
+                values.append(row[key])
     return spans_table(columns), steps
 
 
@@ -103,3 +120,25 @@ def test_the_last_pipeline_stage_is_named_as_a_group(pp_job):
     assert label.impact == pytest.approx(1 - 1 / published, rel=0.2)
     # No single rank is labelled (the published Mw ≈ 0.03: no individual worker).
     assert not any(len(a.ranks) == 1 for a in stragglers)
+
+
+def test_a_slowed_worker_of_a_larger_job_is_named_and_no_healthy_replica_is():
+    """Eight replicas of the real job (64 ranks, pp 4 x dp 16) with one worker slowed by
+    hand (replica 3's stage-1 rank, +400 ms of compute per step): the culprits are that
+    worker and the real slow last stage, a group across every replica, and nothing
+    else. A culprit set that grows past them (ranks of healthy replicas named on their
+    own, as three of the other replicas' last stage once were) fails here."""
+    if not TRACE.exists():
+        pytest.skip(f"the public pipeline-parallel trace is not at {TRACE} (../shared/data/stragglers)")
+    slowed = 8 * 3 + 2  # replica 3, stage 1 (ranks 2 and 3 of each replica), data-parallel rank 0
+    assert {row[0]: row[1] for row in _steps()}[2] == 1
+    table, _steps_seen = flare_spans(replicas=8, slow_rank=slowed, slow_ms=400.0)
+    diagnosis = diagnose(ArrowJobData("pp-st", "kineto-like:trace-ST x8", lambda *_: table))
+    stragglers = [a for a in diagnosis.anomalies if a.kind == "straggler"]
+    last_stage = sorted(8 * k + r for k in range(8) for r in (6, 7))
+    named = sorted(tuple(a.ranks) for a in stragglers)
+    assert (slowed,) in named, [(a.ranks, a.cause, a.summary[:80]) for a in stragglers]
+    allowed = {(slowed,), tuple(last_stage)}
+    assert set(named) <= allowed, [(a.ranks, a.cause, a.summary[:80]) for a in stragglers]
+    culprits = {r for a in diagnosis.anomalies if a.kind in ("straggler", "fail_slow") for r in a.ranks}
+    assert culprits <= {slowed, *last_stage}, sorted(culprits)
