@@ -40,3 +40,35 @@ Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ''')
     assert harness.flare_tracebacks(stderr) == []
+
+
+def _report(*labels):
+    return {"anomalies": [{"kind": k, "ranks": r, "cause": c, "first_step": s} for k, r, c, s in labels]}
+
+
+def test_a_loaded_variant_must_say_what_the_quiet_one_said(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(harness, "VERDICTS", {})
+    monkeypatch.setattr(harness, "VERDICTS_DIR", None)
+    harness.agree("s", "quiet", _report(("straggler", [2], "compute", 20), ("fail_slow", [2], "compute", 20)))
+    harness.agree("s", "loaded", _report(("straggler", [2], "compute", 22)))  # its fail-slow: one finding
+    with pytest.raises(AssertionError, match="onset 20 -> 24"):
+        harness.agree("s", "loaded", _report(("straggler", [2], "compute", 24)))
+    with pytest.raises(AssertionError, match="labels"):
+        harness.agree("s", "loaded", _report(("straggler", [2], "cpu", 20)))
+    harness.agree("cpu rank 1", "quiet", _report(("straggler", [1], "cpu", 20)))
+    with pytest.raises(pytest.xfail.Exception, match="GIL-holding"):  # known, said, not hidden
+        harness.agree("cpu rank 1", "loaded", _report())
+
+
+def test_verdicts_pass_between_sessions_through_the_folder(monkeypatch, tmp_path):
+    import pytest
+
+    monkeypatch.setattr(harness, "VERDICTS_DIR", tmp_path)
+    monkeypatch.setattr(harness, "VERDICTS", {})
+    harness.agree("two ranks", "quiet", _report(("straggler", [1], "compute", 20)))
+    monkeypatch.setattr(harness, "VERDICTS", {})  # another session
+    with pytest.raises(AssertionError, match="no anomalies"):
+        harness.agree("two ranks", "loaded", _report())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two_ranks.loaded.json", "two_ranks.quiet.json"]
