@@ -133,6 +133,9 @@ def test_hang_culprit_is_the_rank_outside_the_collective():
     assert found[0].callsite == "/home/u/examples/train_ddp.py:182 in wait_for_shared_filesystem"
     assert found[0].evidence["victims"] == [0, 1, 3]
     assert found[0].summary.endswith("ranks 0, 1, 3 wait for it in all_reduce (process group 0, seq 61)")
+    # the step number said against the user's loop counter: where Flare's steps begin
+    assert found[0].summary.startswith(
+        "hang at step 20 (steps end at optimizer.step(): step 20 began when step 19's returned): ")
 
 
 def test_hang_names_each_collective_its_victims_wait_in():

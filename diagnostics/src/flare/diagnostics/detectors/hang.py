@@ -90,8 +90,18 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     return [Anomaly(
         kind="hang", ranks=culprits, cause=cause, first_step=first_step, last_step=None,
         impact=1.0, confidence=0.95 if stuck_in_own_code else 0.8,
-        summary=f"hang at step {first_step}: {what}", callsite=callsite, evidence=evidence,
+        summary=f"hang at step {first_step}{_numbering(first_step)}: {what}", callsite=callsite,
+        evidence=evidence,
     )]
+
+
+def _numbering(step: int | None) -> str:
+    """How Flare numbers steps, said where a user compares it with their loop's counter:
+    a step ends when the optimizer step returns, so code after `optimizer.step()` in the
+    loop's iteration N-1 (logging, a checkpoint, the next batch) is in step N."""
+    if step is None or step < 1:
+        return ""
+    return f" (steps end at optimizer.step(): step {step} began when step {step - 1}'s returned)"
 
 
 def _victims_text(victims: list[int], waiting_on: dict[tuple, list[int]]) -> str:
