@@ -81,20 +81,21 @@ def _time_lost(diagnosis: Diagnosis) -> str:
             f"<th>share of the run</th></tr>{body}</table>")
 
 
-def _wait_unknown(diagnosis: Diagnosis) -> str:
-    row = diagnosis.wait_unknown
+def _unknown(title: str, row: dict | None, said: str) -> str:
+    """One line for what the diagnosis could not tell on some ranks (said once)."""
     if not row:
         return ""
-    return (f"<p class='bad'><b>Wait unknown</b>: ranks {_e(', '.join(map(str, row['ranks'])))} "
-            f"ran {row['collectives_per_step']:g} {_e(row['note'])}.</p>")
+    return (f"<p class='bad'><b>{title}</b>: ranks {_e(', '.join(map(str, row['ranks'])))} "
+            f"{said}{_e(row['note'])}.</p>")
+
+
+def _wait_unknown(diagnosis: Diagnosis) -> str:
+    row = diagnosis.wait_unknown
+    return _unknown("Wait unknown", row, f"ran {row['collectives_per_step']:g} " if row else "")
 
 
 def _contention_unknown(diagnosis: Diagnosis) -> str:
-    row = diagnosis.contention_unknown
-    if not row:
-        return ""
-    return (f"<p class='bad'><b>Host contention unknown</b>: ranks "
-            f"{_e(', '.join(map(str, row['ranks'])))} {_e(row['note'])}.</p>")
+    return _unknown("Host contention unknown", diagnosis.contention_unknown, "")
 
 
 def _withdrawn(diagnosis: Diagnosis) -> str:
