@@ -56,6 +56,8 @@ def test_a_line_the_culprit_was_blocked_on_never_leads_a_line_it_worked_on():
     found = hotspots._compare(rows, {2}, 40, None)
     assert [h["frame"] for h in found] == [work, wait]
     assert found[1]["delta_ms"] > found[0]["delta_ms"]
-    sleeping = [_capture(2, step, {"waiting in data.py:12 in __getitem__": 6.0}) for step in range(40, 50)]
+    sleeping = [_capture(2, step, {"waiting in data.py:12 in __getitem__": 6.0, "train.py:20 in main": 1.3})
+                for step in range(40, 50)]  # +3 ms of work (a loaded host) beside +60 ms asleep
     sleeping += [_capture(1, step, {"train.py:20 in main": 1.0}) for step in range(40, 50)]
-    assert hotspots._compare(sleeping, {2}, 40, None)[0]["frame"] == "waiting in data.py:12 in __getitem__"
+    found = hotspots._compare(sleeping, {2}, 40, None)
+    assert [h["frame"] for h in found] == ["waiting in data.py:12 in __getitem__", "train.py:20 in main"]
