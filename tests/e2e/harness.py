@@ -304,6 +304,11 @@ class Verdict:
         return out
 
 
+def job_name(job: str, host: str) -> str:
+    """A scenario's job name on `host`: the quiet variant keeps the plain name."""
+    return job if host == "quiet" else f"{job}_{host}"
+
+
 def _verdict_path(scenario: str, host: str) -> Path | None:
     if VERDICTS_DIR is None:
         return None

@@ -32,8 +32,7 @@ LINES = {"compute": r"examples/train_ddp\.py:\d+ in burn_compute$",
 @pytest.mark.parametrize("fault", ["compute", "input", "cpu"])
 def test_a_live_straggler_is_given_its_line(store, host, fault):
     started = time.time()
-    job = f"capture_{fault}" if host == "quiet" else f"capture_{fault}_{host}"
-    run = harness.FlareRun(store, job, harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name(f"capture_{fault}", host), harness.torchrun(
         harness.TRAIN_DDP, "--steps", 320, "--hidden", 256, "--fault", fault,
         "--fault-rank", 2, "--fault-from", ONSET))
     report = run.finish()

@@ -33,8 +33,7 @@ class FlareRun(harness.FlareRun):
 
     def __init__(self, store, job: str, fault: str, rank: int = 1, steps: int = STEPS,
                  fault_ms: float = 60.0, env: dict[str, str] | None = None, host: str = "quiet"):
-        job = job if host == "quiet" else f"{job}_{host}"
-        super().__init__(store, job, harness.torchrun(
+        super().__init__(store, harness.job_name(job, host), harness.torchrun(
             harness.TRAIN_DDP, "--steps", steps, "--fault", fault, "--fault-rank", rank,
             "--fault-from", ONSET, "--fault-ms", fault_ms), env=env)
 

@@ -32,10 +32,6 @@ def _stragglers(report: dict) -> list[dict]:
     return [a for a in report["anomalies"] if a["kind"] == "straggler"]
 
 
-def _named(job: str, host: str) -> str:
-    return job if host == "quiet" else f"{job}_{host}"
-
-
 def _show(name: str, report: dict, extra: str = "") -> None:
     print(f"\nE2E {name}{extra}:\n{harness.describe(report)}")
 
@@ -56,7 +52,7 @@ def _periodic_label(run: harness.FlareRun, report: dict, rank: int, every: int,
 
 
 def test_two_unrelated_slow_ranks_are_two_labels(store, host):
-    run = harness.FlareRun(store, _named("two_ranks", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("two_ranks", host), harness.torchrun(
         harness.TRAIN_DDP, *DDP, "--fault", "compute", "--fault-rank", "1,3",
         "--fault-from", ONSET, "--fault-ms", 40))
     report = run.finish()
@@ -71,7 +67,7 @@ def test_two_unrelated_slow_ranks_are_two_labels(store, host):
 
 def test_a_slow_node_is_one_label_naming_the_node(store, host):
     # Two torchrun agents on this machine, 2 ranks each: node 1 holds ranks 2 and 3.
-    run = harness.FlareRun(store, _named("slow_node", host), harness.two_nodes(
+    run = harness.FlareRun(store, harness.job_name("slow_node", host), harness.two_nodes(
         harness.TRAIN_DDP, *DDP, "--fault", "compute", "--fault-rank", "2,3",
         "--fault-from", ONSET, "--fault-ms", 40))
     report = run.finish()
@@ -90,7 +86,7 @@ def test_a_periodic_gc_pause_is_labelled_with_its_period(store, host):
     # From step 20, as the other faults: begun at step 10, the loaded variant dated the
     # pattern from its second stall (20) while the quiet one said 10; 80 steps keep six.
     every, start, fault_ms, steps = 10, ONSET, 80.0, 80
-    run = harness.FlareRun(store, _named("gc_every_10", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("gc_every_10", host), harness.torchrun(
         harness.TRAIN_DDP, "--steps", steps, "--hidden", HIDDEN, "--fault", "gc", "--fault-rank", 3,
         "--fault-from", start, "--fault-every", every, "--fault-ms", fault_ms))
     report = run.finish()
@@ -110,7 +106,7 @@ def test_a_periodic_gc_pause_is_labelled_with_its_period(store, host):
 
 def test_a_periodic_checkpoint_stall_is_labelled_with_its_period(store, host):
     every = 8
-    run = harness.FlareRun(store, _named("stall_every_8", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("stall_every_8", host), harness.torchrun(
         harness.TRAIN_DDP, *DDP, "--fault", "stall", "--fault-rank", 0, "--fault-from", every,
         "--fault-every", every, "--fault-ms", 80))
     report = run.finish()
@@ -121,7 +117,7 @@ def test_a_periodic_checkpoint_stall_is_labelled_with_its_period(store, host):
 
 def test_a_slow_pipeline_stage_is_one_label_with_its_ranks(store, host):
     # stage = rank // 2: stage 1 is ranks 2 and 3 (examples/train_pipeline.py)
-    run = harness.FlareRun(store, _named("slow_stage", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("slow_stage", host), harness.torchrun(
         harness.TRAIN_PIPELINE, "--steps", STEPS, "--slow-stage", 1, "--slow-ms", 10,
         "--fault-from", ONSET))
     report = run.finish()
@@ -136,7 +132,7 @@ def test_a_slow_pipeline_stage_is_one_label_with_its_ranks(store, host):
 # (a healthy DDP job, quiet and loaded, is test_fault_injection.py's healthy scenario)
 def test_a_healthy_pipeline_job_has_no_slow_label(store, host):
     command = harness.torchrun(harness.TRAIN_PIPELINE, "--steps", STEPS)
-    report = harness.FlareRun(store, _named("healthy_pipeline", host), command).finish()
+    report = harness.FlareRun(store, harness.job_name("healthy_pipeline", host), command).finish()
     _show(f"healthy pipeline ({host})", report)
     harness.agree("healthy pipeline", host, report)
     slow = [a for a in report["anomalies"] if a["kind"] in ("straggler", "fail_slow")]

@@ -22,13 +22,9 @@ ONSET = 20
 TRAIN_FSDP2 = harness.ROOT / "examples" / "train_fsdp2.py"
 
 
-def _named(job: str, host: str) -> str:
-    return job if host == "quiet" else f"{job}_{host}"
-
-
 @pytest.mark.parametrize("slow_ms", [80])
 def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
-    run = harness.FlareRun(store, _named(f"fsdp2_{slow_ms}", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name(f"fsdp2_{slow_ms}", host), harness.torchrun(
         TRAIN_FSDP2, "--steps", STEPS, "--slow-rank", 2, "--slow-ms", slow_ms,
         "--fault-from", ONSET))
     report = run.finish()
@@ -49,7 +45,7 @@ def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
 def test_a_healthy_compiled_job_gives_no_label(store, host):
     """torch.compile over DDP: the first steps compile (step 0 ~0.5 s against ~12 ms
     after), each rank in its own time. Warm-up read from the data, not a fault."""
-    run = harness.FlareRun(store, _named("compiled", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("compiled", host), harness.torchrun(
         harness.TRAIN_DDP, "--steps", 40, "--hidden", 256, "--compile", "--fault", "none"))
     report = run.finish()
     print(f"\nE2E compiled DDP, healthy ({host}):\n{harness.describe(report)}")
@@ -66,7 +62,7 @@ def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store, host):
     functional all-reduces (waited in `wait_tensor`), its DP partner (0) in FSDP2's
     all-gathers. Before functional collectives were timed, rank 3's wait read as
     compute and the job got one job-wide fail-slow."""
-    run = harness.FlareRun(store, _named("fsdp2_tp", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("fsdp2_tp", host), harness.torchrun(
         TRAIN_FSDP2, "--tp", 2, "--layers", 2, "--steps", STEPS, "--slow-rank", 2,
         "--slow-ms", 80, "--fault-from", ONSET))
     report = run.finish()
@@ -86,7 +82,7 @@ def test_a_slow_stage_under_a_pipelining_schedule_is_named_as_the_stage(store, h
     """torch.distributed.pipelining's Schedule1F1B on 2 stages x 2 replicas: the
     schedule's `batch_isend_irecv` works, waited by the schedule itself, are the P2P
     waits; the pipeline groups (group_desc "pipeline<r>") give the stage."""
-    run = harness.FlareRun(store, _named("pp_1f1b", host), harness.torchrun(
+    run = harness.FlareRun(store, harness.job_name("pp_1f1b", host), harness.torchrun(
         harness.TRAIN_PIPELINE, "--schedule", "1f1b", "--steps", STEPS, "--slow-stage", 1,
         "--slow-ms", 10, "--fault-from", ONSET))
     report = run.finish()
@@ -107,7 +103,7 @@ def test_collectives_flare_cannot_see_give_wait_unknown_never_a_wrong_culprit(st
     """A custom communication path (`ProcessGroup.allreduce` called directly, as a C++
     extension would): counted by sequence numbers, its wait unknown. Said once per rank
     in the log and in the report; the slowdown keeps no claimed cause or wrong rank."""
-    run = harness.FlareRun(store, _named("untimed", host), [
+    run = harness.FlareRun(store, harness.job_name("untimed", host), [
         *harness.torchrun(harness.ROOT / "tests" / "e2e" / "untimed_collectives_job.py",
                           "--slow-rank", 2, "--fault-from", ONSET)])
     report = run.finish()
@@ -144,7 +140,7 @@ def test_a_single_process_job_without_torchrun_is_diagnosed(store, host):
     """`flare run -- python train.py`: no launcher, no RANK. The process flare run
     started is the job's one rank (its DataLoader workers are not); no cross-rank label,
     the job's own slowdown is labelled."""
-    run = harness.FlareRun(store, _named("single", host), [str(a) for a in (
+    run = harness.FlareRun(store, harness.job_name("single", host), [str(a) for a in (
         harness.BIN / "python", harness.TRAIN_DDP, "--steps", 60, "--hidden", 256,
         "--fault", "input", "--fault-rank", 0, "--fault-from", ONSET, "--fault-ms", 40,
         "--num-workers", 1)])

@@ -325,14 +325,14 @@ def live_alerts(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
             for a in alerted]
 
 
-def _measured(job: JobData | None, ranks: set[int], first_step: int | None) -> str:
+def _measured(job: JobData | None, config: DiagnosisConfig, ranks: set[int], first_step: int | None) -> str:
     """The figures behind "not confirmed": over the alert's steps to the end, the ranks'
     work (step time less collective wait) against their peers', and the peers' wait."""
     import numpy as np
 
     from flare.diagnostics import frame as frames
 
-    frame = frames.load(job, DiagnosisConfig()) if job is not None else None
+    frame = frames.load(job, config) if job is not None else None
     if frame is None or not ranks or len(frame.ranks) < 2:
         return ""
     mine = np.isin(frame.ranks, sorted(ranks))
@@ -353,7 +353,8 @@ def _measured(job: JobData | None, ranks: set[int], first_step: int | None) -> s
             f"its peers' {peers:.1f} ({subject - peers:+.1f}), the peers waiting {waited:.1f} ms/step)")
 
 
-def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | None = None) -> list[dict]:
+def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | None = None,
+              config: DiagnosisConfig | None = None) -> list[dict]:
     """The live alerts the final report does not keep, each with one line of why.
 
     An alert is kept when the final report has a label of its kind on the same ranks
@@ -372,7 +373,7 @@ def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | N
                    f"cause {instead.cause} from step {instead.first_step}")
         else:
             why = ("not confirmed over the whole run: it did not persist once every step "
-                   "was in" + _measured(job, ranks, alert.first_step))
+                   "was in" + _measured(job, config or DiagnosisConfig(), ranks, alert.first_step))
         out.append({"kind": alert.kind, "ranks": sorted(alert.ranks), "cause": alert.cause,
                     "first_step": alert.first_step, "reason": why})
     return out
