@@ -389,3 +389,13 @@ def test_ranks_whose_host_hides_scheduler_statistics_are_said_once_and_labelled_
     assert render(starved).count("Host contention unknown") == 1
     # where every rank reports its wait, nothing is said
     assert diagnose(_job(job_spans("j", 4, 80))).contention_unknown is None
+
+
+def test_a_gil_holding_thread_on_a_busy_host_is_the_ranks_own_not_the_hosts():
+    """Rank 2's own thread holds the GIL on a loaded host: its training thread waits for
+    a CPU (run-queue) as well as for the GIL, while that thread burns CPU of its own. The
+    extra CPU is the rank's: a straggler of cause cpu, never "the host"."""
+    diagnosis = diagnose(_job(job_spans("j", 4, 120, (Fault("busy_thread_loaded", 2, 30, 40.0),))))
+    assert [(a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies if a.kind == "straggler"] == [
+        ([2], "cpu", 30)]
+    assert diagnosis.host_contention == []

@@ -1,8 +1,9 @@
 """From a label to the line, end to end: `flare run` asks the culprit and one healthy
 peer for a targeted capture when the live label appears, and the label gains the line
-the culprit spends its extra time on (the slowing function of the injected fault). The
-compute scenario is also fault injection's compute slowdown: its labels, onset and live
-alerts are asserted here (`_compute_labels_and_report`). Each runs on a quiet host and on
+the culprit spends its extra time on (the slowing function of the injected fault). Each
+scenario is also fault injection's rank-level cause (compute, input, cpu): its labels and
+onset are asserted here (`_rank_labels`), and for compute its live alerts and HTML
+report (`_compute_labels_and_report`). Each runs on a quiet host and on
 a loaded one (one busy process per core beside the job: the `host` fixture), which must
 give the same labels and the same line.
 """
@@ -37,10 +38,10 @@ def test_a_live_straggler_is_given_its_line(store, host, fault):
         "--fault-rank", 2, "--fault-from", ONSET))
     report = run.finish()
     print(f"\nE2E capture, rank 2 {fault} ({host}):\n{harness.describe(report)}")
-    straggler = next(a for a in report["anomalies"] if a["kind"] == "straggler")
-    assert straggler["ranks"] == [2], harness.describe(report)
-    if "hotspots" not in straggler["evidence"]:  # no capture came in time: no line
+    straggler = next((a for a in report["anomalies"] if a["kind"] == "straggler"), None)
+    if straggler is None or "hotspots" not in straggler["evidence"]:  # no label, or no line
         harness.agree(f"capture rank 2 {fault}", host, report, None)
+    assert straggler is not None and straggler["ranks"] == [2], harness.describe(report)
     assert "hotspots" in straggler["evidence"], harness.describe(report)
     top = straggler["evidence"]["hotspots"][0]
     harness.agree(f"capture rank 2 {fault}", host, report, top["frame"].split(":")[0] + " in "
@@ -67,8 +68,25 @@ def test_a_live_straggler_is_given_its_line(store, host, fault):
         "SELECT links FROM spans WHERE job = ? AND name = 'flare.anomaly'", [run.job])
         for link in json.loads(links or "[]")}
     assert linked & captured_ids, (linked, len(captured_ids))
+    _rank_labels(report, fault)
     if fault == "compute":
         _compute_labels_and_report(store, run, report, top)
+
+
+def _rank_labels(report: dict, fault: str) -> None:
+    """The rank-level cause as fault injection asserts it: every label of rank 2 has the
+    fault's cause and starts at its onset, and no other rank is named. The cpu fault's
+    hog spins at the start of every step: named from its direct sign, the hog's CPU, and
+    its labels may start a few steps late."""
+    labels = [a for a in report["anomalies"] if a["ranks"] == [2]]
+    assert {a["cause"] for a in labels} == {fault}, harness.describe(report)
+    late = 5 if fault == "cpu" else 3
+    assert all(-3 <= a["first_step"] - ONSET <= late for a in labels), harness.describe(report)
+    assert not [a for a in report["anomalies"] if a["ranks"] and a["ranks"] != [2]], harness.describe(report)
+    if fault == "cpu":
+        straggler = next(a for a in labels if a["kind"] == "straggler")
+        assert straggler["evidence"]["other_threads_cpu_delta_ms"] >= 2.0, straggler
+        assert "other threads burn" in straggler["summary"], straggler["summary"]
 
 
 def _compute_labels_and_report(store, run, report, top) -> None:

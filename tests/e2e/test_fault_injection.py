@@ -71,31 +71,24 @@ def test_healthy_run_has_no_anomalies(store, host):
     assert healthy["anomalies"] == [], json.dumps(healthy["anomalies"], indent=1)
 
 
-# The compute slowdown (rank 2, 60 ms/step) runs once, in test_capture.py, whose compute
-# scenario asserts these labels too (kind, cause, onset, no other rank, live alerts).
+# The rank-level compute, input and cpu faults (rank 2) run once each, in
+# test_capture.py, whose scenarios assert these labels too (kind, cause, onset, no other
+# rank, and for cpu the hog's CPU as the direct sign).
 
 
 # The gc fault grows a live object graph until a full collection takes --fault-ms; a
 # smaller pause keeps the run short on a shared 2-core host.
-@pytest.mark.parametrize("fault, rank, cause, fault_ms", [
-    ("input", 1, "input", 60.0), ("gc", 3, "gc", 30.0), ("cpu", 1, "cpu", 60.0)])
-def test_rank_level_causes(store, host, fault, rank, cause, fault_ms):
-    run = FlareRun(store, fault, fault, rank=rank, fault_ms=fault_ms, host=host)
+def test_a_rank_pausing_in_gc_is_named_with_cause_gc(store, host):
+    rank = 3
+    run = FlareRun(store, "gc", "gc", rank=rank, fault_ms=30.0, host=host)
     report = run.finish()
-    harness.agree(f"{fault} rank {rank}", host, report)
+    harness.agree(f"gc rank {rank}", host, report)
     labels = _labels(report, rank)
     assert labels, json.dumps(report, indent=1)
-    assert {a["cause"] for a in labels} == {cause}, json.dumps(labels, indent=1)
-    # The cpu fault's hog spins for --fault-ms at the start of every step. In 14 runs
-    # both labels started at step 20, except one straggler at 25 (its fail-slow at 21).
-    late = 5 if fault == "cpu" else 3
-    assert all(-3 <= a["first_step"] - ONSET <= late for a in labels), \
+    assert {a["cause"] for a in labels} == {"gc"}, json.dumps(labels, indent=1)
+    assert all(-3 <= a["first_step"] - ONSET <= 3 for a in labels), \
         [(a["kind"], a["first_step"], a.get("summary")) for a in labels]
-    if fault == "cpu":  # named from its direct sign: the hog's CPU, not the training thread's
-        straggler = next(a for a in labels if a["kind"] == "straggler")
-        assert straggler["evidence"]["other_threads_cpu_delta_ms"] >= 2.0, straggler
-        assert "other threads burn" in straggler["summary"], straggler["summary"]
-    _record(fault, f"{sorted({a['kind'] for a in labels})} rank {rank} {cause}", None)
+    _record("gc", f"{sorted({a['kind'] for a in labels})} rank {rank} gc", None)
 
 
 @pytest.mark.parametrize("fault, rank", [("hang", 2), ("hang_subgroup", 1)])
@@ -109,6 +102,8 @@ def test_hang_names_the_rank_and_line(store, host, fault, rank):
     assert f"ranks {rank} " in alert[1]
     hangs = [a for a in report["anomalies"] if a["kind"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["ranks"] == [rank], json.dumps(report, indent=1)
+    # nothing else: the steps before the hang were healthy (a fail-slow there is false)
+    assert len(report["anomalies"]) == 1, harness.describe(report)
     harness.agree(f"{fault} rank {rank}", host, report, _function(hangs[0]["callsite"]))
     assert hangs[0]["callsite"] and "wait_for_shared_filesystem" in hangs[0]["callsite"]
     assert "train_ddp.py" in hangs[0]["callsite"]

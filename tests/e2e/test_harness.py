@@ -57,9 +57,9 @@ def test_a_loaded_variant_must_say_what_the_quiet_one_said(monkeypatch):
         harness.agree("s", "loaded", _report(("straggler", [2], "compute", 24)))
     with pytest.raises(AssertionError, match="labels"):
         harness.agree("s", "loaded", _report(("straggler", [2], "cpu", 20)))
-    harness.agree("cpu rank 1", "quiet", _report(("straggler", [1], "cpu", 20)))
+    harness.agree("capture rank 2 cpu", "quiet", _report(("straggler", [2], "cpu", 40)))
     with pytest.raises(pytest.xfail.Exception, match="GIL-holding"):  # known, said, not hidden
-        harness.agree("cpu rank 1", "loaded", _report())
+        harness.agree("capture rank 2 cpu", "loaded", _report())
 
 
 def test_verdicts_pass_between_sessions_through_the_folder(monkeypatch, tmp_path):

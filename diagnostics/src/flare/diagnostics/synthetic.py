@@ -114,6 +114,14 @@ def job_spans(
                         part["compute"] += f.extra_ms
                         idle += f.extra_ms  # waiting for the GIL
                     other_cpu += f.extra_ms
+                elif f.kind == "busy_thread_loaded":
+                    # The same thread on a busy host: both of the rank's threads wait for
+                    # CPU slices, so the training thread's excess is mostly run-queue
+                    # wait, and the hog gets a part of the CPU it asks for.
+                    part["compute"] += f.extra_ms
+                    runqueue += 0.7 * f.extra_ms
+                    idle += f.extra_ms
+                    other_cpu += 0.3 * f.extra_ms
             parts[rank] = part
             other_cpu_ms[rank] = other_cpu
             runqueue_ms[rank] = runqueue
