@@ -25,7 +25,7 @@ from flare.instrumentation import semconv
 from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
 from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity
-from flare.instrumentation.thread_clock import ThreadClock
+from flare.instrumentation.thread_clock import ProcessClock, ThreadClock
 
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -132,6 +132,8 @@ class Runtime:
         self.step_start_cpu_ns = (0, 0, None)
         # the training thread's CPU clock and its wait for a CPU (thread_clock.py)
         self.thread_clock = ThreadClock()
+        # the process's CPU less the collective library's threads' (thread_clock.py)
+        self.process_clock = ProcessClock()
         self.totals = StepTotals()
         self.last_step_end_ns = 0
         self.recent_step_s: deque[float] = deque(maxlen=101)
@@ -241,7 +243,7 @@ class Runtime:
             return
         self.step_detail = self._decide_detail(self.step_number)
         self.step_start_ns = start_ns or time.time_ns()
-        self.step_start_cpu_ns = (time.process_time_ns(), *self.thread_clock.read())
+        self.step_start_cpu_ns = (self.process_clock.read(), *self.thread_clock.read())
         previous, reader = self.totals, self.sequence_reader
         if (start_ns is not None and start_ns == self.last_step_end_ns
                 and previous.seq_end is not None):
@@ -364,7 +366,7 @@ class Runtime:
         # _advance inline). The switch to the next step happens under the lock: a
         # thread asking for the step span (a hang report, an error) gets either this
         # step's, made by the SDK (and the step is then finished now), or the next one's.
-        cpu = (time.process_time_ns(), *self.thread_clock.read())
+        cpu = (self.process_clock.read(), *self.thread_clock.read())
         totals = self.totals
         reader = self.sequence_reader
         if reader is not None:
@@ -416,7 +418,7 @@ class Runtime:
             self.end_step(now_ns)
             self.begin_step(now_ns)
             return
-        cpu = (time.process_time_ns(), *self.thread_clock.read())
+        cpu = (self.process_clock.read(), *self.thread_clock.read())
         record = self._capture(now_ns, cpu)
         self._queue_deferred(record, deferred, self._notify_end(deferred))
         self._advance(now_ns, cpu)
@@ -451,7 +453,7 @@ class Runtime:
         """What the step span needs from the training thread at the step's end (`cpu`:
         the process and thread CPU clocks read at `end_ns`, when already read)."""
         if cpu is None:
-            cpu = (time.process_time_ns(), *self.thread_clock.read())
+            cpu = (self.process_clock.read(), *self.thread_clock.read())
         totals = self.totals
         reader = self.sequence_reader
         if reader is not None:
