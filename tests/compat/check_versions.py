@@ -79,7 +79,10 @@ def arm(name: str, root: Path, torch_version: str, unit_tests: bool) -> dict:
     started = time.monotonic()
     with log_path.open("w") as log:
         python = venv / "bin" / "python"
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        # --no-compile: byte-compiling all of torch at install is most of the arm's CPU;
+        # what the job imports is compiled as it is first imported
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+               "--no-compile"]
         pins = ([f"{p}=={v}" for p, v in FLOORS.items()] if name == "floor"
                 else ["--upgrade", *FLOORS])
         extra = ["pytest>=8", "pytest-timeout>=2.3", "pytest-rerunfailures>=14"] if unit_tests else []
