@@ -30,6 +30,10 @@ def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
     report = run.finish()
     print(f"\nE2E fsdp2 slow rank 2 (+{slow_ms} ms, {host}):\n{harness.describe(report)}")
     harness.agree("fsdp2 slow rank 2", host, report)
+    # rank 2 alone is named: a job-wide label beside it (a quiet run's collective_slow
+    # @0 from the first all-gathers, seen once) is false, and the loaded variant would
+    # be compared with it
+    assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
     assert "wait_unknown" not in report  # every FSDP2 collective was seen from Python
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
@@ -68,6 +72,10 @@ def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store, host):
     report = run.finish()
     print(f"\nE2E fsdp2 + tp, slow rank 2 ({host}):\n{harness.describe(report)}")
     harness.agree("fsdp2 + tp slow rank 2", host, report)
+    # rank 2 alone is named: a job-wide label beside it (a quiet run's collective_slow
+    # @0 from the first all-gathers, seen once) is false, and the loaded variant would
+    # be compared with it
+    assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
     assert "wait_unknown" not in report  # DTensor's functional collectives included
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
