@@ -18,6 +18,7 @@ more per step (a busy loop before the forward, as a slower GPU or a throttled CP
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -108,3 +109,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Done, every file closed: end without the interpreter's last garbage collection
+    # over the ~300,000 objects torch holds (about 1 s of CPU per rank at exit; 3 s of
+    # a 4-rank job's wall on a 2-core host). Exit hooks, Flare's among them, run first.
+    gc.freeze()
