@@ -2,10 +2,10 @@
 
 The e2e diagnosis scenarios run on a quiet host and on a loaded one (tests/e2e). By
 default both variants run in the one session, the loaded one beside its own busy
-processes. CI runs them as two tiers: the quiet variants one at a time, then the loaded
-ones two at a time (pytest-xdist) beside one busy process per core kept for the whole
-session (--busy-host), each compared with its quiet variant's verdict kept on disk
-(--verdicts).
+processes. CI (tests/run-all) runs them as two tiers, one scenario at a time: the quiet
+variants, then the loaded ones, each beside one busy process per core of its own and
+compared with its quiet variant's verdict kept on disk (--verdicts). --busy-host keeps
+one set of busy processes for the whole session instead (with -n 2, a heavier load).
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def pytest_configure(config):
     if config.getoption("busy_host") and not hasattr(config, "workerinput"):  # the controller's
         config.flare_hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                              for _ in range(os.cpu_count() or 1)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The e2e tests first (their order among themselves kept): each runs a real job for
+    tens of seconds, and handed out last one of them would run alone at the end while
+    the other workers sit idle."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 
 def pytest_unconfigure(config):
