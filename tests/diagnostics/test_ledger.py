@@ -91,6 +91,16 @@ def test_a_periodic_gc_stall_is_labelled_with_its_period_and_true_share():
     assert "every 10 steps" in stalls[0].summary
 
 
+def test_a_periodic_stall_that_begins_while_the_job_settles_keeps_its_first_stall():
+    # slow first steps, settling over 11 steps, leave the ledger's baselines to step 11:
+    # the stall at step 8 is still the pattern's first, and the label's onset
+    for warmup in ((), (300.0, 150.0, 100.0, 100.0, 80.0, 80.0, 80.0, 80.0, 60.0, 60.0, 40.0)):
+        table = job_spans("j", 4, 60, (Fault("compute", 0, 8, 80.0, every=8),), warmup=warmup)
+        [label] = [a for a in diagnose(_job(table)).anomalies if a.kind == "straggler"]
+        assert label.ranks == [0] and label.evidence["pattern"] == "periodic"
+        assert label.first_step == 8 and label.evidence["stall_steps"] == list(range(8, 60, 8))
+
+
 def test_an_irregular_stall_that_costs_a_real_share_is_intermittent():
     steps = [12, 19, 33, 37, 58, 71, 90, 94, 110]
     faults = tuple(Fault("gc", 2, s, 300.0, to_step=s + 1) for s in steps)

@@ -355,6 +355,9 @@ def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
         if cols.size < MIN_STALLS:
             continue
         pattern = _pattern(frame.steps[cols])
+        if pattern["pattern"] == "periodic":
+            cols = _settling_stalls(frame, config, book, row, cols, pattern["period_steps"])
+            stalls[cols] = True
         impact = book.impact([row], cols)
         needed = config.straggler_min_impact * (1 if pattern["pattern"] == "periodic" else 2)
         if impact < needed or (pattern["pattern"] == "periodic" and cols.size < MIN_PERIODIC_STALLS):
@@ -379,6 +382,28 @@ def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
             1.0 if anomaly.cause != "unknown" else 0.8)
         out.append(anomaly)
     return out
+
+
+def _settling_stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
+                     row: int, cols: np.ndarray, period: int) -> np.ndarray:
+    """A periodic stall's first occurrences inside the job's settling steps (past the
+    fixed warm-up, but slow enough that the ledger leaves them out of its baselines): a
+    step one period before the first stall found, where the same rank held everyone up
+    by as much as its stalls do, is a stall of the pattern too, and the label's onset is
+    there (a checkpoint every 8 steps from step 8, on a job still settling until step 11,
+    read from step 16 otherwise)."""
+    threshold = STALL_OF_LARGEST * float(np.median(np.sort(book.lost_ms[cols])[-STALL_REFERENCE:]))
+    first_allowed = frame.steps[0] + config.warmup_steps
+    earlier = []
+    step = int(frame.steps[cols[0]]) - period
+    while step >= first_allowed:
+        col = frame.column(step)
+        if (int(frame.steps[col]) != step or book.warm[col] or not book.culprits[row][col]
+                or not book.lost_ms[col] >= threshold):
+            break
+        earlier.append(col)
+        step -= period
+    return np.concatenate([np.asarray(earlier[::-1], dtype=cols.dtype), cols]) if earlier else cols
 
 
 def _pattern(steps: np.ndarray) -> dict:
