@@ -26,12 +26,14 @@ def build_dir(tmp_path_factory):
 
 
 def test_fuzzed_c_readers_have_no_sanitizer_finding(build_dir):
-    result = sanitized.run(build_dir, seed=7, count=1500, timeout_s=240)
+    # 800 mutations reach every reader (the counts below); the long run is
+    # benchmarks/fuzz_otlp.py's part 3 (5,000 by default)
+    result = sanitized.run(build_dir, seed=7, count=800, timeout_s=240)
     report = result.stderr[-4000:]
     assert result.returncode == 0, f"sanitizer run failed ({result.returncode}):\n{report}"
     assert "ERROR: AddressSanitizer" not in result.stderr and "runtime error" not in result.stderr
     stats = json.loads(result.stdout.strip().splitlines()[-1])
-    assert stats["mutations"] == 1500 and stats["lost_spans"] == 0
+    assert stats["mutations"] == 800 and stats["lost_spans"] == 0
     assert stats["encoded_attribute_maps"] > 100
     assert stats["rank_link_sets"] >= 100
 
