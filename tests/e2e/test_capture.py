@@ -21,6 +21,10 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 
 ONSET = 40
+# The job's length at most: it is stopped (Ctrl-C, as its user would) once the live
+# alerts have said what the scenario looks for, which on a quiet host comes near step
+# 200; a loaded host may need all of them.
+STEPS_AT_MOST = 400
 
 
 # fault -> the function its line must be in (examples/train_ddp.py): the slowing
@@ -30,12 +34,29 @@ LINES = {"compute": r"examples/train_ddp\.py:\d+ in burn_compute$",
          "cpu": r"^\[thread gil-hog\] .*examples/train_ddp\.py:\d+ in _run$"}
 
 
+def _located(alerts: list[tuple[int, str]], function: str) -> tuple[int, str] | None:
+    """The live straggler alert that gives rank 2 a line in `function`."""
+    return next(((t, line) for t, line in alerts if "[straggler] ranks 2 " in line
+                 and " at " in line and f" in {function}" in line), None)
+
+
+def _said_enough(fault: str):
+    function = LINES[fault].rsplit(" in ", 1)[-1].rstrip("$")
+    def said(alerts):
+        if _located(alerts, function) is None:
+            return False
+        return fault != "compute" or any("[fail_slow] ranks 2 " in line for _, line in alerts)
+    return said
+
+
 @pytest.mark.parametrize("fault", ["compute", "input", "cpu"])
 def test_a_live_straggler_is_given_its_line(store, host, fault):
     started = time.time()
     run = harness.FlareRun(store, harness.job_name(f"capture_{fault}", host), harness.torchrun(
-        harness.TRAIN_DDP, "--steps", 320, "--hidden", 256, "--fault", fault,
+        harness.TRAIN_DDP, "--steps", STEPS_AT_MOST, "--hidden", 256, "--fault", fault,
         "--fault-rank", 2, "--fault-from", ONSET))
+    if run.wait_until(_said_enough(fault), timeout_s=240):
+        run.interrupt()
     report = run.finish()
     print(f"\nE2E capture, rank 2 {fault} ({host}):\n{harness.describe(report)}")
     straggler = next((a for a in report["anomalies"] if a["kind"] == "straggler"), None)
