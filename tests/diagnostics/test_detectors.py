@@ -326,3 +326,32 @@ def test_a_cpu_starved_fail_slow_says_so_in_its_summary():
                              DiagnosisConfig())
     assert [(a.ranks, a.cause) for a in found] == [([1], "cpu")]
     assert "starved of CPU (other threads burn +30.0 ms of CPU per step)" in found[0].summary
+
+
+def test_a_slowdown_seen_as_waiting_is_the_rank_whose_cpu_grew():
+    """Every rank's step grew by waiting (a GIL-holding thread on rank 2 burns more on a
+    loaded host: its training thread is blocked, not running): the ranks behind it are
+    those whose CPU, training thread and other threads together, grew; never all, and
+    never one whose peers grew as much."""
+    import numpy as np
+
+    from flare.diagnostics.frame import StepFrame
+
+    def frame(grew: dict[int, float]) -> StepFrame:
+        ranks, steps = 4, 200
+        shape = (ranks, steps)
+        other = np.zeros(shape)
+        for rank, ms in grew.items():
+            other[rank, 100:] += ms
+        return StepFrame(
+            ranks=np.arange(ranks), steps=np.arange(steps), bucket=1, duration=np.full(shape, 40.0),
+            wait=np.full(shape, 30.0), parts={}, bytes=np.full(shape, 1e6), start_ns=np.zeros(shape),
+            end_ns=np.zeros(shape), sm_clock_mhz=np.full(shape, np.nan), throttle_reasons=np.zeros(shape),
+            other_cpu=other, runqueue=None, thread_cpu=np.full(shape, 4.5))
+
+    before, after = np.arange(10, 100), np.arange(100, 200)
+    find = fail_slow._ranks_that_burnt_it
+    assert find(frame({2: 11.0}), DiagnosisConfig(), before, after, 7.0) == [2]
+    assert find(frame({2: 1.0}), DiagnosisConfig(), before, after, 7.0) == []  # too little
+    assert find(frame({r: 11.0 for r in range(4)}), DiagnosisConfig(), before, after, 7.0) == []
+    assert find(frame({1: 11.0, 2: 11.0, 3: 11.0}), DiagnosisConfig(), before, after, 7.0) == []
