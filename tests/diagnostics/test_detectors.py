@@ -351,7 +351,7 @@ def test_a_slowdown_seen_as_waiting_is_the_rank_whose_cpu_grew():
 
     before, after = np.arange(10, 100), np.arange(100, 200)
     find = fail_slow._ranks_that_burnt_it
-    assert find(frame({2: 11.0}), DiagnosisConfig(), before, after, 7.0) == [2]
-    assert find(frame({2: 1.0}), DiagnosisConfig(), before, after, 7.0) == []  # too little
-    assert find(frame({r: 11.0 for r in range(4)}), DiagnosisConfig(), before, after, 7.0) == []
-    assert find(frame({1: 11.0, 2: 11.0, 3: 11.0}), DiagnosisConfig(), before, after, 7.0) == []
+    assert find(frame({2: 11.0}), before, after, 7.0) == [2]
+    assert find(frame({2: 1.0}), before, after, 7.0) == []  # too little
+    assert find(frame({r: 11.0 for r in range(4)}), before, after, 7.0) == []
+    assert find(frame({1: 11.0, 2: 11.0, 3: 11.0}), before, after, 7.0) == []

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
-from flare.diagnostics.causes import attribute, host_starved, means, medians
+from flare.diagnostics.causes import attribute, host_starved, means, medians, work_grew
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import ChangePoint, change_point, first_rise, mad, nanmedian
 
@@ -57,7 +57,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         now, now_work = medians(frame, rows, after)
         past, past_work = medians(frame, rows, before)
     if not ranks:
-        ranks = _ranks_that_burnt_it(frame, config, before, after, point.after - point.before)
+        ranks = _ranks_that_burnt_it(frame, before, after, point.after - point.before)
         if ranks:
             rows = [frame.row(r) for r in ranks]
             now, now_work = medians(frame, rows, after)
@@ -150,29 +150,20 @@ def _settled(point: ChangePoint, series: np.ndarray, persist: int) -> ChangePoin
         score=abs(after - before) / noise if noise > 0 else point.score)
 
 
-def _ranks_that_burnt_it(frame: frames.StepFrame, config: DiagnosisConfig, before: np.ndarray,
-                         after: np.ndarray, slowdown_ms: float) -> list[int]:
-    """The ranks behind a slowdown every rank's step shows as waiting: those whose CPU
-    (training thread and other threads together) grew by a real share of it while their
-    peers' did not. A GIL-holding thread that burns more on a loaded host (+11 ms/step
-    of its rank's other-thread CPU from step 177, seen) blocks its rank's training
-    thread without showing in that thread's time, and every rank waits the same for it:
-    the slowdown is that rank's, never the job's communication."""
-    if frame.thread_cpu is None or not slowdown_ms > 0:
-        return []
-    burnt = np.nan_to_num(frame.thread_cpu, nan=0.0) + np.nan_to_num(frame.other_cpu, nan=0.0)
-    if not (np.isfinite(frame.other_cpu).any() or np.isfinite(frame.thread_cpu).any()):
-        return []
-    grew = np.array([float(np.nanmedian(burnt[r, after]) - np.nanmedian(burnt[r, before]))
-                     for r in range(len(frame.ranks))])
-    needed = config.cause_min_share * slowdown_ms
-    driving = [r for r in range(len(frame.ranks)) if grew[r] >= needed]
+def _ranks_that_burnt_it(frame: frames.StepFrame, before: np.ndarray, after: np.ndarray,
+                         slowdown_ms: float) -> list[int]:
+    """The ranks behind a slowdown every rank's step shows as waiting: those whose work
+    (`work_grew`: training-thread and other-thread CPU against their own past) grew by
+    a real share of it, when the others' did not. A GIL-holding thread that burns more
+    on a loaded host (+11 ms/step of its rank's other-thread CPU from step 177, seen)
+    blocks its rank's training thread without showing in that thread's time, and every
+    rank waits the same for it: the slowdown is that rank's, never the job's
+    communication."""
+    driving = [row for row in range(len(frame.ranks)) if slowdown_ms > 0 and work_grew(
+        means(frame, [row], after), means(frame, [row], before), slowdown_ms)]
     if not driving or len(driving) > len(frame.ranks) // 2:
         return []
-    peers = [r for r in range(len(frame.ranks)) if r not in driving]
-    if float(np.median(grew[peers])) >= 0.5 * float(np.min(grew[driving])):
-        return []
-    return sorted(int(frame.ranks[r]) for r in driving)
+    return sorted(int(frame.ranks[row]) for row in driving)
 
 
 def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.ndarray,

@@ -398,7 +398,7 @@ def _settling_stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: led
     step = int(frame.steps[cols[0]]) - period
     while step >= first_allowed:
         col = frame.column(step)
-        if (int(frame.steps[col]) != step or book.warm[col] or not book.culprits[row][col]
+        if (int(frame.steps[col]) != step or book.warm[col] or not book.culprits[row, col]
                 or not book.lost_ms[col] >= threshold):
             break
         earlier.append(col)
