@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from flare.diagnostics.backends import store as store_backend
 from flare.diagnostics.backends.store import StoreBackend
 from flare.exporters import store as flare_store
 
@@ -34,8 +35,11 @@ def _writable(path) -> bool:
         return False
 
 
-def test_queries_share_a_connection_and_a_writer_gets_in_after_hold_s(store_path):
-    backend = StoreBackend(store_path, hold_s=0.3)
+def test_queries_share_a_connection_and_a_writer_gets_in_after_hold_s(store_path, monkeypatch):
+    # Held whatever the host's load: no query counts as long (a slow one releases), and
+    # the hold outlasts a descheduled test thread.
+    monkeypatch.setattr(store_backend, "_RELEASE_AFTER_S", 60.0)
+    backend = StoreBackend(store_path, hold_s=1.0)
     held = backend._con
     assert held is not None and backend.jobs() == ["j"] and backend._con is held
     assert not _writable(store_path)  # held: a writer waits (as for one long query)
@@ -61,7 +65,11 @@ def test_exit_waits_for_a_timer_closing_the_connection(store_path, tmp_path):
     marker = tmp_path / "closed"
     script = textwrap.dedent(f"""
         import time
-        from flare.diagnostics.backends.store import StoreBackend
+        from flare.diagnostics.backends import store
+
+        # The constructor's first query must leave the connection held: on a busy host
+        # it can take over the 0.1 s after which a query releases it (seen in CI).
+        store._RELEASE_AFTER_S = 60.0
 
         class SlowClose:  # the real connection, with a close that takes 0.4 s
             def __init__(self, con):
@@ -73,7 +81,8 @@ def test_exit_waits_for_a_timer_closing_the_connection(store_path, tmp_path):
                 self.con.close()
                 open({str(marker)!r}, "w").write("closed")
 
-        backend = StoreBackend({str(store_path)!r}, hold_s=0.2)
+        backend = store.StoreBackend({str(store_path)!r}, hold_s=0.2)
+        assert backend._con is not None
         backend._con = SlowClose(backend._con)
         time.sleep(0.35)  # exit while the timer (fired at 0.2 s) is inside close()
     """)
