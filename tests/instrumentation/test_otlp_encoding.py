@@ -205,8 +205,8 @@ def test_the_exporter_sends_what_the_sdk_would_over_grpc(monkeypatch):
 
 
 def test_the_exporter_uses_the_sdk_encoder_when_the_check_fails(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger=otlp_exporter.__name__)
-    otlp_exporter.writer_matches_sdk.cache_clear()
+    caplog.set_level(logging.INFO, logger=otlp_encoding.__name__)
+    otlp_encoding.writer_matches_sdk.cache_clear()
     monkeypatch.setattr(otlp_encoding, "matches_sdk", lambda spans: False)
     try:
         exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint="http://127.0.0.1:9",
@@ -218,7 +218,7 @@ def test_the_exporter_uses_the_sdk_encoder_when_the_check_fails(monkeypatch, cap
         assert exporter._translate_data(spans) == encode_spans(spans)
         exporter.shutdown()
     finally:
-        otlp_exporter.writer_matches_sdk.cache_clear()
+        otlp_encoding.writer_matches_sdk.cache_clear()
     assert "encodes spans differently" in caplog.text
 
 

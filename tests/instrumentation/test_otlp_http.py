@@ -16,7 +16,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from otlp_sink import OtlpSink
 
-from flare.instrumentation import http_client, otlp_encoding, otlp_exporter, otlp_http
+from flare.instrumentation import http_client, otlp_encoding, otlp_exporter, otlp_grpc, otlp_http
 
 # Flare's HTTP client under the SDK's exporter: where the SDK takes a transport
 needs_transport = pytest.mark.skipif(
@@ -62,11 +62,11 @@ def test_grpc_stays_the_default_and_an_unknown_protocol_warns(monkeypatch, caplo
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
     exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint="http://127.0.0.1:9", insecure=True)
-    assert type(exporter) is otlp_exporter.FlareOTLPSpanExporter
+    assert type(exporter) is otlp_grpc.FlareOTLPGrpcSpanExporter
     exporter.shutdown()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
     exporter = otlp_exporter.FlareOTLPSpanExporter(endpoint="http://127.0.0.1:9", insecure=True)
-    assert type(exporter) is otlp_exporter.FlareOTLPSpanExporter
+    assert type(exporter) is otlp_grpc.FlareOTLPGrpcSpanExporter
     exporter.shutdown()
     assert "unknown OTLP protocol 'carrier-pigeon'" in caplog.text
 

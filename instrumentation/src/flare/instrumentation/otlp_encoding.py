@@ -19,6 +19,8 @@ encoding makes Flare's exporter fall back to the SDK encoder instead of divergin
 
 from __future__ import annotations
 
+import functools
+import logging
 import struct
 from collections.abc import Sequence
 
@@ -28,6 +30,8 @@ _pack_fixed32 = struct.Struct("<I").pack
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags masks
+
+_log = logging.getLogger(__name__)
 
 
 class Unsupported(Exception):
@@ -392,3 +396,23 @@ def matches_sdk(spans: Sequence) -> bool:
     )
 
     return ExportTraceServiceRequest.FromString(encode_request(spans)) == encode_spans(spans)
+
+
+@functools.lru_cache(maxsize=1)
+def writer_matches_sdk() -> bool:
+    """Whether the installed SDK encodes the probe spans byte for byte as this writer
+    does (checked once per process); both exporters use the SDK's encoder if not."""
+    from flare.instrumentation.sdk_gate import internals_ok
+
+    if not internals_ok():  # the probe reads the SDK's internal encoder
+        return False
+    try:
+        same = matches_sdk(probe_spans())
+    except Exception as error:  # an SDK whose internals moved: use it as it is
+        _log.info("flare: the OTLP writer cannot check itself against this SDK (%r); "
+                  "spans are encoded by the SDK", error)
+        return False
+    if not same:
+        _log.info("flare: this SDK encodes spans differently from Flare's OTLP writer; "
+                  "spans are encoded by the SDK")
+    return same

@@ -156,10 +156,8 @@ class FlareOTLPHttpSpanExporter(_SdkHttpSpanExporter):
                 *_tls_settings(certificate_file, client_key_file, client_certificate_file))
         super().__init__(endpoint, certificate_file, client_key_file, client_certificate_file,
                          headers, timeout, compression, session, **kwargs)
-        from flare.instrumentation.otlp_exporter import writer_matches_sdk
-
         # Flare's writer, where the SDK exporter is of the shape this export mirrors
-        self._fast = (writer_matches_sdk() and hasattr(self, "_client")
+        self._fast = (otlp_encoding.writer_matches_sdk() and hasattr(self, "_client")
                       and hasattr(self, "_max_request_size")
                       and hasattr(getattr(self, "_metrics", None), "export_operation"))
 
