@@ -146,3 +146,34 @@ def test_a_process_flare_run_started_without_rank_is_a_single_process_job(monkey
     monkeypatch.setenv("FLARE_RUN_PID", str(os.getppid()))
     monkeypatch.setattr(identity, "is_launcher", lambda argv=None: True)  # torchrun itself
     assert not identity.in_training_rank()
+
+
+def test_a_rank_that_rank_zero_started_is_its_local_rank_on_node_zero(clean_env, caplog):
+    # what Lightning's own launcher gives the processes it starts (no RANK)
+    clean_env.setenv("LOCAL_RANK", "2")
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    clean_env.setenv("NODE_RANK", "0")
+    clean_env.setenv("FLARE_JOB_ID", "lightning-job")
+    assert identity.in_training_rank()
+    me = identity.current_identity()
+    assert (me.rank, me.local_rank, me.world_size) == (2, 2, 4)
+    clean_env.setenv("WORLD_SIZE", "1")  # LOCAL_RANK alone (a one-process tool) is no rank
+    assert not identity.in_training_rank()
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("NODE_RANK", "1")  # ranks per node unknown: refused, in one line
+    assert not identity.in_training_rank()
+    assert "the global rank cannot be told" in caplog.text
+
+
+def test_a_rank_started_by_a_rank_of_another_local_rank_is_no_helper(monkeypatch):
+    from flare.instrumentation import torch_training
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv(semconv.ENV_RANK_PID, f"{os.getpid() + 1}:0")  # a DataLoader worker
+    assert torch_training._is_helper_of_a_rank()
+    monkeypatch.setenv("LOCAL_RANK", "3")  # rank 0 started this process as local rank 3
+    assert not torch_training._is_helper_of_a_rank()
+    monkeypatch.setenv(semconv.ENV_RANK_PID, torch_training._rank_marker())  # its own marker
+    assert not torch_training._is_helper_of_a_rank()

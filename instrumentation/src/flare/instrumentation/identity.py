@@ -59,11 +59,33 @@ def single_process_job() -> bool:
             and not os.environ.get("RANK", "").strip() and not is_launcher())
 
 
+def started_by_its_rank_zero() -> bool:
+    """A rank that rank 0 started itself, as Lightning does when a script asks for
+    several devices (`python train.py` with `devices=4`): rank 0 runs the script again
+    with LOCAL_RANK 1.., WORLD_SIZE, NODE_RANK and MASTER_ADDR, and no RANK. On node 0
+    its global rank is its local rank; on another node it cannot be told from the
+    environment (the ranks per node are not in it), and the process says so once."""
+    if os.environ.get("RANK", "").strip():
+        return False
+    local, world = os.environ.get("LOCAL_RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
+    if not (local.isdigit() and world.isdigit() and int(world) > 1
+            and os.environ.get("MASTER_ADDR", "").strip()):
+        return False
+    node = os.environ.get("NODE_RANK", "0").strip() or "0"
+    if node != "0":
+        _log.warning("flare: LOCAL_RANK %s on node %s without RANK: the global rank cannot be "
+                     "told from the environment; this process is not instrumented (a launcher "
+                     "that sets RANK, such as torchrun or Slurm, is)", local, node)
+        return False
+    return True
+
+
 def in_training_rank() -> bool:
-    """True in a rank process started by torchrun or another launcher (RANK is set), or
-    in a single-process job under `flare run`; False in the torchrun agent and other
-    helper processes."""
-    return os.environ.get("RANK", "").strip().isdigit() or single_process_job()
+    """True in a rank process started by torchrun or another launcher (RANK is set), in
+    a rank its rank 0 started (`started_by_its_rank_zero`), or in a single-process job
+    under `flare run`; False in the torchrun agent and other helper processes."""
+    return (os.environ.get("RANK", "").strip().isdigit() or started_by_its_rank_zero()
+            or single_process_job())
 
 
 def script_name() -> str:
@@ -221,7 +243,7 @@ def current_identity() -> ProcessIdentity:
     local_rank = _int_env("LOCAL_RANK")
     gpu_index = _gpu_index(local_rank)
     return ProcessIdentity(
-        rank=_int_env("RANK"),
+        rank=_int_env("RANK", local_rank if started_by_its_rank_zero() else 0),
         local_rank=local_rank,
         world_size=_int_env("WORLD_SIZE", 1),
         node_rank=_int_env("GROUP_RANK", _int_env("NODE_RANK", _int_env("SLURM_NODEID"))),

@@ -45,11 +45,23 @@ def _disable_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_disable_in_forked_child)
 
 
+def _rank_marker() -> str:
+    """What an instrumented rank leaves in its environment for the processes it starts:
+    its pid and its local rank."""
+    return f"{os.getpid()}:{os.environ.get('LOCAL_RANK', '').strip() or '0'}"
+
+
 def _is_helper_of_a_rank() -> bool:
     """A process started by an instrumented rank (a spawned DataLoader worker) inherits
-    its environment, RANK included; the rank's pid marker tells it apart."""
-    marker = os.environ.get(semconv.ENV_RANK_PID)
-    return bool(marker) and marker != str(os.getpid())
+    its environment, RANK included; the rank's marker tells it apart. A process of
+    another local rank that a rank started is a rank itself (Lightning's rank 0
+    starting ranks 1..)."""
+    marker = os.environ.get(semconv.ENV_RANK_PID, "")
+    if not marker:
+        return False
+    pid, _, local_rank = marker.partition(":")
+    mine = os.environ.get("LOCAL_RANK", "").strip() or "0"
+    return pid != str(os.getpid()) and local_rank in ("", mine)
 
 
 class _FirstStepListener:
@@ -166,7 +178,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
         self._install_detail_signal(runtime)
         self._install_gpu_layer(runtime)
         flare_instrumentation._active_runtime = runtime
-        os.environ[semconv.ENV_RANK_PID] = str(os.getpid())
+        os.environ[semconv.ENV_RANK_PID] = _rank_marker()
         atexit.register(self._at_exit)
 
     def _collective_tracker(self, runtime: Runtime):
@@ -284,6 +296,6 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             signal.signal(signal.SIGUSR2, signal.SIG_DFL)
         runtime.enabled = False
         flare_instrumentation._active_runtime = None
-        if os.environ.get(semconv.ENV_RANK_PID) == str(os.getpid()):
+        if os.environ.get(semconv.ENV_RANK_PID, "").partition(":")[0] == str(os.getpid()):
             del os.environ[semconv.ENV_RANK_PID]
         self._runtime = None
