@@ -177,3 +177,19 @@ def test_a_rank_started_by_a_rank_of_another_local_rank_is_no_helper(monkeypatch
     assert not torch_training._is_helper_of_a_rank()
     monkeypatch.setenv(semconv.ENV_RANK_PID, torch_training._rank_marker())  # its own marker
     assert not torch_training._is_helper_of_a_rank()
+
+
+def test_the_one_process_a_launcher_under_flare_run_started_is_the_job(monkeypatch):
+    # `flare run -- accelerate launch train.py` on one CPU: the script is accelerate's
+    # child, without RANK
+    read_proc = identity._parent_of
+    assert read_proc(os.getpid())[0] == os.getppid()  # read from /proc
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(identity, "is_launcher", lambda argv=None: bool(argv) and "accelerate" in argv[0])
+    monkeypatch.setenv("FLARE_RUN_PID", "4242")
+    monkeypatch.setattr(identity, "_parent_of", lambda pid: (4242, ["/venv/bin/accelerate", "launch"]))
+    assert identity.single_process_job()
+    monkeypatch.setattr(identity, "_parent_of", lambda pid: (4242, ["python", "train.py"]))
+    assert not identity.single_process_job()  # a DataLoader worker of the job's process
+    monkeypatch.setattr(identity, "_parent_of", lambda pid: (7, ["/venv/bin/accelerate", "launch"]))
+    assert not identity.single_process_job()  # another flare run's launcher

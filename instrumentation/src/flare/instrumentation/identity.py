@@ -50,13 +50,32 @@ def is_launcher(argv: list[str] | None = None) -> bool:
     return False
 
 
+def _parent_of(pid: int) -> tuple[int, list[str]] | None:
+    """`pid`'s parent pid and command line, from /proc (None where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read().decode(errors="replace")
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            argv = [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+        return int(stat.rsplit(")", 1)[1].split()[1]), argv
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def single_process_job() -> bool:
-    """A process `flare run` started itself (its parent is `flare run`), with no RANK, that
-    is not a launcher: a job of one process, rank 0 of a world of 1. Its own children
-    (DataLoader workers) and a launcher's ranks have other parents."""
+    """A process `flare run` started itself (its parent is `flare run`), or that a
+    launcher `flare run` started ran as its one process (`accelerate launch` on one
+    CPU runs the script as a child without RANK), with no RANK and not a launcher: a
+    job of one process, rank 0 of a world of 1. Its own children (DataLoader workers)
+    and a launcher's ranks have other parents, or RANK."""
     run_pid = os.environ.get(semconv.ENV_RUN_PID, "").strip()
-    return (run_pid.isdigit() and int(run_pid) == os.getppid()
-            and not os.environ.get("RANK", "").strip() and not is_launcher())
+    if not run_pid.isdigit() or os.environ.get("RANK", "").strip() or is_launcher():
+        return False
+    parent = os.getppid()
+    if int(run_pid) == parent:
+        return True
+    above = _parent_of(parent)
+    return above is not None and above[0] == int(run_pid) and is_launcher(above[1])
 
 
 def started_by_its_rank_zero() -> bool:
