@@ -92,11 +92,17 @@ def started_by_its_rank_zero() -> bool:
         return False
     node = os.environ.get("NODE_RANK", "0").strip() or "0"
     if node != "0":
-        _log.warning("flare: LOCAL_RANK %s on node %s without RANK: the global rank cannot be "
-                     "told from the environment; this process is not instrumented (a launcher "
-                     "that sets RANK, such as torchrun or Slurm, is)", local, node)
+        _rank_unknown(local, node)
         return False
     return True
+
+
+@functools.cache
+def _rank_unknown(local: str, node: str) -> None:
+    """Said once per process (the detector and the instrumentor both ask)."""
+    _log.warning("flare: LOCAL_RANK %s on node %s without RANK: the global rank cannot be "
+                 "told from the environment; this process is not instrumented (a launcher "
+                 "that sets RANK, such as torchrun or Slurm, is)", local, node)
 
 
 def in_training_rank() -> bool:
