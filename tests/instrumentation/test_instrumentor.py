@@ -762,7 +762,8 @@ def _step_hooks(instrumentor):
 
 def test_ddp_wait_after_the_graph_is_split_off_without_a_hook_per_backward(process_group):
     """With a DDP wrapper, the time its reducer waits for its buckets after the graph is
-    done is the step's collective wait, marked by a gradient hook kept across steps
+    done is the step's collective wait (the hook's 60 ms delay starts at its bucket's
+    all-reduce, a little before the graph is done: at least 25 ms of it is left), marked by a gradient hook kept across steps
     (none is registered per backward), also when a reentrant checkpoint runs a nested
     backward inside the model's."""
     from torch.nn.parallel import DistributedDataParallel
@@ -779,7 +780,7 @@ def test_ddp_wait_after_the_graph_is_split_off_without_a_hook_per_backward(proce
 
     torch.manual_seed(0)
     model = DistributedDataParallel(Model())
-    model.register_comm_hook(None, _slow_comm_hook(0.03))
+    model.register_comm_hook(None, _slow_comm_hook(0.06))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     hooks = _step_hooks(TorchTrainingInstrumentor())  # the instrumentor is a singleton
     assert hooks._marker.armed
@@ -812,7 +813,7 @@ def test_an_unused_watched_parameter_hands_over_to_a_hook_per_backward(process_g
 
     torch.manual_seed(0)
     model = DistributedDataParallel(Model(), find_unused_parameters=True)
-    model.register_comm_hook(None, _slow_comm_hook(0.03))
+    model.register_comm_hook(None, _slow_comm_hook(0.06))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.INFO, logger="flare.instrumentation.step_hooks"):
         for _ in range(6):
@@ -832,12 +833,18 @@ def test_a_ddp_wrapper_built_before_instrument_is_sized_and_marked(rank_env):
     graph is done are in every step's summary, as for one built afterwards."""
     from torch.nn.parallel import DistributedDataParallel
 
+    # a wrapper of a group since destroyed, still alive (an earlier run in a notebook):
+    # it never runs a backward again and must not be counted
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    stale = DistributedDataParallel(torch.nn.Linear(8, 8))
+    dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         model = DistributedDataParallel(torch.nn.Linear(16, 8))
-        model.register_comm_hook(None, _slow_comm_hook(0.03))
+        model.register_comm_hook(None, _slow_comm_hook(0.06))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         provider, exporter = make_provider()
         instrumentor = TorchTrainingInstrumentor()
@@ -851,6 +858,7 @@ def test_a_ddp_wrapper_built_before_instrument_is_sized_and_marked(rank_env):
             instrumentor.uninstrument()
     finally:
         dist.destroy_process_group()
+    del stale
     steps = finished(exporter, semconv.SPAN_STEP)
     assert len(steps) == 3
     for step in steps:

@@ -64,9 +64,21 @@ def _live_wrappers(ddp_class) -> list:
             return []
         # type(), not isinstance(): that would read `__class__` of every object, and
         # some (deprecated torch aliases) warn when it is read
-        return [obj for obj in gc.get_objects() if issubclass(type(obj), ddp_class)]
+        found = [obj for obj in gc.get_objects() if issubclass(type(obj), ddp_class)]
+        return [ddp for ddp in found if _group_alive(dist, ddp)]
     except Exception:  # never fail the install over it
         return []
+
+
+def _group_alive(dist, ddp) -> bool:
+    """Whether the wrapper's process group is still one of this process's: a model
+    of a group since destroyed (a notebook's earlier run, not yet collected) never
+    runs a backward again, and counting its bytes would inflate every step's."""
+    try:
+        dist.get_process_group_ranks(ddp.process_group)
+        return True
+    except Exception:  # KeyError: a destroyed group (or no group attribute at all)
+        return False
 
 
 class GraphDoneMarker:
