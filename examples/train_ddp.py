@@ -22,6 +22,9 @@ from step --fault-from on, costing about --fault-ms per faulty step; with
   hang          the rank blocks forever in wait_for_shared_filesystem() before backward
   hang_subgroup ranks 0 and 1 all-reduce in a sub-group every step; the faulty rank
                 skips it and blocks in wait_for_shared_filesystem(), so its peer waits
+  input_hang    the batch for step --fault-from blocks forever in
+                read_from_a_dead_mount(), inside the DataLoader's worker process with
+                --num-workers N (in the rank itself without)
   raise         the rank raises RuntimeError from load_shard()
   kill          the rank is killed by SIGKILL in load_shard(), as the kernel's OOM
                 killer does: it dies without a word, and its peers fail after it
@@ -45,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 FAULTS = ("none", "compute", "input", "gc", "cpu", "hang", "hang_subgroup", "raise",
-          "kill", "extra_comm", "stall")
+          "kill", "extra_comm", "stall", "input_hang")
 FEATURES = 256
 CLASSES = 16
 
@@ -121,6 +124,12 @@ class SyntheticDataset(Dataset):
         return index, features, label
 
 
+def read_from_a_dead_mount() -> None:
+    """The `input_hang` fault: a read that never returns, in the loader (its worker
+    process with --num-workers)."""
+    threading.Event().wait()
+
+
 class SlowableCollate:
     """Batches samples; sleeps when the `input` fault is active for the batch's step.
 
@@ -135,6 +144,8 @@ class SlowableCollate:
         step = samples[0][0] // self.batch_size
         if self.fault.active("input", step):
             time.sleep(self.fault.seconds)
+        if self.fault.active("input_hang", step) and step == self.fault.first_step:
+            read_from_a_dead_mount()
         features = torch.stack([sample[1] for sample in samples])
         labels = torch.tensor([sample[2] for sample in samples])
         return features, labels

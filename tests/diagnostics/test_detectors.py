@@ -138,6 +138,26 @@ def test_hang_culprit_is_the_rank_outside_the_collective():
         "hang at step 20 (steps end at optimizer.step(): step 20 began when step 19's returned): ")
 
 
+def test_a_hang_in_a_dataloader_worker_is_input_at_the_workers_line():
+    base = job_spans("j", 4, 20)
+    t = 1_800_000_000_000_000_000
+    dumps = [_span(sc.SPAN_HANG, r, 20, t + r, {
+        sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: "0", sc.HANG_SEQ: 61,
+        sc.HANG_STACKS: "Thread MainThread\n  File \"/x/torch/distributed/c10d.py\", line 1 in all_reduce"})
+        for r in (0, 2, 3)]
+    worker = ('DataLoader worker pid 4242 (most recent call first):\n'
+              '  File "/home/u/data/dataset.py", line 58 in Tokens.__getitem__\n'
+              '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch')
+    dumps.append(_span(sc.SPAN_HANG, 1, 20, t + 9, {
+        sc.HANG_OPERATION: "train.step", sc.HANG_STACKS: MAIN_STACK,
+        sc.HANG_LOADER_WORKERS: [4242], sc.HANG_LOADER_STACKS: worker}))
+    found = hang.detect(_job(pa.concat_tables([base, _extra(dumps)])), DiagnosisConfig())
+    assert [(a.ranks, a.cause) for a in found] == [([1], "input")]
+    assert found[0].callsite == "/home/u/data/dataset.py:58 in Tokens.__getitem__"
+    assert "rank 1 waits on its DataLoader worker (pid 4242), stuck in Tokens.__getitem__" in found[0].summary
+    assert found[0].evidence["loader_workers"] == [4242]
+
+
 def test_hang_names_each_collective_its_victims_wait_in():
     """A rank stuck in its own code while one peer waits in their sub-group's all-reduce
     and the rest in the world's: each collective is named with its own ranks."""

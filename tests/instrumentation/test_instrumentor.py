@@ -341,6 +341,41 @@ def test_watchdog_reports_a_hang_while_the_main_thread_waits_in_native_code(rank
     assert hang.context.trace_id == step.context.trace_id
 
 
+class _StuckDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        threading.Event().wait(30)  # a read that never returns (a dead mount)
+        return torch.zeros(2)
+
+
+def test_a_hang_in_a_dataloader_worker_names_the_worker_and_where_it_is(rank_env):
+    """The training thread waits on its DataLoader's worker process: the hang report
+    lists the worker and, through py-spy, the worker's own stack (the dataset's line)."""
+    from flare.instrumentation import native_stacks
+
+    rank_env.setenv("FLARE_HANG_TIMEOUT_S", "0.5")
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    loader = DataLoader(_StuckDataset(), num_workers=1, timeout=4)  # its timeout ends the test
+    try:
+        with flare_instrumentation.step(), pytest.raises(RuntimeError, match="timed out"):
+            next(iter(loader))
+    finally:
+        instrumentor.uninstrument()
+    hangs = finished(exporter, semconv.SPAN_HANG)
+    assert len(hangs) == 1
+    workers = list(hangs[0].attributes[semconv.HANG_LOADER_WORKERS])
+    assert len(workers) == 1 and workers[0] != os.getpid()
+    if native_stacks.binary() is None:
+        pytest.skip("py-spy is not installed: the worker's stack is not dumped")
+    stacks = hangs[0].attributes[semconv.HANG_LOADER_STACKS]
+    assert f"DataLoader worker pid {workers[0]} (most recent call first)" in stacks
+    assert f'File "{__file__}", line' in stacks and "in _StuckDataset.__getitem__" in stacks
+
+
 def test_a_stuck_step_is_reported_at_the_operation_it_waits_in_not_yet_past_the_limit(rank_env):
     # The step passes the limit a forward's length before the backward it blocks in
     # does; a watchdog tick in between must name the backward (where a DDP rank waits

@@ -184,6 +184,10 @@ HANG_NATIVE_STACKS = "flare.hang.native_stacks"  # py-spy dump --native, where i
 HANG_PG = "flare.hang.pg"
 HANG_SEQ = "flare.hang.seq"
 HANG_COLL_OP = "flare.hang.collective_op"
+# The training thread waits on its DataLoader worker processes: their pids, and their
+# Python stacks (py-spy, where it may run), "most recent call first" per worker
+HANG_LOADER_WORKERS = "flare.hang.loader_workers"
+HANG_LOADER_STACKS = "flare.hang.loader_stacks"
 
 # ---------------------------------------------------------------- heartbeat
 HEARTBEAT_LAST_STEP = "flare.heartbeat.last_step"

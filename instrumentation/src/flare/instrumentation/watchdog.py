@@ -19,7 +19,7 @@ import time
 
 from opentelemetry.trace import Status, StatusCode
 
-from flare.instrumentation import native_stacks, semconv
+from flare.instrumentation import loader_workers, native_stacks, semconv
 from flare.instrumentation.callsite import all_thread_stacks, format_site, frame_site
 from flare.instrumentation.config import HANG_STEP_MULTIPLE, HANG_TIMEOUT_FLOOR_S
 from flare.instrumentation.runtime import Operation, Runtime
@@ -174,6 +174,15 @@ class Watchdog:
                 attributes[hang_key] = value
             if op.name == OP_BACKWARD and self.collectives is not None:
                 attributes.update(self.collectives.collective_in_flight(op.start_ns) or {})
+        if op is None or op.name == semconv.SPAN_STEP or op.name.startswith("dataloader"):
+            # the training thread waiting on its DataLoader's worker processes: where
+            # they are is where the time goes
+            workers = loader_workers.waited_workers(ident)
+            if workers:
+                attributes[semconv.HANG_LOADER_WORKERS] = workers
+                worker_stacks = loader_workers.worker_stacks(workers)
+                if worker_stacks:
+                    attributes[semconv.HANG_LOADER_STACKS] = worker_stacks
         site = _blocked_site(ident) or (format_site(op.frame) if op is not None
                                         and isinstance(op.frame, tuple) else None)
         if site:

@@ -87,6 +87,7 @@ _TYPES: dict[str, str] = {
     sc.HANG_ELAPSED_S: _DOUBLE,
     sc.HANG_TIMEOUT_S: _DOUBLE,
     sc.HANG_SEQ: _INT,
+    sc.HANG_LOADER_WORKERS: _list_of(_INT),
     sc.HEARTBEAT_LAST_STEP: _INT,
     sc.HEARTBEAT_INTERVAL_S: _DOUBLE,
     sc.ERROR_SIGNAL: _INT,

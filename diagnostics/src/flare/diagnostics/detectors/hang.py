@@ -16,7 +16,8 @@ from flare.instrumentation import native_stacks
 from flare.instrumentation import semconv as sc
 
 _ATTRS = (sc.HANG_OPERATION, sc.HANG_STACKS, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP,
-          sc.HANG_ELAPSED_S, sc.HANG_TIMEOUT_S, sc.CODE_CALLSITE, sc.HANG_NATIVE_STACKS, sc.HANG_THREAD)
+          sc.HANG_ELAPSED_S, sc.HANG_TIMEOUT_S, sc.CODE_CALLSITE, sc.HANG_NATIVE_STACKS, sc.HANG_THREAD,
+          sc.HANG_LOADER_WORKERS, sc.HANG_LOADER_STACKS)
 NATIVE_FRAMES = 40  # of the culprit's blocked thread, innermost first
 
 
@@ -66,9 +67,23 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     for rank in victims:
         if rank in in_collective:
             waiting_on.setdefault(_collective_of(latest[rank]), []).append(rank)
+    workers = list((culprit_dump or {}).get(sc.HANG_LOADER_WORKERS) or [])
+    worker_frames: list[str] = []
+    if workers and culprit_dump["rank"] in stuck_in_own_code:
+        # the rank waits on its DataLoader's worker processes: the time is theirs, and
+        # the line is the worker's (its dataset's code), not the loop's `for batch in ...`
+        cause = "input"
+        stacks = culprit_dump.get(sc.HANG_LOADER_STACKS)
+        worker_frames = user_frames(stacks)
+        callsite = user_callsite(stacks) if stacks else callsite
     function = callsite.rsplit(" in ", 1)[-1] if callsite else None
     culprit_text = ", ".join(map(str, culprits))
-    if culprit_dump is not None and culprit_dump["rank"] in stuck_in_own_code:
+    if workers and cause == "input":
+        pids = ", ".join(map(str, workers))
+        what = (f"rank {culprit_text} waits on its DataLoader worker{'s' if len(workers) > 1 else ''} "
+                f"(pid {pids})" + (f", stuck in {function} ({callsite})" if stacks and callsite
+                                   else " (no worker stack: py-spy is not installed or may not run)"))
+    elif culprit_dump is not None and culprit_dump["rank"] in stuck_in_own_code:
         what = f"rank {culprit_text} is stuck in {function or 'its own code'}" + (
             f" ({callsite})" if callsite else "")
     elif culprits and set(culprits) != set(latest):
@@ -83,6 +98,9 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         "operations": {str(r): d.get(sc.HANG_OPERATION) for r, d in sorted(latest.items())},
         "culprit_frames": frames, "elapsed_s": elapsed,
     }
+    if workers:
+        evidence["loader_workers"] = workers
+        evidence["worker_frames"] = worker_frames
     if culprit_dump is not None and culprit_dump.get(sc.HANG_NATIVE_STACKS):
         # py-spy's C/C++ frames under the Python ones, where the rank could run it
         evidence["native_frames"] = native_stacks.thread_frames(
