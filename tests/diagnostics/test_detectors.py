@@ -119,13 +119,18 @@ def test_fail_slow_waits_until_the_slowdown_persists_and_dates_it_exactly():
     assert seen[42] == [] and seen[45] == [([2], 40)], seen
 
 
+def _all_reduce_dumps(ranks, t: int) -> list:
+    """Hang dumps of `ranks` waiting in the world's all-reduce (seq 61) at step 20."""
+    return [_span(sc.SPAN_HANG, r, 20, t + r, {
+        sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: "0", sc.HANG_SEQ: 61,
+        sc.HANG_STACKS: "Thread MainThread\n  File \"/x/torch/distributed/c10d.py\", line 1 in all_reduce"})
+        for r in ranks]
+
+
 def test_hang_culprit_is_the_rank_outside_the_collective():
     base = job_spans("j", 4, 20)
     t = 1_800_000_000_000_000_000
-    dumps = [_span(sc.SPAN_HANG, r, 20, t + r, {
-        sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: "0", sc.HANG_SEQ: 61,
-        sc.HANG_STACKS: "Thread MainThread\n  File \"/x/torch/distributed/c10d.py\", line 1 in all_reduce"})
-        for r in (0, 1, 3)]
+    dumps = _all_reduce_dumps((0, 1, 3), t)
     dumps.append(_span(sc.SPAN_HANG, 2, 20, t + 9, {sc.HANG_OPERATION: "train.step", sc.HANG_STACKS: MAIN_STACK}))
     found = hang.detect(_job(pa.concat_tables([base, _extra(dumps)])), DiagnosisConfig())
     assert len(found) == 1
@@ -141,10 +146,7 @@ def test_hang_culprit_is_the_rank_outside_the_collective():
 def test_a_hang_in_a_dataloader_worker_is_input_at_the_workers_line():
     base = job_spans("j", 4, 20)
     t = 1_800_000_000_000_000_000
-    dumps = [_span(sc.SPAN_HANG, r, 20, t + r, {
-        sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_PG: "0", sc.HANG_SEQ: 61,
-        sc.HANG_STACKS: "Thread MainThread\n  File \"/x/torch/distributed/c10d.py\", line 1 in all_reduce"})
-        for r in (0, 2, 3)]
+    dumps = _all_reduce_dumps((0, 2, 3), t)
     worker = ('DataLoader worker pid 4242 (most recent call first):\n'
               '  File "/home/u/data/dataset.py", line 58 in Tokens.__getitem__\n'
               '  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 54 in fetch')

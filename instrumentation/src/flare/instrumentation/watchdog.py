@@ -174,7 +174,7 @@ class Watchdog:
                 attributes[hang_key] = value
             if op.name == OP_BACKWARD and self.collectives is not None:
                 attributes.update(self.collectives.collective_in_flight(op.start_ns) or {})
-        if op is None or op.name == semconv.SPAN_STEP or op.name.startswith("dataloader"):
+        if op is None or op.name in (semconv.SPAN_STEP, semconv.SPAN_DATALOADER):
             # the training thread waiting on its DataLoader's worker processes: where
             # they are is where the time goes
             workers = loader_workers.waited_workers(ident)

@@ -67,23 +67,22 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     for rank in victims:
         if rank in in_collective:
             waiting_on.setdefault(_collective_of(latest[rank]), []).append(rank)
-    workers = list((culprit_dump or {}).get(sc.HANG_LOADER_WORKERS) or [])
-    worker_frames: list[str] = []
-    if workers and culprit_dump["rank"] in stuck_in_own_code:
-        # the rank waits on its DataLoader's worker processes: the time is theirs, and
-        # the line is the worker's (its dataset's code), not the loop's `for batch in ...`
+    stuck_alone = culprit_dump is not None and culprit_dump["rank"] in stuck_in_own_code
+    # a culprit waiting on its DataLoader's worker processes: the time is theirs, and the
+    # line is the worker's (its dataset's code), not the loop's `for batch in ...`
+    workers = list(culprit_dump.get(sc.HANG_LOADER_WORKERS) or []) if stuck_alone else []
+    worker_stacks = culprit_dump.get(sc.HANG_LOADER_STACKS) if workers else None
+    if workers:
         cause = "input"
-        stacks = culprit_dump.get(sc.HANG_LOADER_STACKS)
-        worker_frames = user_frames(stacks)
-        callsite = user_callsite(stacks) if stacks else callsite
+        callsite = user_callsite(worker_stacks) or callsite
     function = callsite.rsplit(" in ", 1)[-1] if callsite else None
     culprit_text = ", ".join(map(str, culprits))
-    if workers and cause == "input":
+    if workers:
         pids = ", ".join(map(str, workers))
         what = (f"rank {culprit_text} waits on its DataLoader worker{'s' if len(workers) > 1 else ''} "
-                f"(pid {pids})" + (f", stuck in {function} ({callsite})" if stacks and callsite
+                f"(pid {pids})" + (f", stuck in {function} ({callsite})" if worker_stacks
                                    else " (no worker stack: py-spy is not installed or may not run)"))
-    elif culprit_dump is not None and culprit_dump["rank"] in stuck_in_own_code:
+    elif stuck_alone:
         what = f"rank {culprit_text} is stuck in {function or 'its own code'}" + (
             f" ({callsite})" if callsite else "")
     elif culprits and set(culprits) != set(latest):
@@ -100,7 +99,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     }
     if workers:
         evidence["loader_workers"] = workers
-        evidence["worker_frames"] = worker_frames
+        evidence["worker_frames"] = user_frames(worker_stacks)
     if culprit_dump is not None and culprit_dump.get(sc.HANG_NATIVE_STACKS):
         # py-spy's C/C++ frames under the Python ones, where the rank could run it
         evidence["native_frames"] = native_stacks.thread_frames(
