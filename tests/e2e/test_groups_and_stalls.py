@@ -116,6 +116,12 @@ def test_a_periodic_checkpoint_stall_is_labelled_with_its_period(store, host):
 
 
 def test_a_slow_pipeline_stage_is_one_label_with_its_ranks(store, host):
+    """A pipeline job's stage 1 (ranks 2 and 3) slowed from step 20: one straggler label
+    naming both of its ranks, and nothing else. The pipeline's own shape (bubbles, each
+    stage waiting on the one before it, a last stage that runs the loss) is no label:
+    steps 0-19 are a healthy pipeline job, and a false label there, or one of the
+    healthy stage after the onset, fails the scenario (a separate healthy pipeline job
+    cost 30 s of the suite for what this one's labels already show)."""
     # stage = rank // 2: stage 1 is ranks 2 and 3 (examples/train_pipeline.py)
     run = harness.FlareRun(store, harness.job_name("slow_stage", host), harness.torchrun(
         harness.TRAIN_PIPELINE, "--steps", STEPS, "--slow-stage", 1, "--slow-ms", 10,
@@ -127,13 +133,6 @@ def test_a_slow_pipeline_stage_is_one_label_with_its_ranks(store, host):
     steps = run.step_ms()
     assert sorted(steps) == list(range(STEPS)) and all(len(by_rank) == 4 for by_rank in steps.values())
     assert [a["ranks"] for a in _stragglers(report)] == [[2, 3]], harness.describe(report)
-
-
-# (a healthy DDP job, quiet and loaded, is test_fault_injection.py's healthy scenario)
-def test_a_healthy_pipeline_job_has_no_slow_label(store, host):
-    command = harness.torchrun(harness.TRAIN_PIPELINE, "--steps", STEPS)
-    report = harness.FlareRun(store, harness.job_name("healthy_pipeline", host), command).finish()
-    _show(f"healthy pipeline ({host})", report)
-    harness.agree("healthy pipeline", host, report)
-    slow = [a for a in report["anomalies"] if a["kind"] in ("straggler", "fail_slow")]
-    assert not slow, harness.describe(report)
+    # (a healthy DDP job, quiet and loaded, is test_fault_injection.py's healthy scenario)
+    assert all(a["ranks"] == [2, 3] and a["first_step"] >= ONSET - 3 for a in report["anomalies"]), \
+        harness.describe(report)
