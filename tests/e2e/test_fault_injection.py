@@ -32,10 +32,11 @@ class FlareRun(harness.FlareRun):
     """One `flare run` of the example job (examples/train_ddp.py, 4 ranks)."""
 
     def __init__(self, store, job: str, fault: str, rank: int = 1, steps: int = STEPS,
-                 fault_ms: float = 60.0, env: dict[str, str] | None = None, host: str = "quiet"):
+                 fault_ms: float = 60.0, env: dict[str, str] | None = None, host: str = "quiet",
+                 ranks: int = 4):
         super().__init__(store, harness.job_name(job, host), harness.torchrun(
             harness.TRAIN_DDP, "--steps", steps, "--fault", fault, "--fault-rank", rank,
-            "--fault-from", ONSET, "--fault-ms", fault_ms), env=env)
+            "--fault-from", ONSET, "--fault-ms", fault_ms, nproc=ranks), env=env)
 
 
 def _labels(report: dict, rank: int) -> list[dict]:
@@ -125,11 +126,12 @@ def test_hang_names_the_rank_and_line(store, host, fault, rank):
 
 
 def test_a_rank_killed_without_a_word_is_named_not_its_victims(store, host):
-    # SIGKILL (the OOM killer): the rank sends nothing as it dies, and its peers fail
-    # with lost connections; the first of them used to be named as the culprit.
-    run = FlareRun(store, "kill", "kill", rank=1, host=host)
+    # SIGKILL (the OOM killer): the rank sends nothing as it dies, and its peer fails
+    # with a lost connection; the first victim used to be named as the culprit. (Two
+    # ranks: a culprit and a victim are all it takes, and a rank costs ~3 s to start.)
+    run = FlareRun(store, "kill", "kill", rank=1, host=host, ranks=2)
     report = run.finish()
-    harness.agree("kill rank 1", host, report)
+    harness.agree("kill rank 1 of 2", host, report)
     assert run.process.returncode != 0
     named = [(a["kind"], a["ranks"]) for a in report["anomalies"]
              if a["kind"] in ("error", "rank_missing")]
@@ -141,15 +143,17 @@ def test_a_rank_killed_without_a_word_is_named_not_its_victims(store, host):
 
 
 def test_raise_is_an_error_on_the_first_rank_to_fail(store, host):
-    run = FlareRun(store, "raise", "raise", rank=2, host=host)
+    # rank 1 raises; rank 0 then fails in its all-reduce (gloo: connection closed) and
+    # must not be named (two ranks: a culprit and a victim)
+    run = FlareRun(store, "raise", "raise", rank=1, host=host, ranks=2)
     report = run.finish()
     assert run.process.returncode != 0  # the command's status, not Flare's
     errors = [a for a in report["anomalies"] if a["kind"] == "error"]
-    harness.agree("raise rank 2", host, report, _function(errors[0]["callsite"]) if errors else None)
+    harness.agree("raise rank 1 of 2", host, report, _function(errors[0]["callsite"]) if errors else None)
     assert len(errors) == 1, json.dumps(report, indent=1)
-    assert errors[0]["ranks"] == [2] and errors[0]["first_step"] == ONSET
+    assert errors[0]["ranks"] == [1] and errors[0]["first_step"] == ONSET
     assert errors[0]["callsite"] and "load_shard" in errors[0]["callsite"]
-    _record("raise", f"error rank 2 at {errors[0]['callsite']}", None)
+    _record("raise", f"error rank 1 at {errors[0]['callsite']}", None)
 
 
 def test_regression_against_baseline_names_communication(store, host):

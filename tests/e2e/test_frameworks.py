@@ -31,13 +31,13 @@ ONSET = 20
 FAULT_MS = 120
 
 
-def _every_rank_every_step(run: harness.FlareRun, steps: int | None = None) -> None:
+def _every_rank_every_step(run: harness.FlareRun, steps: int | None = None, ranks: int = 4) -> None:
     """Every rank sent steps 0 to the same last step (`steps` - 1, or wherever a job
     stopped by Ctrl-C got to), none missing: optimizer steps, not micro-batches."""
     counted = run.query("SELECT rank, count(DISTINCT step), min(step), max(step) FROM spans "
                         "WHERE job = ? AND name = 'train.step' GROUP BY rank ORDER BY rank",
                         [run.job])
-    assert [row[0] for row in counted] == [0, 1, 2, 3], counted
+    assert [row[0] for row in counted] == list(range(ranks)), counted
     last = steps - 1 if steps is not None else min(row[3] for row in counted)
     assert all(row[2] == 0 and row[1] == row[3] + 1 and last <= row[3] <= last + 1
                for row in counted), counted
@@ -85,16 +85,17 @@ def test_a_slow_rank_in_the_hf_trainer_is_named_with_its_line(store, host):
 
 
 def test_lightning_launching_its_own_ranks_names_the_slow_one(store, host):
-    """`python train.py` with devices=4: Lightning's rank 0 starts ranks 1-3 itself (no
-    RANK in their environment); all four are seen and rank 2 is named."""
+    """`python train.py` with devices=3: Lightning's rank 0 starts ranks 1 and 2 itself
+    (no RANK in their environment); all three are seen and rank 2 is named. (Three: a
+    Lightning rank costs ~5 s of CPU to start on this host.)"""
     run = harness.FlareRun(store, harness.job_name("lightning_self", host), [
         sys.executable, str(TRAIN_LIGHTNING), *map(str, (
-            "--devices", 4, "--steps", STEPS, "--fault", "compute", "--fault-rank", 2,
+            "--devices", 3, "--steps", STEPS, "--fault", "compute", "--fault-rank", 2,
             "--fault-from", ONSET, "--fault-ms", FAULT_MS))])
     report = run.finish()
     print(f"\nE2E Lightning self-launched, rank 2 compute ({host}):\n{harness.describe(report)}")
-    harness.agree("lightning self-launched, rank 2 compute", host, report)
-    _every_rank_every_step(run, STEPS)
+    harness.agree("lightning self-launched, rank 2 of 3 compute", host, report)
+    _every_rank_every_step(run, STEPS, ranks=3)
     assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], \

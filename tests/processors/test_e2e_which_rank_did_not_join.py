@@ -73,3 +73,6 @@ def test_the_rank_that_never_joined_is_named_while_the_job_hangs(tmp_path):
     assert verdict[sc.RANKS_MISSING] == [HUNG_RANK]
     assert verdict[sc.RANKS_COUNT] == 3 and verdict[sc.RANKS_EXPECTED] == 4
     assert verdict[sc.COLL_OP] == "all_reduce" and verdict[sc.STEP] == 3
+    # rank 2's own watchdog says it is stuck in its step: the answer did not wait out
+    # the hang grace period
+    assert verdict[sc.RANKS_CLOSED_BY] == "hung_elsewhere", verdict

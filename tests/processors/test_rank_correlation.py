@@ -364,11 +364,9 @@ def test_own_output_is_not_correlated_again():
     assert proc2.metrics()["step_spans"] == 1  # rank 3's own span only
 
 
-def test_hang_reports_name_the_rank_that_did_not_join():
-    """Ranks stuck inside all_reduce (pg 0, seq 17) arrived; the one stuck elsewhere
-    is the member the collective.ranks span reports missing."""
-    clock = FakeClock()
-    proc = RankCorrelation(grace_period="2s", hang_grace_period="3s", clock=clock)
+def _hang_reports(proc: RankCorrelation, stuck_rank_says: dict | None) -> None:
+    """Ranks 0, 1 and 3 stuck inside all_reduce (pg 0, seq 17) of step 1; rank 2 says
+    `stuck_rank_says` (its own hang report's attributes), or nothing (None)."""
     for rank in range(4):  # a healthy step teaches the correlator who is in PG "0"
         proc.process_traces(request(rank, [step_span(0, 5.0, pgs={"0": (5.0, 3)})]))
 
@@ -383,13 +381,12 @@ def test_hang_reports_name_the_rank_that_did_not_join():
         proc.process_traces(request(rank, [hang(rank, **{
             sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_COLL_OP: "all_reduce",
             sc.HANG_PG: "0", sc.HANG_SEQ: 17})]))
-    proc.process_traces(request(2, [hang(2, **{sc.HANG_OPERATION: "train.step"})]))
-    assert proc.snapshot()[JOB]["hanging"][2] == "train.step"
-    clock.now += 2500 * MS
-    assert proc.tick(clock.now) == []  # hang reports get the longer grace
-    clock.now += 1000 * MS
-    ((attrs, span),) = [(a, s) for a, s in emitted(proc.tick(clock.now))
-                        if s.name == sc.SPAN_COLLECTIVE_RANKS]
+    if stuck_rank_says is not None:
+        proc.process_traces(request(2, [hang(2, **stuck_rank_says)]))
+
+
+def _did_not_join(outs) -> tuple[dict, Span]:
+    ((attrs, span),) = [(a, s) for a, s in emitted(outs) if s.name == sc.SPAN_COLLECTIVE_RANKS]
     assert attrs[sc.RANKS_MISSING] == [2]
     assert attrs[sc.COLL_SOURCE] == "hang" and attrs[sc.COLL_SEQ] == 17
     assert attrs[sc.COLL_OP] == "all_reduce" and attrs[sc.STEP] == 1
@@ -397,6 +394,37 @@ def test_hang_reports_name_the_rank_that_did_not_join():
     # Arrival = detection time minus elapsed: rank 0 (300 s) arrived last.
     assert attrs[sc.RANKS_LAST_ARRIVAL] == 0
     assert span.trace_id == sc.step_trace_id(JOB, 1).to_bytes(16, "big")
+    return attrs, span
+
+
+def test_hang_reports_name_the_rank_that_did_not_join():
+    """Ranks stuck inside all_reduce (pg 0, seq 17) arrived; the member that never
+    reports is missing, once the hang grace period is out (it may yet arrive)."""
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="2s", hang_grace_period="3s", clock=clock)
+    _hang_reports(proc, None)
+    clock.now += 2500 * MS
+    assert proc.tick(clock.now) == []  # hang reports get the longer grace
+    clock.now += 1000 * MS
+    attrs, _ = _did_not_join(proc.tick(clock.now))
+    assert attrs[sc.RANKS_CLOSED_BY] == "grace"
+
+
+@pytest.mark.parametrize("stuck_rank_says", [
+    {sc.HANG_OPERATION: "train.step"},  # stuck in its own Python, before the collective
+    {sc.HANG_OPERATION: "collective.all_reduce", sc.HANG_COLL_OP: "all_reduce",
+     sc.HANG_PG: "1", sc.HANG_SEQ: 3},  # stuck in another group's collective
+])
+def test_a_missing_member_that_is_hung_elsewhere_is_named_at_once(stuck_rank_says):
+    """The member the collective waits for reports its own hang somewhere else: it
+    cannot arrive, so the answer comes at the next tick, not after the grace period."""
+    clock = FakeClock()
+    proc = RankCorrelation(grace_period="2s", hang_grace_period="30s", clock=clock)
+    _hang_reports(proc, stuck_rank_says)
+    assert proc.snapshot()[JOB]["hanging"][2].startswith(stuck_rank_says[sc.HANG_OPERATION])
+    clock.now += 100 * MS
+    attrs, _ = _did_not_join(proc.tick(clock.now))
+    assert attrs[sc.RANKS_CLOSED_BY] == "hung_elsewhere"
 
 
 def test_encoded_path_and_badly_typed_pg_arrays_give_the_same_steps():

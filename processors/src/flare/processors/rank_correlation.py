@@ -18,7 +18,9 @@ possibly late or duplicated. Output, added to the pipeline as spans of their own
 A window closes, and its span is emitted, as soon as every expected rank reported
 (expected = `flare.world_size` of the resource, or the collective's group size), else
 `grace_period` after its first span arrived (`hang_grace_period` for a collective seen
-only through hang reports). A window closed early by the byte budget
+only through hang reports; such a window closes as soon as every member that has not
+arrived is itself reported hung elsewhere, `hung_elsewhere`: it cannot come). A window
+closed early by the byte budget
 says so in `flare.ranks.closed_by`. After closing, the window's ranks are remembered
 (a bitmap) for `window` so that later copies count as late or duplicate rather than
 opening a new window. Jobs silent for `window` are forgotten.
@@ -158,6 +160,24 @@ def _pg_summary(
     else:
         seqs = (tuple(-1 if (i := as_int(v)) is None else i for v in raw_seqs) + (-1,) * n)[:n]
     return names, waits, seqs
+
+
+def _absent_hang_elsewhere(job: JobState, win: CollectiveWindow) -> bool:
+    """Whether every member a hang-reported collective still waits for is itself
+    reported hung, somewhere else (its own step, another collective): none of them can
+    arrive before its own hang ends, so the answer to "which rank did not join?" is
+    known now and the window need not wait out its hang grace period."""
+    pg, seq = win.key
+    members = set(win.group_ranks) or job.pg_members.get(str(pg), set())
+    absent = members - win.ranks.keys()
+    if not absent:
+        return False
+    here = f" pg={pg} seq={seq}"
+    for rank in absent:
+        health = job.ranks.get(rank)
+        if health is None or not health.hang or health.hang.endswith(here):
+            return False
+    return True
 
 
 def _ranks(values: Iterable[object]) -> tuple[int, ...]:
@@ -339,6 +359,8 @@ class RankCorrelation(Processor):
                     grace = self.hang_grace_ns if win.source == "hang" else self.grace_ns
                     if now_ns - win.first_arrival_ns >= grace:
                         closing.append((job, job.collectives.pop(key), "grace"))
+                    elif win.source == "hang" and _absent_hang_elsewhere(job, win):
+                        closing.append((job, job.collectives.pop(key), "hung_elsewhere"))
                 self._forget_closed(job, now_ns)
                 if now_ns - job.last_arrival_ns >= self.window_ns and not job.steps and not job.collectives:
                     del self._jobs[job_id]
