@@ -141,7 +141,7 @@ def test_a_signal_stops_the_job_reports_and_exits_as_a_shell_would(tmp_path, sig
     flare = subprocess.Popen(
         [FLARE, "run", "--", sys.executable, "-c",
          "import sys, time; print('job running', file=sys.stderr, flush=True); time.sleep(120)"],
-        cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert "collecting into" in flare.stderr.readline()
         # the store exists from the start: a diagnose before the first flush finds it
@@ -149,13 +149,17 @@ def test_a_signal_stops_the_job_reports_and_exits_as_a_shell_would(tmp_path, sig
         while "job running" not in flare.stderr.readline():
             pass
         flare.send_signal(signum)
-        _, stderr = flare.communicate(timeout=60)
+        stdout, stderr = flare.communicate(timeout=60)
     finally:
         if flare.poll() is None:
             flare.kill()
     assert flare.returncode == status
     assert said in stderr
-    assert "sent no spans; nothing to diagnose (is the instrumentation" in stderr  # reported
+    # reported: the command is no training job. Whether its heartbeat and its
+    # interruption (a flare.error) reached the collector before it stopped depends on
+    # the host's load (seen both on this 2-core host): nothing arrived, or no step did.
+    assert ("sent no spans; nothing to diagnose (is the instrumentation" in stderr
+            or "no steps recorded" in stdout), (stdout, stderr)
     assert "Traceback" not in stderr.split("stopping the job", 1)[0]
 
 
