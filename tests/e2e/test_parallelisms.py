@@ -52,10 +52,11 @@ def test_fsdp2_names_the_slow_rank(store, host, slow_ms):
 
 def test_a_healthy_compiled_job_gives_no_label(store, host):
     """torch.compile over DDP: the first steps compile (step 0 ~0.5 s against ~12 ms
-    after), each rank in its own time. Warm-up read from the data, not a fault. (Two
-    ranks: each compiles its own graph, several seconds of CPU a rank on this host.)"""
+    after), each rank in its own time. Warm-up read from the data, not a fault. (Four
+    ranks: with two, rank 0 was labelled `straggler compute 3-36` in 2 of 3 quiet runs,
+    its one peer the whole comparison: issue #28.)"""
     run = harness.FlareRun(store, harness.job_name("compiled", host), harness.torchrun(
-        harness.TRAIN_DDP, "--steps", 40, "--hidden", 256, "--compile", "--fault", "none", nproc=2))
+        harness.TRAIN_DDP, "--steps", 40, "--hidden", 256, "--compile", "--fault", "none"))
     report = run.finish()
     print(f"\nE2E compiled DDP, healthy ({host}):\n{harness.describe(report)}")
     harness.agree("compiled DDP, healthy", host, report)
