@@ -99,6 +99,7 @@ class RankHealth:
     last_step: int | None = None
     hang: str | None = None  # where the watchdog says it is stuck
     hang_since_ns: int = 0
+    hang_collective: tuple[str, int] | None = None  # (pg, seq) it is stuck in, if one
 
 
 @dataclass
@@ -167,17 +168,11 @@ def _absent_hang_elsewhere(job: JobState, win: CollectiveWindow) -> bool:
     reported hung, somewhere else (its own step, another collective): none of them can
     arrive before its own hang ends, so the answer to "which rank did not join?" is
     known now and the window need not wait out its hang grace period."""
-    pg, seq = win.key
-    members = set(win.group_ranks) or job.pg_members.get(str(pg), set())
+    members = set(win.group_ranks) or job.pg_members.get(str(win.key[0]), set())
     absent = members - win.ranks.keys()
-    if not absent:
-        return False
-    here = f" pg={pg} seq={seq}"
-    for rank in absent:
-        health = job.ranks.get(rank)
-        if health is None or not health.hang or health.hang.endswith(here):
-            return False
-    return True
+    return bool(absent) and all(
+        (health := job.ranks.get(rank)) is not None and health.hang
+        and health.hang_collective != win.key for rank in absent)
 
 
 def _ranks(values: Iterable[object]) -> tuple[int, ...]:
@@ -500,6 +495,7 @@ class RankCorrelation(Processor):
             health.last_step = step
         if health.hang and end_ns > health.hang_since_ns:
             health.hang = None  # it finished a step after the report: no longer stuck
+            health.hang_collective = None
         closed = job.closed_steps.get(step)
         if closed is not None:
             counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
@@ -636,7 +632,8 @@ class RankCorrelation(Processor):
             where += f" seq={seq}"
         health.hang = where
         health.hang_since_ns = start_ns
-        if pg is None or seq is None:
+        health.hang_collective = None if pg is None or seq is None else (str(pg), seq)
+        if health.hang_collective is None:
             return
         # A rank stuck inside collective (pg, seq) has arrived at it; the members that
         # never report arriving there are the ones the group waits for ("which rank
