@@ -151,6 +151,30 @@ def test_no_wait_data_gives_no_straggler():
     assert ledgers.noise_ms(np.zeros((2, 1))) == 0.0
 
 
+def test_the_jobs_slowdown_behind_its_stragglers_is_their_evidence_not_a_label_of_its_own():
+    """Two slow ranks of four slow the whole job: one finding per rank, each carrying
+    the job's change point; a live fail-slow alert of both is kept, nested in them."""
+    from flare.diagnostics.model import Anomaly
+    from flare.diagnostics.pipeline import live_alerts, withdrawn
+
+    faults = (Fault("compute", 1, 20, 40.0), Fault("compute", 3, 20, 40.0))
+    diagnosis = diagnose(_job(job_spans("j", 4, 80, faults, node_size=4)))
+    assert sorted((a.kind, a.ranks, a.cause) for a in diagnosis.anomalies) == [
+        ("straggler", [1], "compute"), ("straggler", [3], "compute")]
+    for label in diagnosis.anomalies:
+        slowdown = label.evidence["job_slowdown"]
+        assert slowdown["ranks"] == [1, 3] and abs(slowdown["first_step"] - 20) <= 3
+        assert slowdown["step_ms_after"] > slowdown["step_ms_before"] + 30
+        assert "the job's step went from" in label.summary
+    assert sum(r["share"] for r in diagnosis.time_lost) <= 1.0
+    alert = Anomaly("fail_slow", [1, 3], "compute", 20, 40, 0.3, 0.9, "…")
+    assert withdrawn([alert], diagnosis.anomalies) == []
+    assert live_alerts([alert], diagnosis.anomalies)[0]["kept"]
+    # one rank of the two is not the finding the alert made
+    assert not live_alerts([Anomaly("fail_slow", [1], "compute", 20, 40, 0.3, 0.9, "…")],
+                           diagnosis.anomalies)[0]["kept"]
+
+
 def test_live_alerts_the_final_report_drops_are_listed_as_withdrawn():
     """A live pass sees only the steps every rank has sent: a short burst can look
     persistent there. The final report says what it withdrew, and why, in one line each."""

@@ -47,14 +47,9 @@ def _located(alerts: list[tuple[int, str]], function: str) -> tuple[int, str] | 
 
 
 def _said_enough(fault: str):
-    """Whether the live alerts hold the line the scenario looks for (and, for compute,
-    the fail-slow alert it asserts too)."""
+    """Whether the live alerts hold the line the scenario looks for."""
     function = FUNCTIONS[fault]
-    def said(alerts):
-        if _located(alerts, function) is None:
-            return False
-        return fault != "compute" or any("[fail_slow] ranks 2 " in line for _, line in alerts)
-    return said
+    return lambda alerts: _located(alerts, function) is not None
 
 
 @pytest.mark.parametrize("fault", ["compute", "input", "cpu"])
@@ -119,17 +114,22 @@ def _rank_labels(report: dict, fault: str) -> None:
 
 def _compute_labels_and_report(store, run, report, top) -> None:
     """The compute scenario's labels as fault injection asserts them (kind, cause, onset,
-    no other rank, live alerts within 30 s), and the HTML report's flame graph."""
+    no other rank, the live alert within 30 s), the job's slowdown nested in its one
+    straggler label (one finding, one label), and the HTML report's flame graph."""
     labels = [a for a in report["anomalies"] if a["ranks"] == [2]]
-    assert {"straggler", "fail_slow"} <= {a["kind"] for a in labels}, harness.describe(report)
+    assert [a["kind"] for a in labels] == ["straggler"], harness.describe(report)
     assert all(a["cause"] == "compute" and abs(a["first_step"] - ONSET) <= 2 for a in labels), \
         harness.describe(report)
+    slowdown = labels[0]["evidence"]["job_slowdown"]
+    assert slowdown["ranks"] == [2] and abs(slowdown["first_step"] - ONSET) <= 2, slowdown
     assert not [a for a in report["anomalies"] if a["ranks"] and a["ranks"] != [2]], harness.describe(report)
     onset_s = run.onset_ns(2, ONSET) / 1e9
-    for kind in ("straggler", "fail_slow"):
-        alert = next((t for t, line in run.alerts if f"[{kind}] ranks 2 " in line), None)
-        assert alert is not None and alert / 1e9 - onset_s <= 30, (kind, run.alerts)
-        print(f"onset -> {kind} alert: {alert / 1e9 - onset_s:.1f} s")
+    alert = next((t for t, line in run.alerts if "[straggler] ranks 2 " in line), None)
+    assert alert is not None and alert / 1e9 - onset_s <= 30, run.alerts
+    print(f"onset -> straggler alert: {alert / 1e9 - onset_s:.1f} s")
+    # a live fail-slow of rank 2 (a pass that saw the change point before the straggler
+    # persisted) is listed as kept: the final report carries it inside the straggler
+    assert all(a["kept"] for a in report.get("live_alerts", []) if a["ranks"] == [2]), report.get("live_alerts")
     # the HTML report draws the culprit against the peer, the slow function in red
     page = store.parent / f"{run.job}.html"
     subprocess.run([str(harness.BIN / "flare"), "diagnose", "--store", str(store), "--job", run.job,

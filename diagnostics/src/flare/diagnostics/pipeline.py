@@ -321,8 +321,15 @@ def live_alerts(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
     """What the live monitor said, in order, each with whether this report keeps it
     (a label of its kind on the same ranks): the final report lists all of them."""
     return [{"kind": a.kind, "ranks": sorted(a.ranks), "cause": a.cause, "first_step": a.first_step,
-             "kept": any(f.kind == a.kind and set(f.ranks) == set(a.ranks) for f in final)}
+             "kept": _kept(a, final)}
             for a in alerted]
+
+
+def _kept(alert: Anomaly, final: list[Anomaly]) -> bool:
+    """A label of the alert's kind on the same ranks, or one that carries it nested."""
+    ranks = set(alert.ranks)
+    return any((f.kind == alert.kind and set(f.ranks) == ranks) or nests(f, alert.kind, ranks)
+               for f in final)
 
 
 def _measured(job: JobData | None, config: DiagnosisConfig, ranks: set[int], first_step: int | None) -> str:
@@ -358,14 +365,15 @@ def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | N
     """The live alerts the final report does not keep, each with one line of why.
 
     An alert is kept when the final report has a label of its kind on the same ranks
-    (its steps or figures may have moved as more steps came in); one that a label of
+    (its steps or figures may have moved as more steps came in), or carries it nested
+    (a fail-slow inside the straggler behind it); one that a label of
     another kind or cause on the same ranks replaced says which; the rest were not
     confirmed once every step was in (a pass sees only the steps every rank has sent:
     a short burst can look persistent there)."""
     out = []
     for alert in alerted:
         ranks = set(alert.ranks)
-        if any(a.kind == alert.kind and set(a.ranks) == ranks for a in final):
+        if _kept(alert, final):
             continue
         instead = next((a for a in final if ranks and ranks & set(a.ranks)), None)
         if instead is not None:
@@ -403,6 +411,14 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                 continue
         elif anomaly.kind == "fail_slow":
             _agree_with_straggler(anomaly, stragglers)
+        if anomaly.kind == "fail_slow" and anomaly.ranks:
+            hosts = _stragglers_behind(anomaly, stragglers)
+            if hosts:
+                # The job's slowdown over the same steps is what the straggler(s) cost
+                # it: one finding, one label, the change point as its evidence.
+                for straggler_label in hosts:
+                    _nest_slowdown(straggler_label, anomaly)
+                continue
         if anomaly.kind == "straggler" and anomaly.evidence.get("pattern"):
             # A rank's stalls of the same cause inside its own lasting slowdown are how
             # that slowdown shows (a slow loader stalling every other step), not a
@@ -422,6 +438,38 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
         else:
             owner.evidence.setdefault("also", []).append(anomaly.summary)
     return kept
+
+
+def _stragglers_behind(fail_slow: Anomaly, stragglers: list[Anomaly]) -> list[Anomaly]:
+    """The stragglers a rank-level fail-slow only restates: of its cause, inside its
+    ranks, over overlapping steps, and together naming all of its ranks (two slow
+    ranks of four: one fail-slow of both, one straggler each). A straggler the host
+    starved is not one: that pair is the host's, reported beside the anomalies."""
+    ranks = set(fail_slow.ranks)
+    hosts = [s for s in stragglers if s.cause == fail_slow.cause and not s.evidence.get("pattern")
+             and not s.evidence.get("host_starved") and set(s.ranks) <= ranks and _overlap(s, fail_slow)]
+    covered = {r for s in hosts for r in s.ranks}
+    return hosts if covered == ranks else []
+
+
+def _nest_slowdown(straggler_label: Anomaly, fail_slow: Anomaly) -> None:
+    ev = fail_slow.evidence
+    straggler_label.evidence["job_slowdown"] = {
+        "ranks": sorted(fail_slow.ranks), "first_step": fail_slow.first_step,
+        **{k: ev[k] for k in ("step_ms_before", "step_ms_after", "shift", "noise_units",
+                              "consistency") if k in ev}}
+    if "step_ms_before" in ev and "step_ms_after" in ev:
+        straggler_label.summary += (
+            f"; the job's step went from {ev['step_ms_before']:.1f} to {ev['step_ms_after']:.1f} ms "
+            f"(+{ev.get('shift', 0):.0%}) from step {fail_slow.first_step}")
+    straggler_label.confidence = max(straggler_label.confidence, fail_slow.confidence)
+
+
+def nests(label: Anomaly, kind: str, ranks: set[int]) -> bool:
+    """Whether `label` carries a finding of `kind` on `ranks` as its evidence (a
+    fail-slow nested in the straggler(s) behind it)."""
+    nested = label.evidence.get("job_slowdown") if kind == "fail_slow" else None
+    return bool(nested) and set(label.ranks) <= ranks and ranks == set(nested.get("ranks") or ())
 
 
 def _blame_straggler(fail_slow: Anomaly, stragglers: list[Anomaly]) -> None:
