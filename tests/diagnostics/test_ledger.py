@@ -433,3 +433,25 @@ def test_a_gil_holding_thread_on_a_busy_host_is_the_ranks_own_not_the_hosts():
     assert [(a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies if a.kind == "straggler"] == [
         ([2], "cpu", 30)]
     assert diagnosis.host_contention == []
+
+
+def test_a_gil_holder_whose_toll_falls_between_its_steps_is_still_its_straggler():
+    """A GIL-holding thread that takes the GIL in some steps only: the training thread
+    gets it back late as the step's last collective returns, so its next step begins
+    late and it arrives last, while its own time in the step barely grows (loaded host,
+    by hand: +0.05 ms median own time, +19.6 ms of other-thread CPU per step). Its
+    threads' CPU names it; the label starts where that CPU jumped, cause cpu."""
+    faults = (Fault("gil_between_steps", 2, 30, 30.0),)
+    diagnosis = diagnose(_job(job_spans("j", 4, 120, faults)))
+    labels = [(a.kind, a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies]
+    assert labels == [("straggler", [2], "cpu", 30)], labels
+    evidence = diagnosis.anomalies[0].evidence
+    assert evidence["work_grew"] and evidence["cpu_burnt_delta_ms"] > 25
+    assert evidence["excess_ms_per_step"] > 0.5  # the means' excess, not the median's ~0.9
+    assert diagnosis.host_contention == []
+    # the same job without the busy thread's CPU reported: nothing tells it from chance
+    # lateness by its own time, and no label is made on so small an excess
+    table = job_spans("j", 4, 120, faults)
+    blind = table.set_column(table.schema.get_field_index("attributes"), "attributes", pa.array(
+        [a.replace('"flare.step.cpu.other_threads_ms"', '"x"') for a in table["attributes"].to_pylist()]))
+    assert not [a for a in diagnose(_job(blind)).anomalies if a.kind == "straggler"]

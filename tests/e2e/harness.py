@@ -252,13 +252,10 @@ def busy_host(per_core: int = 1):
 VERDICTS: dict[str, dict[str, Verdict]] = {}
 VERDICTS_DIR: Path | None = None
 ONSET_SLACK = 3  # steps a loaded variant's onset may differ from the quiet one's
-# Scenarios whose loaded answer is known to differ from the quiet one at times (issue
-# #28, open): their difference is reported as an expected failure with its figures,
-# not hidden; their other assertions still hold when they agree.
-KNOWN_LOADED_DIFFERENCES = {
-    "capture rank 2 cpu": "a GIL-holding thread: its onset comes late or no "
-                          "capture is taken in time on a loaded host in some runs",
-}
+# Scenarios whose loaded answer is known to differ from the quiet one at times: their
+# difference is reported as an expected failure with its figures, not hidden; their
+# other assertions still hold when they agree. None now: every scenario must agree.
+KNOWN_LOADED_DIFFERENCES: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

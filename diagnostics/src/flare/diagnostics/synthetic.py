@@ -21,7 +21,9 @@ from flare.instrumentation import semconv as sc
 
 @dataclasses.dataclass
 class Fault:
-    kind: str  # compute | input | gc | cpu | busy_thread | host | communication | hang | error | silent
+    # compute | input | gc | cpu | busy_thread | busy_thread_loaded | gil_between_steps | host |
+    # communication | hang | error | silent
+    kind: str
     rank: int
     from_step: int
     extra_ms: float = 30.0
@@ -69,6 +71,7 @@ def job_spans(
         other_cpu_ms = {}
         runqueue_ms = {}
         thread_cpu_ms = {}
+        late_ms = {}  # time before the rank's step began, in no step (gil_between_steps)
         for rank in range(world):
             jitter = rng.normal(1.0, 0.02)
             if hiccups and rng.random() < hiccups:
@@ -80,6 +83,7 @@ def job_spans(
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
             runqueue = 0.2 * jitter  # the training thread waiting for a CPU
             idle = 0.0  # wall time of the step the training thread did not burn CPU for
+            late = 0.0
             for f in faults:
                 active = (f.rank == rank and step >= f.from_step
                           and (f.to_step is None or step < f.to_step)
@@ -122,11 +126,22 @@ def job_spans(
                     runqueue += 0.7 * f.extra_ms
                     idle += f.extra_ms
                     other_cpu += 0.3 * f.extra_ms
+                elif f.kind == "gil_between_steps":
+                    # A GIL holder that takes the GIL now and then (3 steps of 5): the
+                    # training thread gets it back late as the last collective returns,
+                    # so its next step begins late (in no step's time) and it reaches
+                    # the collectives last, while its own time in the step barely grows;
+                    # the thread burns the CPU in every step.
+                    other_cpu += f.extra_ms
+                    if (step - f.from_step) % 5 in (0, 2, 4):
+                        part["compute"] += 0.05 * f.extra_ms
+                        late += 0.95 * f.extra_ms
             parts[rank] = part
+            late_ms[rank] = late
             other_cpu_ms[rank] = other_cpu
             runqueue_ms[rank] = runqueue
             thread_cpu_ms[rank] = sum(part.values()) - idle
-        ready = {r: sum(p.values()) for r, p in parts.items()}
+        ready = {r: sum(p.values()) + late_ms[r] for r, p in parts.items()}
         live = [r for r in range(world) if stopped.get(r, 1 << 60) > step]
         if not live:
             break
@@ -136,7 +151,7 @@ def job_spans(
         trace_id = f"{sc.step_trace_id(job, number):032x}"
         for rank in live:
             wait = barrier - ready[rank] + comm
-            duration_ms = ready[rank] + wait
+            duration_ms = barrier + comm - late_ms[rank]
             attrs = {
                 sc.STEP: number,
                 sc.STEP_DATALOADER_MS: round(parts[rank]["dataloader"], 3),
@@ -152,8 +167,8 @@ def job_spans(
                 sc.STEP_PG_WAIT_MS: [round(wait, 3)],
             }
             span_counter += 1
-            _append(cols, job, trace_id, f"{span_counter:016x}", sc.SPAN_STEP, now,
-                     int(duration_ms * 1e6), rank, number, attrs, world,
+            _append(cols, job, trace_id, f"{span_counter:016x}", sc.SPAN_STEP,
+                     now + int(late_ms[rank] * 1e6), int(duration_ms * 1e6), rank, number, attrs, world,
                      node=rank // node_size if node_size else None)
         for f in faults:
             if f.from_step == step and f.kind == "error":
