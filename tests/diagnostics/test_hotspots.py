@@ -61,3 +61,32 @@ def test_a_line_the_culprit_was_blocked_on_never_leads_a_line_it_worked_on():
     sleeping += [_capture(1, step, {"train.py:20 in main": 1.0}) for step in range(40, 50)]
     found = hotspots._compare(sleeping, {2}, 40, None)
     assert [h["frame"] for h in found] == ["waiting in data.py:12 in __getitem__", "train.py:20 in main"]
+
+
+def test_an_input_bound_ranks_line_is_its_workers_per_step_of_their_recording():
+    """The culprit's training thread only waits for its batches; its DataLoader workers,
+    recorded over 20 captured steps, spent 1.2 s in the collate function (60 ms per step)
+    where the peer's spent 2 ms per step: the worker's line leads, per step, and the wait
+    follows."""
+    wait = "waiting in train.py:80 in main"
+    collate = "[DataLoader worker] data.py:31 in __call__"
+    rows = [_capture(2, step, {wait: 5.0, "train.py:60 in forward": 1}) for step in range(40, 60)]
+    rows += [_capture(0, step, {"train.py:60 in forward": 1}) for step in range(40, 60)]
+    for rank, samples in ((2, 120), (0, 4)):  # two workers' samples together, 10 ms each
+        rows.append({**_capture(rank, 59, {collate: samples}), sc.CAPTURE_WINDOW_STEPS: 20})
+    found = hotspots._compare(rows, {2}, 40, None)
+    assert [h["frame"] for h in found] == [collate, wait]
+    assert found[0]["culprit_ms"] == 60.0 and found[0]["peer_ms"] == 2.0
+    assert found[0]["culprit_steps"] == found[0]["peer_steps"] == 20  # the steps, not the window row
+
+
+def test_a_line_read_before_the_culprits_workers_capture_is_in_is_pending():
+    """Steps captured while the culprit's workers were being recorded say so; until the
+    workers' capture arrives the line is not the final one (flare run waits to print it)."""
+    rows = [{**_capture(2, step, {"waiting in train.py:80 in main": 5.0}), sc.CAPTURE_WORKERS: 1}
+            for step in range(40, 45)]
+    rows += [_capture(0, step, {"train.py:60 in forward": 1}) for step in range(40, 45)]
+    assert hotspots._workers_pending(rows, {2})
+    assert not hotspots._workers_pending(rows, {0})
+    rows.append({**_capture(2, 44, {}), sc.CAPTURE_WINDOW_STEPS: 4.5})  # arrived, even without a line
+    assert not hotspots._workers_pending(rows, {2})

@@ -455,3 +455,15 @@ def test_a_gil_holder_whose_toll_falls_between_its_steps_is_still_its_straggler(
     blind = table.set_column(table.schema.get_field_index("attributes"), "attributes", pa.array(
         [a.replace('"flare.step.cpu.other_threads_ms"', '"x"') for a in table["attributes"].to_pylist()]))
     assert not [a for a in diagnose(_job(blind)).anomalies if a.kind == "straggler"]
+
+
+def test_a_slow_loader_on_a_rank_that_waits_anyway_costs_nothing_and_is_no_label():
+    """Rank 2 is the straggler (+60 ms of compute); rank 1's loader takes 8 ms more per
+    step meanwhile (its worker starved on a busy host): rank 1 still waits for rank 2, so
+    its loader slows nothing. Alone, the same slow loader is rank 1's cost and a label."""
+    faults = (Fault("compute", 2, 20, 60.0), Fault("input", 1, 20, 8.0))
+    diagnosis = diagnose(_job(job_spans("j", 4, 80, faults)))
+    assert [(a.kind, a.ranks) for a in diagnosis.anomalies] == [("straggler", [2])], diagnosis.anomalies
+    alone = diagnose(_job(job_spans("j", 4, 80, (Fault("input", 1, 20, 8.0),))))
+    stalls = [a for a in alone.anomalies if a.ranks == [1] and a.cause == "input"]
+    assert stalls and all(a.impact >= 0.05 for a in stalls), alone.anomalies

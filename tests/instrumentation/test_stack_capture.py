@@ -142,6 +142,63 @@ def test_a_line_the_training_thread_is_blocked_on_reads_as_waiting(rank_env, col
                for s in stacks), stacks
 
 
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def slow_collate(batch):
+    time.sleep(0.04)
+    return torch.tensor(batch, dtype=torch.float32)
+
+
+def test_the_dataloader_workers_a_rank_waits_on_are_captured_at_their_line(rank_env, collector):  # noqa: F811
+    """Two DataLoader workers whose collate function sleeps 40 ms a batch, one batch a
+    step: the capture records them with py-spy (never pausing them) and adds one child,
+    their lines marked `[DataLoader worker]` over the steps the recording spanned: the
+    collate function's line, ~40 ms of worker time per step."""
+    from flare.instrumentation import native_stacks
+
+    if native_stacks.binary() is None:
+        pytest.skip("py-spy is not installed (pip install py-spy): workers are not recorded without it")
+    provider, exporter, instrumentor = _instrumented(rank_env, collector)
+    loader = torch.utils.data.DataLoader(_Numbers(), batch_size=2, num_workers=2, collate_fn=slow_collate,
+                                         persistent_workers=True)
+    batches = iter(loader)
+    try:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        assert collector.opamp.request_capture(JOB, [0], 12)["asked"] == [0]
+        _wait(lambda: _agent_state(collector)["remote_config_status"] == "APPLIED",
+              "the capture request was not applied")
+        for _ in range(16):
+            model(next(batches).view(1, 2)).sum().backward()
+            optimizer.step()
+        provider.force_flush()
+    finally:
+        instrumentor.uninstrument()
+        del batches
+    workers = [s for s in finished(exporter, semconv.SPAN_CAPTURE)
+               if s.attributes.get(semconv.CAPTURE_PROCESS) == semconv.CAPTURE_PROCESS_DATALOADER_WORKER]
+    assert len(workers) == 1, [dict(s.attributes) for s in finished(exporter, semconv.SPAN_CAPTURE)]
+    attributes = workers[0].attributes
+    assert len(attributes[semconv.CAPTURE_PIDS]) == 2
+    window = attributes[semconv.CAPTURE_WINDOW_STEPS]
+    # the recorded time in steps: from the request (the recording starts before the first
+    # captured step) to the capture's last step but one
+    assert 3 <= window <= 30, window
+    top = attributes[semconv.CAPTURE_FRAMES][0]
+    assert top.startswith(f"[DataLoader worker] {__file__}:") and top.endswith(" in slow_collate"), top
+    per_step = attributes[semconv.CAPTURE_SAMPLES][0] * attributes[semconv.CAPTURE_INTERVAL_MS] / window
+    # at most 40 by construction: less while the rank drains the batches its workers had
+    # made before the capture (2 workers × 2 prefetched)
+    print(f"worker time in slow_collate: {per_step:.1f} ms/step over {window} steps")
+    assert 20 <= per_step <= 45, (per_step, dict(attributes))
+
+
 def test_a_collector_that_goes_away_mid_capture_stops_it_and_never_slows_a_step(rank_env, collector):  # noqa: F811
     _provider, exporter, instrumentor = _instrumented(rank_env, collector)
     capture = instrumentor._opamp.capture

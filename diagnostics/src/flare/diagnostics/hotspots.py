@@ -8,6 +8,10 @@ spends more on, in ms per step, are the label's `hotspots`, and the first is its
 `callsite` ("examples/train_ddp.py:155 in burn_compute: +58 ms/step (culprit 61 ms,
 peer 3 ms)"). Lines the culprit was blocked on ("waiting in …") never come before a
 line it worked on. Without a captured peer the culprit's own lines are listed, peer 0.
+The rank's DataLoader workers, recorded over the capture (`flare.capture.window_steps`
+steps, lines marked `[DataLoader worker]`), count per step of that window beside them:
+an input-bound rank's line is then the worker's (`__getitem__`, the collate function),
+not its training thread's wait for the batch.
 `flames` gives the same comparison as whole stacks, for the HTML report's culprit-vs-peer
 flame graph.
 """
@@ -31,7 +35,8 @@ def attach(job: JobData, anomalies: list[Anomaly]) -> None:
     if not with_ranks or not job.count([sc.SPAN_CAPTURE]):
         return
     table = job.spans([sc.SPAN_CAPTURE], attributes=[sc.CAPTURE_FRAMES, sc.CAPTURE_SAMPLES,
-                                                     sc.CAPTURE_INTERVAL_MS],
+                                                     sc.CAPTURE_INTERVAL_MS, sc.CAPTURE_WINDOW_STEPS,
+                                                     sc.CAPTURE_WORKERS],
                       columns=["rank", "step"])
     rows = [r for r in table.to_pylist() if isinstance(r.get(sc.CAPTURE_FRAMES), list)
             and isinstance(r.get(sc.CAPTURE_SAMPLES), list) and r.get("rank") is not None]
@@ -40,6 +45,9 @@ def attach(job: JobData, anomalies: list[Anomaly]) -> None:
         if not hotspots:
             continue
         anomaly.evidence["hotspots"] = hotspots
+        if _workers_pending(rows, set(anomaly.ranks)):
+            # its workers' lines come when the capture ends: this line may not be the last
+            anomaly.evidence["capture_pending"] = "DataLoader workers"
         top = hotspots[0]
         if anomaly.callsite is None:
             anomaly.callsite = (f"{top['frame']}: +{top['delta_ms']:.0f} ms/step (culprit "
@@ -49,6 +57,8 @@ def attach(job: JobData, anomalies: list[Anomaly]) -> None:
 def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int | None) -> list[dict]:
     rows = [r for r in rows if r.get("step") is None or not (
         (first is not None and r["step"] < first) or (last is not None and r["step"] > last))]
+    windows = [r for r in rows if _window(r)]  # the workers' recordings: per step of their own
+    rows = [r for r in rows if not _window(r)]
     # Like against like: where culprit and peer were both captured over some of the same
     # steps, only those steps are compared (a culprit captured over 12 steps against a peer
     # over 40 compares different phases of the run: its wait in a collective came first).
@@ -64,14 +74,17 @@ def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int 
         interval = float(row.get(sc.CAPTURE_INTERVAL_MS) or 10.0)
         for frame, count in zip(row[sc.CAPTURE_FRAMES], row[sc.CAPTURE_SAMPLES], strict=False):
             ms[frame] = ms.get(frame, 0.0) + float(count) * interval
-    culprit_ms, culprit_steps = sides[True]
-    peer_ms, peer_steps = sides[False]
+    culprit_steps, peer_steps = sides[True][1], sides[False][1]
     if not culprit_steps:
         return []
+    per_step = {side: {frame: total / len(steps) for frame, total in ms.items()} if steps else {}
+                for side, (ms, steps) in sides.items()}
+    for side, extra in _per_window_step(windows, culprits).items():
+        for frame, value in extra.items():
+            per_step[side][frame] = per_step[side].get(frame, 0.0) + value
     out = []
-    for frame, total in culprit_ms.items():
-        mine = total / len(culprit_steps)
-        theirs = peer_ms.get(frame, 0.0) / len(peer_steps) if peer_steps else 0.0
+    for frame, mine in per_step[True].items():
+        theirs = per_step[False].get(frame, 0.0)
         if mine - theirs >= MIN_DELTA_MS:
             out.append({"frame": frame, "culprit_ms": round(mine, 1), "peer_ms": round(theirs, 1),
                         "delta_ms": round(mine - theirs, 1), "culprit_steps": len(culprit_steps),
@@ -91,34 +104,78 @@ def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int 
     return out[:TOP]
 
 
+def _workers_pending(rows: list[dict], culprits: set[int]) -> bool:
+    """Whether a culprit rank's workers were being recorded and their capture is not in."""
+    recorded = {r["rank"] for r in rows if int(r["rank"]) in culprits and _count(r.get(sc.CAPTURE_WORKERS)) > 0}
+    arrived = {r["rank"] for r in rows if int(r["rank"]) in culprits and _window(r)}
+    return bool(recorded - arrived)
+
+
+def _count(value) -> float:
+    try:
+        return float(value or 0)
+    except (TypeError, ValueError):  # a backend that gives the attribute untyped and odd
+        return 0.0
+
+
+def _window(row: dict) -> float:
+    """The steps a workers' recording spanned (0: a captured step of its own)."""
+    try:
+        return max(0.0, float(row.get(sc.CAPTURE_WINDOW_STEPS) or 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _per_window_step(windows: list[dict], culprits: set[int]) -> dict[bool, dict[str, float]]:
+    """Each side's worker lines in ms per step of their recordings, per rank: the
+    recording's samples over the steps it spanned, averaged over the side's ranks."""
+    sums: dict[bool, dict[str, float]] = {True: {}, False: {}}
+    ranks: dict[bool, set] = {True: set(), False: set()}
+    for row in windows:
+        side = int(row["rank"]) in culprits
+        ranks[side].add(row["rank"])
+        interval = float(row.get(sc.CAPTURE_INTERVAL_MS) or 10.0)
+        for frame, count in zip(row[sc.CAPTURE_FRAMES], row[sc.CAPTURE_SAMPLES], strict=False):
+            sums[side][frame] = sums[side].get(frame, 0.0) + float(count) * interval / _window(row)
+    return {side: {frame: ms / len(ranks[side]) for frame, ms in frames.items()}
+            for side, frames in sums.items() if ranks[side]}
+
+
 def flames(job: JobData, anomaly: Anomaly) -> tuple[dict, dict] | None:
     """The culprit's and the peer's sampled stacks over the label's steps as two trees
     (`{"name", "ms", "children"}`, ms per captured step), or None without captures."""
     if not anomaly.evidence.get("hotspots"):
         return None
     rows = job.spans([sc.SPAN_CAPTURE], attributes=[sc.CAPTURE_STACKS, sc.CAPTURE_STACK_SAMPLES,
-                                                    sc.CAPTURE_INTERVAL_MS],
+                                                    sc.CAPTURE_INTERVAL_MS, sc.CAPTURE_WINDOW_STEPS],
                      first_step=anomaly.first_step, last_step=anomaly.last_step,
                      columns=["rank", "step"]).to_pylist()
+    rows = [r for r in rows if isinstance(r.get(sc.CAPTURE_STACKS), list)
+            and isinstance(r.get(sc.CAPTURE_STACK_SAMPLES), list) and r.get("rank") is not None]
     culprits = set(anomaly.ranks)
     trees = {True: {"name": "all", "ms": 0.0, "children": {}}, False: {"name": "all", "ms": 0.0, "children": {}}}
     steps: dict[bool, set] = {True: set(), False: set()}
     for row in rows:
-        stacks, counts = row.get(sc.CAPTURE_STACKS), row.get(sc.CAPTURE_STACK_SAMPLES)
-        if not isinstance(stacks, list) or not isinstance(counts, list) or row.get("rank") is None:
-            continue
+        if not _window(row):
+            steps[int(row["rank"]) in culprits].add((row["rank"], row.get("step")))
+    if not steps[True]:
+        return None
+    # a workers' recording counts per step of its window, per rank of its side: scaled
+    # here so that the common division by the side's captured steps below gives that
+    worker_ranks = {side: {r["rank"] for r in rows if _window(r) and (int(r["rank"]) in culprits) == side}
+                    for side in (True, False)}
+    for row in rows:
         side = int(row["rank"]) in culprits
-        steps[side].add((row["rank"], row.get("step")))
+        scale = (max(1, len(steps[side])) / (_window(row) * len(worker_ranks[side]))
+                 if _window(row) else 1.0)
         interval = float(row.get(sc.CAPTURE_INTERVAL_MS) or 10.0)
-        for stack, count in zip(stacks, counts, strict=False):
-            ms = float(count) * interval
+        for stack, count in zip(row[sc.CAPTURE_STACKS], row[sc.CAPTURE_STACK_SAMPLES], strict=False):
+            ms = float(count) * interval * scale
             node = trees[side]
             node["ms"] += ms
             for name in str(stack).split(";"):
                 node = node["children"].setdefault(name, {"name": name, "ms": 0.0, "children": {}})
                 node["ms"] += ms
-    if not steps[True]:
-        return None
 
     def per_step(node: dict, n: int) -> dict:
         return {"name": node["name"], "ms": node["ms"] / n,

@@ -482,8 +482,10 @@ class LiveMonitor:
                         print(f"flare: capture request failed: {exc}", file=self.out)
         for anomaly in diagnosis.anomalies:  # an alerted label a capture has located since
             identity = (anomaly.kind, tuple(anomaly.ranks), anomaly.cause)
+            # (a line read while its workers' capture is still coming is not the final one)
             if (identity in self.seen and identity not in self.located
-                    and anomaly.evidence.get("hotspots") and anomaly.callsite):
+                    and anomaly.evidence.get("hotspots") and anomaly.callsite
+                    and not anomaly.evidence.get("capture_pending")):
                 self.located[identity] = anomaly.callsite
                 print(f"{time.strftime('%H:%M:%S')} flare: [{anomaly.kind}] ranks "
                       f"{','.join(map(str, anomaly.ranks))} at {anomaly.callsite}",

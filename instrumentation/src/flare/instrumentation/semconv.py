@@ -46,6 +46,16 @@ CAPTURE_STACKS = "flare.capture.stacks"  # string[]: the user's frames, root fir
 CAPTURE_STACK_SAMPLES = "flare.capture.stack_samples"  # int[]: samples per stack
 CAPTURE_TOTAL = "flare.capture.total"  # int: samples in the step
 CAPTURE_INTERVAL_MS = "flare.capture.interval_ms"  # double
+# A capture of the rank's DataLoader workers (not of a step): which processes, and how
+# many steps the recording spanned (each worker's recorded time over the captured steps'
+# mean length: the diagnosis puts its lines per step).
+CAPTURE_PROCESS = "flare.capture.process"  # string: "dataloader_worker"
+CAPTURE_PROCESS_DATALOADER_WORKER = "dataloader_worker"
+CAPTURE_PIDS = "flare.capture.pids"  # int[]
+CAPTURE_WINDOW_STEPS = "flare.capture.window_steps"  # double
+# On a captured step: the rank's DataLoader workers being recorded meanwhile (their
+# capture comes when the capture ends: a line read before it is not the final one).
+CAPTURE_WORKERS = "flare.capture.workers"  # int
 # The prefix of a captured line the training thread was blocked on (a collective, a
 # queue, a lock, sleep or I/O: neither running nor waiting for a CPU), in frames and
 # as the innermost element of stacks: "waiting in file:line in function".

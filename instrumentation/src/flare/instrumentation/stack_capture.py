@@ -13,7 +13,9 @@ collective, a queue, a lock, `sleep` or I/O) counts its line as "waiting in FILE
 in FUNCTION", so the diagnosis never takes a wait for work. Each captured step gets
 one `flare.capture` child: the frames and their sample counts.
 Capture stops after K steps or when the collector goes away (`stop`), and nothing is
-sampled on a rank that was not asked.
+sampled on a rank that was not asked. The rank's DataLoader worker processes are
+recorded over the same steps where py-spy is installed (`worker_capture`): one more
+child, their lines marked `[DataLoader worker]`, spanning `flare.capture.window_steps`.
 
 `flare run` asks the culprit ranks of a live label and one healthy peer, `flare capture`
 any ranks; the diagnosis compares the two (`flare.diagnostics.hotspots`).
@@ -27,7 +29,7 @@ import sys
 import threading
 import time
 
-from flare.instrumentation import semconv
+from flare.instrumentation import semconv, worker_capture
 from flare.instrumentation.callsite import user_frame
 from flare.instrumentation.runtime import Runtime
 
@@ -37,6 +39,10 @@ INTERVAL_S = 0.01
 MAX_STEPS = 1000
 TOP_FRAMES = 30
 MAX_DEPTH = 48  # user frames kept per sampled stack
+WORKER_SCAN_STEPS = 10
+# The workers' recordings were asked to stop one step earlier: how long the last captured
+# step's end waits for their samples (py-spy writes them in a few ms) before dropping them.
+WORKER_STOP_S = 0.5
 _OWN_THREADS = ("flare-", "Otel", "pt_", "QueueFeederThread")  # Flare's, the SDK's, torch's
 # The training thread was blocked over a sampling interval when it ran, or waited in the
 # run queue to run, for less than this share of it (a thread descheduled on a busy host
@@ -85,6 +91,10 @@ class StackCapture:
         self._thread: threading.Thread | None = None
         self._target: int | None = None  # the training thread
         self._target_native: int | None = None  # its kernel thread id (its schedstat)
+        self._workers = worker_capture.WorkerRecorder()
+        self._worker_steps = 0  # captured steps the workers were recorded over
+        self._worker_step_ns = 0  # ...and their wall time
+        self._worker_scan = 0  # captured steps until the next look for forked workers
 
     # ------------------------------------------------------------ requests (agent's thread)
     def start(self, steps: int, request: str, stacks: bool = True) -> None:
@@ -93,6 +103,11 @@ class StackCapture:
         with self._lock:
             self.steps_left = max(1, min(MAX_STEPS, int(steps)))
             self.stacks = stacks
+            self._worker_scan = WORKER_SCAN_STEPS
+        if stacks and self.steps_left > 1:
+            # before the first captured step, so that every one says its workers'
+            # capture is coming (a line read before it came is not the final one)
+            self._workers.start(worker_capture.forked_children())
         _log.info("flare: rank %d: %s of %d steps requested (%s)", self.runtime.identity.rank,
                   "capture" if stacks else "detail", self.steps_left, request)
         self.runtime.request_detail()
@@ -103,6 +118,9 @@ class StackCapture:
             if self.steps_left <= 0:
                 return False
             self.steps_left = 0
+        if self._workers.active:  # (its samples are not the whole capture's: dropped)
+            self._workers.stop()
+            self._worker_steps = self._worker_step_ns = 0
         _log.info("flare: rank %d: capture stopped: %s", self.runtime.identity.rank, why)
         return True
 
@@ -113,6 +131,8 @@ class StackCapture:
     def uninstall(self) -> None:
         self.runtime.remove_step_listener(self)
         self._sampling.clear()
+        if self._workers.active:
+            self._workers.stop()
 
     def on_step_start(self, step: int, detail: bool) -> None:
         if self.steps_left <= 0 or not self.stacks:
@@ -146,6 +166,8 @@ class StackCapture:
             self.runtime.request_detail()  # the next step is captured too
         elif self.on_finished is not None:
             self.on_finished()
+        recording = len(self._workers.pids)
+        self._worker_step(span)
         if not samples:
             return
         leaves: dict[str, int] = {}
@@ -163,6 +185,48 @@ class StackCapture:
             semconv.CAPTURE_STACK_SAMPLES: [count for _, count in stacks],
             semconv.CAPTURE_TOTAL: samples,
             semconv.CAPTURE_INTERVAL_MS: INTERVAL_S * 1e3,
+            **({semconv.CAPTURE_WORKERS: recording} if recording else {}),
+        })
+
+    def _worker_step(self, span) -> None:
+        """Count a captured step the workers were recorded over; one step before the
+        capture's last, ask their recordings to stop (they write their samples while
+        the last step runs); at its last, read them into one child."""
+        if not self._workers.active:
+            return
+        self._worker_steps += 1
+        self._worker_step_ns += max(0, time.time_ns() - self.runtime.step_start_ns)
+        if self.steps_left == 1:
+            self._workers.signal_stop()
+            return
+        if self.steps_left > 0:
+            return
+        pids = self._workers.pids
+        stacks, per_worker = self._workers.stop(timeout_s=WORKER_STOP_S)
+        steps, wall_ns = self._worker_steps, self._worker_step_ns
+        self._worker_steps = self._worker_step_ns = 0
+        if not pids or not wall_ns:
+            return
+        # (emitted with no line too: the diagnosis waits for it, see CAPTURE_WORKERS)
+        # the steps the samples span: each worker's recorded time over the mean step
+        window = max(per_worker * (1e9 / worker_capture.RATE_HZ) / (wall_ns / steps), 1e-3)
+        leaves: dict[str, int] = {}
+        for stack, count in stacks.items():
+            leaf = worker_capture.WORKER_MARK + stack[-1]
+            leaves[leaf] = leaves.get(leaf, 0) + count
+        top = sorted(leaves.items(), key=lambda item: -item[1])[:TOP_FRAMES]
+        ranked = sorted(stacks.items(), key=lambda item: -item[1])[:TOP_FRAMES]
+        self.runtime.emit_child(semconv.SPAN_CAPTURE, self.runtime.step_start_ns, time.time_ns(), {
+            semconv.CAPTURE_FRAMES: [frame for frame, _ in top],
+            semconv.CAPTURE_SAMPLES: [count for _, count in top],
+            semconv.CAPTURE_STACKS: [";".join((worker_capture.WORKER_MARK.strip(), *stack))
+                                     for stack, _ in ranked],
+            semconv.CAPTURE_STACK_SAMPLES: [count for _, count in ranked],
+            semconv.CAPTURE_TOTAL: round(per_worker * len(pids)),
+            semconv.CAPTURE_INTERVAL_MS: 1e3 / worker_capture.RATE_HZ,
+            semconv.CAPTURE_PROCESS: semconv.CAPTURE_PROCESS_DATALOADER_WORKER,
+            semconv.CAPTURE_PIDS: pids,
+            semconv.CAPTURE_WINDOW_STEPS: round(window, 2),
         })
 
     # ------------------------------------------------------------ the sampler thread
@@ -184,6 +248,13 @@ class StackCapture:
                 self._sampling.wait()
                 names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
                 clock.reset()  # the gap between captured steps is no sampling interval
+                # The rank's forked workers, at the capture's first step and every
+                # WORKER_SCAN_STEPS after it (a new epoch's workers are added): a look at
+                # /proc costs a few ms of this thread, not the training thread's.
+                if self.steps_left > 1 and self._worker_scan <= 0:
+                    self._worker_scan = WORKER_SCAN_STEPS
+                    self._workers.start(worker_capture.forked_children())
+                self._worker_scan -= 1
             target = self._target
             active = clock.active_share(self._target_native, target)
             if pending is not None:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
+from flare.diagnostics import ledger as ledgers
 from flare.diagnostics.model import Anomaly, DiagnosisConfig
 from flare.diagnostics.stats import nanmedian, runs
 
@@ -17,8 +18,15 @@ _MIN_RATIO = 3.0
 _MIN_DENSITY = 0.8
 
 
-def share_anomalies(frame: frames.StepFrame, config: DiagnosisConfig, component: str,
-                    kind: str, cause: str, what: str) -> list[Anomaly]:
+def share_anomalies(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger | None,
+                    component: str, kind: str, cause: str, what: str) -> list[Anomaly]:
+    """With the job's ledger (`book`, two ranks or more that wait for each other), a
+    stall of some of the ranks is labelled only where it cost the job time: those ranks
+    were the ones the others waited for in its steps, for at least
+    `straggler_min_impact` of the run, which is then its impact. A rank whose loader or
+    collections are slow while it waits anyway (for a straggler, on a busy host whose
+    workers lag now and then: 8 ms of a 60 ms step on healthy ranks of a loaded host)
+    slows nothing. Every rank stalling together, or no waits to tell, keeps the share."""
     values = frame.parts[component].astype(np.float64)
     warm = frames.warm_mask(frame, config)
     if not warm.any():
@@ -53,12 +61,19 @@ def share_anomalies(frame: frames.StepFrame, config: DiagnosisConfig, component:
         density = float(stalled[np.ix_(rows, cols)].mean())
         first, last = frame.step_of(first_col), frame.last_step_of(last_col)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        impact = min(share, 1.0)
+        evidence = {f"{component}_ms_median": round(ms, 3), "usual_ms": round(usual, 3),
+                    "share_of_step": round(share, 4), "stalled_share": round(density, 3)}
+        if book is not None and book.has_wait and len(ranks) < len(frame.ranks):
+            impact = book.impact(rows, cols)
+            if impact < config.straggler_min_impact:
+                continue
+            evidence["lost_s"] = round(book.lost_by(rows, cols) / 1e3, 3)
         anomalies.append(Anomaly(
             kind=kind, ranks=ranks, cause=cause, first_step=first, last_step=last,
-            impact=min(share, 1.0), confidence=min(0.99, density),
+            impact=impact, confidence=min(0.99, density),
             summary=f"{who} {what} {ms:.1f} ms per step ({share:.0%} of the step) "
                     f"from step {first} to {last}",
-            evidence={f"{component}_ms_median": round(ms, 3), "usual_ms": round(usual, 3),
-                      "share_of_step": round(share, 4), "stalled_share": round(density, 3)},
+            evidence=evidence,
         ))
     return anomalies

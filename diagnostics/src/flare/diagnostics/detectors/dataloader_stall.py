@@ -8,6 +8,7 @@ stalls together there is no straggler to blame: this label is the diagnosis.
 from __future__ import annotations
 
 from flare.diagnostics import frame as frames
+from flare.diagnostics.detectors import straggler
 from flare.diagnostics.detectors._share import share_anomalies
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 
@@ -16,5 +17,6 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     frame = frames.load(job, config)
     if frame is None:
         return []
-    return share_anomalies(frame, config, component="dataloader", kind="dataloader_stall",
+    book = straggler.ledger(job, frame, config)[0] if len(frame.ranks) >= 2 else None
+    return share_anomalies(frame, config, book, component="dataloader", kind="dataloader_stall",
                            cause="input", what="waits for its data loader")

@@ -20,6 +20,7 @@ from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import ChangePoint, change_point, first_rise, mad, nanmedian
 
 _ONSET_TOLERANCE = 3  # a rank's own change point may sit this many columns off the job's
+_SHARE_OF_SLOWEST = 0.5  # a rank named beside another grew by at least this share of its growth
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
@@ -240,14 +241,19 @@ def _from_ranks(frame: frames.StepFrame, config: DiagnosisConfig, warm: np.ndarr
 
 def _ranks_that_changed(frame: frames.StepFrame, config: DiagnosisConfig, warm: np.ndarray,
                         job_index: int, persist: int) -> list[int]:
-    changed = []
+    changed: dict[int, float] = {}
     work = frame.work[:, warm].astype(np.float64)
     for row in range(len(frame.ranks)):
         point = change_point(work[row], persist)
         if significant(point, config) and abs(point.index - job_index) <= _ONSET_TOLERANCE:
-            changed.append(int(frame.ranks[row]))
+            changed[int(frame.ranks[row])] = point.after - point.before
     # A slowdown every rank shares is the job's, not a few ranks'.
-    return [] if len(changed) > len(frame.ranks) / 2 else changed
+    if len(changed) > len(frame.ranks) / 2:
+        return []
+    # A rank whose own time grew by a fraction of the slowest one's still waits for it:
+    # it slowed nothing (rank 2 +60 ms of compute, rank 1's starved loader +8 ms).
+    most = max(changed.values(), default=0.0)
+    return [rank for rank, grew in changed.items() if grew >= _SHARE_OF_SLOWEST * most]
 
 
 def _comm_ms(frame: frames.StepFrame, cols: np.ndarray) -> float:
