@@ -26,9 +26,9 @@ from urllib.parse import urlparse
 
 from flare.diagnostics import pipeline, report_text, writeback
 from flare.diagnostics.backends import BackendError
-from flare.diagnostics.cli import DEFAULT_STORE, UserError, emit
 from flare.diagnostics.hotspots import CaptureRequests
 from flare.diagnostics.model import DiagnosisConfig
+from flare.diagnostics.output import DEFAULT_STORE, UserError, emit
 from flare.instrumentation import opamp_agent
 from flare.instrumentation import semconv as sc
 
