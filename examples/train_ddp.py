@@ -8,7 +8,9 @@ code change, e.g.
 
 Faults (on the ranks of --fault-rank, one rank or a comma-separated list such as 1,3,
 from step --fault-from on, costing about --fault-ms per faulty step; with
---fault-every N only every Nth step from --fault-from is faulty: a periodic stall):
+--fault-every N only every Nth step from --fault-from is faulty: a periodic stall; a
+second fault at the same time with --also KIND@RANKS, e.g. --fault compute
+--fault-rank 1 --also gc@3):
   compute       extra matmuls in the forward pass
   input         the batch collate function sleeps (the dataloader is slow)
   gc            a large live object graph (built before the first step) makes the
@@ -84,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "only on steps where (step - fault_from) %% N == 0")
     parser.add_argument("--fault-ms", type=float, default=60.0,
                         help="added cost per step, in milliseconds")
+    parser.add_argument("--also", type=second_fault, default=None, metavar="KIND@RANKS",
+                        help="a second fault at the same time, e.g. gc@3: that kind on those "
+                             "ranks, with the same --fault-from, --fault-every and --fault-ms")
     parser.add_argument("--checksum", metavar="DIR",
                         help="each rank writes a digest of its final parameters (its shard) to DIR/rank<R>.sha256")
     parser.add_argument("--step-times", metavar="PATH",
@@ -91,18 +96,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def second_fault(text: str) -> tuple[str, tuple[int, ...]]:
+    kind, _, ranks = text.partition("@")
+    if kind not in FAULTS or kind == "none" or not ranks:
+        raise argparse.ArgumentTypeError(f"expected KIND@RANKS with KIND one of {', '.join(FAULTS[1:])}")
+    return kind, rank_list(ranks)
+
+
 class Fault:
-    """Which fault is active on this rank at a given step."""
+    """Which faults are active on this rank at a given step: --fault on --fault-rank, and
+    the --also fault on its ranks."""
 
     def __init__(self, args: argparse.Namespace, rank: int):
-        self.kind = args.fault
-        self.on_this_rank = args.fault != "none" and rank in args.fault_rank
+        chosen = [(args.fault, args.fault_rank), *([args.also] if args.also else [])]
+        self.kinds = {kind for kind, ranks in chosen if kind != "none" and rank in ranks}
         self.first_step = args.fault_from
         self.every = max(0, args.fault_every)
         self.seconds = args.fault_ms / 1000.0
 
+    def on(self, kind: str) -> bool:
+        return kind in self.kinds
+
     def active(self, kind: str, step: int) -> bool:
-        if self.kind != kind or not self.on_this_rank or step < self.first_step:
+        if kind not in self.kinds or step < self.first_step:
             return False
         return self.every == 0 or (step - self.first_step) % self.every == 0
 
@@ -305,7 +321,7 @@ def main(argv=None) -> None:
     # Built once the model, DDP and the loader exist (it freezes them: see GcPressure);
     # its construction (allocations, calibrating collections) falls in step 0, a warm-up
     # step, and in no faulty one.
-    gc_pressure = GcPressure(fault.seconds) if fault.kind == "gc" and fault.on_this_rank else None
+    gc_pressure = GcPressure(fault.seconds) if fault.on("gc") else None
     gil_hog = None
 
     started = time.perf_counter()

@@ -156,14 +156,14 @@ def work_grew(subject_mean: dict[str, float], reference_mean: dict[str, float], 
 
 
 def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float],
-                 excess_ms: float) -> bool:
+                 excess_ms: float, grew: bool | None = None) -> bool:
     """Whether the subject's excess over the reference (peers, or its own past) is the
     host's doing: it waited for a CPU (run-queue time) without doing more work itself.
     A rank the host starves does the same work, later; a rank whose work grew is the
-    job's however much it also waited (`work_grew`)."""
+    job's however much it also waited (`work_grew`, unless the caller measured it: `grew`)."""
     if not excess_ms > 0:
         return False
     runqueue = subject_mean.get("runqueue", math.nan) - reference_mean.get("runqueue", math.nan)
     if not math.isfinite(runqueue) or runqueue < HOST_STARVED_SHARE * excess_ms:
         return False
-    return not work_grew(subject_mean, reference_mean, excess_ms)
+    return not (work_grew(subject_mean, reference_mean, excess_ms) if grew is None else grew)

@@ -29,7 +29,14 @@ import numpy as np
 from flare.diagnostics import frame as frames
 from flare.diagnostics import ledger as ledgers
 from flare.diagnostics import topology as topologies
-from flare.diagnostics.causes import attribute, host_starved, means, medians, work_grew
+from flare.diagnostics.causes import (
+    WORK_GREW_FLOOR_MS,
+    attribute,
+    host_starved,
+    means,
+    medians,
+    work_grew,
+)
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import first_rise, nanmedian, runs
 
@@ -144,7 +151,10 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         # other-thread CPU, 8 ms of every step lost by the others).
         relative = anomaly.evidence["relative_score"]
         excess = anomaly.evidence["excess_ms_per_step"]
-        burnt = anomaly.evidence.get("cpu_burnt_delta_ms")
+        # Burnt in most of its steps (the median step), not in a few: a collection every
+        # 10 steps raises the mean CPU of every step without making the rank busier in
+        # most of them (a periodic GC was read as a persistent straggler from step 3, loaded).
+        burnt = anomaly.evidence.get("cpu_burnt_median_delta_ms")
         slower = (relative is not None and relative <= config.straggler_max_relative_score
                   and excess >= config.straggler_min_noise_units * book.noise_ms)
         busier = (anomaly.evidence.get("work_grew", False) and burnt is not None
@@ -260,8 +270,17 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
     why = attribute(mine, theirs, config.cause_min_share, my_work, their_work,
                     my_means, their_means)
     lost_per_step = book.lost_by(rows, cols) / max(1, frame.step_count(cols[mask[cols]]))
-    grew = work_grew(my_means, their_means, lost_per_step)
-    if grew and why.excess_ms < config.straggler_min_noise_units * book.noise_ms:
+    burnt_median = _median_burnt(frame, rows, peers, cols)
+    # More work in most of its steps: a CPU burst in a few (its own periodic collection)
+    # raises the mean alone, and must not make a rank the host starved the job's.
+    grew = work_grew(my_means, their_means, lost_per_step) and (
+        burnt_median is None or burnt_median >= WORK_GREW_FLOOR_MS)
+    # Busier in most steps (its threads' CPU in the median step), its own time not: the
+    # delay falls outside its steps (straggler.find); a CPU burst now and then (a
+    # periodic collection) is neither.
+    busier = (grew and burnt_median is not None
+              and burnt_median >= config.straggler_min_noise_units * book.noise_ms)
+    if busier and why.excess_ms < config.straggler_min_noise_units * book.noise_ms:
         # An excess in some steps only (the median hides it): its parts' means tell it.
         parts = list(frame.parts)
         why = attribute({k: my_means[k] for k in parts}, {k: their_means[k] for k in parts},
@@ -274,7 +293,9 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
     # Most of the excess spent runnable but waiting for a CPU, without burning more of
     # it: the host starved the rank (other work on the machine), not its own code or
     # threads (a GIL holder's victim sleeps on the GIL; that is not run-queue time).
-    starved = host_starved(my_means, their_means, why.excess_ms)
+    starved = host_starved(my_means, their_means, why.excess_ms,
+                           work_grew(my_means, their_means, why.excess_ms) and (
+                               burnt_median is None or burnt_median >= WORK_GREW_FLOOR_MS))
     density = float(mask[cols].mean())
     step_share = float(np.mean(book.share()[cols]))
     lost_ms = book.lost_by(rows, cols)
@@ -316,6 +337,7 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
         "other_threads_cpu_delta_ms": (round(other_cpu_delta, 3)
                                        if math.isfinite(other_cpu_delta) else None),
         "cpu_burnt_delta_ms": round(sum(burnt), 3) if burnt else None,
+        "cpu_burnt_median_delta_ms": burnt_median,
         "work_grew": grew,
         "relative_score": None if relative is None else round(relative, 3),
         "individual_score": None if individual is None else round(individual, 3),
@@ -335,7 +357,7 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
         evidence["member_excess_ms"] = {
             str(int(frame.ranks[r])): round(medians(frame, [r], cols)[1] - their_work, 3) for r in rows}
     outside = ""
-    if grew and why.excess_ms < config.straggler_min_noise_units * book.noise_ms:
+    if busier and why.excess_ms < config.straggler_min_noise_units * book.noise_ms:
         outside = ": the rest of its delay falls between its steps, in no step's time"
     if pattern is None:
         summary = (f"{who} make{'s' if len(rows) == 1 else ''} {victims} wait {step_share:.0%} of "
@@ -354,6 +376,19 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
         kind="straggler", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
         impact=impact, confidence=min(confidence, 0.99), summary=summary, evidence=evidence,
     )
+
+
+def _median_burnt(frame: frames.StepFrame, rows: list[int], peers: list[int], cols: np.ndarray) -> float | None:
+    """The CPU the rows' threads (training and others) burnt over their peers' in the
+    median step of `cols`; None where neither figure is reported."""
+    parts = [m for m in (frame.thread_cpu, frame.other_cpu) if m is not None and np.isfinite(m).any()]
+    if not parts:
+        return None
+    burnt = sum(np.nan_to_num(m.astype(np.float64)) for m in parts)
+    mine = nanmedian(burnt[np.asarray(rows)][:, cols], axis=0)
+    theirs = nanmedian(burnt[np.asarray(peers)][:, cols], axis=0)
+    value = nanmedian(mine - theirs)
+    return round(float(value), 3) if np.isfinite(value) else None
 
 
 def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
