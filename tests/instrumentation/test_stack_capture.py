@@ -193,11 +193,12 @@ def test_the_dataloader_workers_a_rank_waits_on_are_captured_at_their_line(rank_
     top = attributes[semconv.CAPTURE_FRAMES][0]
     assert top.startswith(f"[DataLoader worker] {__file__}:") and top.endswith(" in slow_collate"), top
     per_step = attributes[semconv.CAPTURE_SAMPLES][0] * attributes[semconv.CAPTURE_INTERVAL_MS] / window
-    # 40 by construction, less while the rank drains the batches its workers had made
-    # before the capture (2 workers × 2 prefetched); an estimate (the recorded time is
-    # py-spy's samples, the step the captured steps' mean): 20-46 seen, loaded too
+    # 40 by construction on a quiet host, less while the rank drains the batches its
+    # workers had made before the capture (2 workers × 2 prefetched), more on a loaded
+    # one, where a descheduled worker's 40 ms sleep lasts longer (20-46 seen alone, 66 in
+    # a fresh-clone tier beside two other test workers): the worker time it really took
     print(f"worker time in slow_collate: {per_step:.1f} ms/step over {window} steps")
-    assert 15 <= per_step <= 60, (per_step, dict(attributes))
+    assert 15 <= per_step <= 120, (per_step, dict(attributes))
 
 
 def test_a_collector_that_goes_away_mid_capture_stops_it_and_never_slows_a_step(rank_env, collector):  # noqa: F811
