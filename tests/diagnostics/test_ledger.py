@@ -467,3 +467,19 @@ def test_a_slow_loader_on_a_rank_that_waits_anyway_costs_nothing_and_is_no_label
     alone = diagnose(_job(job_spans("j", 4, 80, (Fault("input", 1, 20, 8.0),))))
     stalls = [a for a in alone.anomalies if a.ranks == [1] and a.cause == "input"]
     assert stalls and all(a.impact >= 0.05 for a in stalls), alone.anomalies
+
+
+def test_a_job_wide_slowdown_just_before_a_rank_fails_is_that_failures_echo():
+    """Rank 1 raises at step 20; the steps just before it read as a job-wide slowdown of
+    communication (the other rank waiting on the failing one): one problem, the error,
+    with the slowdown as its evidence. One well before the failure stays its own label."""
+    from flare.diagnostics.model import Anomaly
+    from flare.diagnostics.pipeline import merge
+
+    error = Anomaly("error", [1], "software", 20, 20, 0.1, 0.99, "rank 1 raised")
+    echo = Anomaly("fail_slow", [], "communication", 16, 20, 0.2, 0.8, "the job slowed down")
+    assert [a.kind for a in merge([error, echo])] == ["error"]
+    assert error.evidence["also"] == ["the job slowed down"]
+    early = Anomaly("fail_slow", [], "communication", 5, 20, 0.2, 0.8, "the fabric slowed")
+    assert [a.kind for a in merge([Anomaly("error", [1], "software", 20, 20, 0.1, 0.99, "…"), early])] == [
+        "error", "fail_slow"]

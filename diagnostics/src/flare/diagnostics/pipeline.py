@@ -387,9 +387,24 @@ def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | N
     return out
 
 
+# A job-wide slowdown that begins this few steps before a rank fails (an error, a hang,
+# a rank gone) is the failure's approach or echo (the others waiting on the failing rank
+# in its last steps), not a second problem.
+FAILURE_LEAD_STEPS = 5
+_FAILURES = ("error", "hang", "rank_missing")
+
+
+def _failure_behind(fail_slow: Anomaly, failures: list[Anomaly]) -> Anomaly | None:
+    if fail_slow.ranks or fail_slow.cause not in ("communication", "unknown") or fail_slow.first_step is None:
+        return None
+    return next((f for f in failures if f.first_step is not None
+                 and 0 <= f.first_step - fail_slow.first_step <= FAILURE_LEAD_STEPS), None)
+
+
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
     """Fold rank-level symptoms into the straggler label that already explains them."""
     stragglers = [a for a in anomalies if a.kind == "straggler"]
+    failures = [a for a in anomalies if a.kind in _FAILURES]
     kept = []
     for anomaly in anomalies:
         cause = _SUBSUMED_BY_STRAGGLER.get(anomaly.kind)
@@ -403,6 +418,11 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             # look slow too. With a straggler at the same time, it is the explanation.
             owner = next((s for s in stragglers if s.cause != "communication"
                           and _overlap(s, anomaly)), None)
+        if anomaly.kind == "fail_slow" and not anomaly.ranks and _failure_behind(anomaly, failures):
+            # (a 2-rank job whose rank 1 raised at step 20: fail_slow [] communication @16
+            # beside the error, once in a quiet fresh-clone run)
+            _failure_behind(anomaly, failures).evidence.setdefault("also", []).append(anomaly.summary)
+            continue
         if anomaly.kind == "fail_slow" and not anomaly.ranks:
             _blame_straggler(anomaly, stragglers)
             if not anomaly.ranks and anomaly.cause == "unknown" and not anomaly.evidence.get("host_starved"):
