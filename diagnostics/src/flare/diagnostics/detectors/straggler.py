@@ -144,10 +144,10 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         # the rank's own time must really exceed its peers', beyond the job's noise —
         # judged over the run where its own excess is established, before any re-dating.
         # Or its threads burnt more CPU than its peers' by a clear margin: a thread of its
-        # own holding the GIL now and then delays it in some steps only, and the delay
-        # lands in its collective waits (the training thread gets the GIL back late when
-        # the collective returns), so its median own time can equal its peers' while it
-        # arrives last in most steps (loaded host: +0.05 ms median own time, +19.6 ms of
+        # own holding the GIL now and then gives the training thread the GIL back late as
+        # a step's last collective returns, so its next step begins late and the delay is
+        # in no step's time: its median own time can equal its peers' while it arrives
+        # last in most steps (loaded host: +0.05 ms median own time, +19.6 ms of
         # other-thread CPU, 8 ms of every step lost by the others).
         relative = anomaly.evidence["relative_score"]
         excess = anomaly.evidence["excess_ms_per_step"]
