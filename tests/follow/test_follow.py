@@ -169,6 +169,14 @@ def metrics_text(port: int) -> str:
 
 
 @pytest.mark.e2e
+def _slowdown_said(text: str) -> bool:
+    """The job's slowdown from step 40 has been said live: as a fail-slow of rank 2, or
+    inside rank 2's straggler (one finding, one label)."""
+    return any("ranks 2 cause compute from step 40" in line
+               and ("[fail_slow]" in line or "the job's step went from" in line)
+               for line in text.splitlines())
+
+
 def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_path, otlp_request):
     path = str(tmp_path / "store.duckdb")
     grpc_port, query_port, health_port = free_port(), free_port(), free_port()
@@ -210,12 +218,12 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         sender.start()
         follow.start()
         deadline = time.monotonic() + 90
-        while "fail_slow" not in out.getvalue() and time.monotonic() < deadline:
+        while not _slowdown_said(out.getvalue()) and time.monotonic() < deadline:
             time.sleep(0.1)
         labelled_at = time.monotonic()
-        assert "flare: [fail_slow] ranks 2 cause compute from step 40" in out.getvalue(), out.getvalue()
+        assert _slowdown_said(out.getvalue()), out.getvalue()
         assert labelled_at - sent_at[ONSET] <= 30.0
-        print(f"fail-slow labelled {labelled_at - sent_at[ONSET]:.1f} s after onset")
+        print(f"the job's slowdown labelled {labelled_at - sent_at[ONSET]:.1f} s after onset")
 
         # Outage: the collector (and its read endpoint) goes away and comes back.
         paused.set()
@@ -234,7 +242,7 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         status, doc = health(health_port)
         assert status == 200 and doc["status"] == "ok"
         metrics = metrics_text(health_port)
-        assert 'flare_follow_anomalies_total{kind="fail_slow"} 1' in metrics
+        assert re.search(r'flare_follow_anomalies_total\{kind="(fail_slow|straggler)"\} 1', metrics), metrics
         errors = next(line for line in metrics.splitlines()
                       if line.startswith("flare_follow_poll_errors_total"))
         assert int(errors.split()[1]) >= 1
@@ -247,7 +255,7 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         assert main(f"jaeger+http://127.0.0.1:{query_port}", "jobE", None, 1.0,
                     f"127.0.0.1:{grpc_port}", again, health_endpoint=None, stop=stop_again) == 0
         assert "following job jobE" in again.getvalue()
-        assert "fail_slow" not in again.getvalue(), again.getvalue()
+        assert "ranks 2 cause" not in again.getvalue(), again.getvalue()
     finally:
         stop_sending.set()
         paused.clear()
@@ -257,11 +265,13 @@ def test_fail_slow_labelled_within_30s_of_onset_through_the_read_endpoint(tmp_pa
         collector.stop()
     assert follow_status == [0]
     text = out.getvalue()
-    assert text.count("flare: [fail_slow] ranks 2 ") == 1
+    # a pass that saw the change point before the straggler persisted says fail_slow
+    # first; one that saw both says the straggler, the slowdown inside it: each once
+    assert text.count("flare: [fail_slow] ranks 2 ") <= 1
     assert text.count("flare: [straggler] ranks 2 ") == 1
     written = [json.loads(a)[sc.ANOMALY_KIND] for _, a in anomaly_rows(path)]
     assert sorted(written) == sorted(set(written))  # each label stored exactly once
-    assert {"fail_slow", "straggler"} <= set(written)
+    assert "straggler" in written
 
 
 def test_window_memory_is_bounded_by_rows(tmp_path):
