@@ -418,10 +418,11 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             # look slow too. With a straggler at the same time, it is the explanation.
             owner = next((s for s in stragglers if s.cause != "communication"
                           and _overlap(s, anomaly)), None)
-        if anomaly.kind == "fail_slow" and not anomaly.ranks and _failure_behind(anomaly, failures):
+        failure = _failure_behind(anomaly, failures) if anomaly.kind == "fail_slow" else None
+        if failure is not None:
             # (a 2-rank job whose rank 1 raised at step 20: fail_slow [] communication @16
             # beside the error, once in a quiet fresh-clone run)
-            _failure_behind(anomaly, failures).evidence.setdefault("also", []).append(anomaly.summary)
+            failure.evidence.setdefault("also", []).append(anomaly.summary)
             continue
         if anomaly.kind == "fail_slow" and not anomaly.ranks:
             _blame_straggler(anomaly, stragglers)

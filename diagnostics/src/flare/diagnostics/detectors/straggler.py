@@ -271,10 +271,14 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
                     my_means, their_means)
     lost_per_step = book.lost_by(rows, cols) / max(1, frame.step_count(cols[mask[cols]]))
     burnt_median = _median_burnt(frame, rows, peers, cols)
-    # More work in most of its steps: a CPU burst in a few (its own periodic collection)
-    # raises the mean alone, and must not make a rank the host starved the job's.
-    grew = work_grew(my_means, their_means, lost_per_step) and (
-        burnt_median is None or burnt_median >= WORK_GREW_FLOOR_MS)
+
+    def grew_beyond(excess_ms: float) -> bool:
+        # More work in most of its steps: a CPU burst in a few (its own periodic
+        # collection) raises the mean alone, and must not make a starved rank the job's.
+        return work_grew(my_means, their_means, excess_ms) and (
+            burnt_median is None or burnt_median >= WORK_GREW_FLOOR_MS)
+
+    grew = grew_beyond(lost_per_step)
     # Busier in most steps (its threads' CPU in the median step), its own time not: the
     # delay falls outside its steps (straggler.find); a CPU burst now and then (a
     # periodic collection) is neither.
@@ -293,9 +297,7 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
     # Most of the excess spent runnable but waiting for a CPU, without burning more of
     # it: the host starved the rank (other work on the machine), not its own code or
     # threads (a GIL holder's victim sleeps on the GIL; that is not run-queue time).
-    starved = host_starved(my_means, their_means, why.excess_ms,
-                           work_grew(my_means, their_means, why.excess_ms) and (
-                               burnt_median is None or burnt_median >= WORK_GREW_FLOOR_MS))
+    starved = host_starved(my_means, their_means, why.excess_ms, grew_beyond(why.excess_ms))
     density = float(mask[cols].mean())
     step_share = float(np.mean(book.share()[cols]))
     lost_ms = book.lost_by(rows, cols)
