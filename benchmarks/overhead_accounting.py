@@ -24,13 +24,18 @@ the wall-time ratio, within its noise).
         --hidden 1024 --batch-size 128
 
 (arguments go to examples/train_ddp.py; at least 130 steps: the thread figures start at
-the 100th step)
+the 100th step). A training framework's job instead, e.g. the Hugging Face Trainer's
+or Lightning's (under torchrun; arguments go to that script):
+
+    .venv/bin/python benchmarks/overhead_accounting.py --script examples/train_hf.py \
+        --steps 200 --eval-every 20 --save-every 50
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 import rank_thread_cpu  # sibling scripts (this folder is on sys.path)
 from hook_cost_in_situ import added_per_step, measure
@@ -76,4 +81,9 @@ def main(train_args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if args[:1] == ["--script"]:
+        if len(args) < 2 or not Path(args[1]).is_file():
+            raise SystemExit(f"overhead_accounting: --script needs a training script, got {args[1:2]}")
+        rank_thread_cpu.SCRIPT, args = Path(args[1]).resolve(), args[2:]
+    main(args)

@@ -129,9 +129,13 @@ def instrumentation_us(per_thread: dict[str, float]) -> float:
     return sum(v for name, v in per_thread.items() if name not in (*JOB_THREADS, GC))
 
 
+# The training script the benchmarks run (overhead_accounting.py --script: a framework's).
+SCRIPT = REPO / "examples" / "train_ddp.py"
+
+
 def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
               instrumented: bool = True) -> list[dict]:
-    """Run examples/train_ddp.py on 4 ranks through `wrapper` (a script taking OUT_DIR
+    """Run SCRIPT (examples/train_ddp.py) on 4 ranks through `wrapper` (a script taking OUT_DIR
     and the training script) under exactly `flare run`'s rank environment, exporting to
     a loopback OTLP/HTTP sink (or, not `instrumented`, plain `torchrun` without Flare);
     returns what each rank wrote to OUT_DIR/<prefix>*.json."""
@@ -150,7 +154,7 @@ def run_ranks(wrapper: str, job: str, prefix: str, train_args: list[str],
             env, launcher = plain_environment(), []
         subprocess.run([*launcher, str(BIN / "torchrun"),
                         "--nproc_per_node", "4", wrapper, out,
-                        str(REPO / "examples" / "train_ddp.py"), *train_args],
+                        str(SCRIPT), *train_args],
                        env=env, cwd=REPO, stdout=subprocess.DEVNULL, check=True)
         return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{out}/{prefix}*.json"))]
 

@@ -13,8 +13,11 @@ Faults (on the ranks of --fault-rank from optimizer step --fault-from on, costin
   compute   the model's forward does extra matmuls (`burn_compute`), split over the
             step's micro-batches
   input     the data collator sleeps (`SlowCollator.__call__`)
-  stall     every --save-every steps the rank writes a checkpoint to a slow disk: the
-            Trainer's save, then `slow_storage` sleeps (rank 0 with its default)
+
+and, beside them, --slow-save-ms: every checkpoint write (each --save-every steps) goes
+to a slow shared disk and takes that much longer — the model's `save_pretrained`, then
+`slow_storage` sleeps; the Trainer writes the model from rank 0 only, so rank 0 saves
+while the others wait.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-FAULTS = ("none", "compute", "input", "stall")
+FAULTS = ("none", "compute", "input")
 VOCAB = 256
 SEQUENCE = 32
 
@@ -45,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fault-rank", type=int, default=0)
     parser.add_argument("--fault-from", type=int, default=20, help="first faulty optimizer step")
     parser.add_argument("--fault-ms", type=float, default=40.0)
+    parser.add_argument("--slow-save-ms", type=float, default=0.0,
+                        help="extra time of every checkpoint write (a slow shared disk)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -87,6 +92,13 @@ class SlowableGPT2(GPT2LMHeadModel):
             burn_compute(self.fault.seconds / self.micro_batches)
         return super().forward(*args, **kwargs)
 
+    slow_save_s = 0.0
+
+    def save_pretrained(self, *args, **kwargs):
+        super().save_pretrained(*args, **kwargs)
+        if self.slow_save_s:
+            slow_storage(self.slow_save_s)
+
 
 class Tokens(Dataset):
     """Random token sequences, the same on every run (a causal LM's own labels)."""
@@ -118,15 +130,6 @@ def slow_storage(seconds: float) -> None:
     time.sleep(seconds)
 
 
-class SlowSave(TrainerCallback):
-    def __init__(self, fault: Fault):
-        self.fault = fault
-
-    def on_save(self, args, state, control, **kwargs):
-        if self.fault.active("stall"):
-            slow_storage(self.fault.seconds)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -138,6 +141,7 @@ def main(argv=None) -> None:
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=64, n_layer=2, n_head=2)
     model = SlowableGPT2(config)
     model.fault, model.micro_batches = fault, args.accumulation
+    model.slow_save_s = args.slow_save_ms / 1e3
     per_step = args.batch_size * args.accumulation * world
     output = args.output or tempfile.mkdtemp(prefix="train_hf-")
     training = TrainingArguments(
@@ -154,7 +158,7 @@ def main(argv=None) -> None:
                       train_dataset=Tokens(per_step * args.steps, args.seed),
                       eval_dataset=Tokens(8 * args.batch_size * world, args.seed + 1),
                       data_collator=SlowCollator(fault, args.accumulation),
-                      callbacks=[clock, SlowSave(fault)])
+                      callbacks=[clock])
     started = time.perf_counter()
     trainer.train()
     if rank == 0:

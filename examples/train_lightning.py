@@ -8,6 +8,11 @@ other ranks itself, e.g.
     python examples/train_lightning.py --devices 4 --steps 60          # Lightning launches
     torchrun --nproc_per_node 4 examples/train_lightning.py --steps 60  # torchrun launches
 
+--strategy picks how Lightning distributes the module: `ddp`; `fsdp2`, Lightning's
+ModelParallelStrategy with the layers sharded by `fully_shard` in `configure_model`
+(runs on CPU); `fsdp`, Lightning's FSDPStrategy (Lightning allows it on a GPU only:
+add --accelerator gpu).
+
 A step is an optimizer step: with --accumulation 4 it is four forward/backward passes.
 Faults (on the ranks of --fault-rank from optimizer step --fault-from on, costing about
 --fault-ms per faulty step):
@@ -47,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fault-from", type=int, default=20, help="first faulty optimizer step")
     parser.add_argument("--fault-ms", type=float, default=40.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2", "fsdp"), default="ddp")
+    parser.add_argument("--accelerator", default="cpu")
     return parser.parse_args(argv)
 
 
@@ -74,11 +81,24 @@ class Fault:
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, fault: Fault, micro_batches: int):
+    def __init__(self, fault: Fault, micro_batches: int, shard: bool = False):
         super().__init__()
-        self.fault, self.micro_batches = fault, micro_batches
+        self.fault, self.micro_batches, self.shard = fault, micro_batches, shard
         self.net = nn.Sequential(nn.Linear(FEATURES, 512), nn.ReLU(), nn.Linear(512, 512),
                                  nn.ReLU(), nn.Linear(512, CLASSES))
+
+    def configure_model(self):
+        """FSDP2 under ModelParallelStrategy: each layer, then the whole, sharded over
+        the data-parallel ranks (Lightning calls this once the mesh exists)."""
+        if not self.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def forward(self, features):
         if self.fault.active("compute"):
@@ -128,7 +148,7 @@ def main(argv=None) -> None:
     devices = args.devices or int(os.environ.get("WORLD_SIZE", "1"))
     L.seed_everything(args.seed, verbose=False)
     fault = Fault(args)
-    module = Classifier(fault, args.accumulation)
+    module = Classifier(fault, args.accumulation, shard=args.strategy == "fsdp2")
     micro_batches = args.steps * args.accumulation
     train = DataLoader(Synthetic(micro_batches * args.batch_size, args.seed),
                        batch_size=args.batch_size, collate_fn=SlowCollate(fault, args.accumulation))
@@ -139,8 +159,13 @@ def main(argv=None) -> None:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=args.output or tempfile.mkdtemp(prefix="train_lightning-"),
             every_n_train_steps=args.save_every, save_top_k=-1))
+    if args.strategy == "fsdp2":
+        strategy = L.pytorch.strategies.ModelParallelStrategy(
+            data_parallel_size=devices, tensor_parallel_size=1)
+    else:
+        strategy = args.strategy if devices > 1 else "auto"
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+        accelerator=args.accelerator, devices=devices, strategy=strategy,
         max_steps=args.steps, accumulate_grad_batches=args.accumulation,
         val_check_interval=args.eval_every * args.accumulation if args.eval_every else None,
         limit_val_batches=4 if args.eval_every else 0, check_val_every_n_epoch=None,

@@ -365,7 +365,8 @@ def test_a_ranks_stalls_inside_its_own_slowdown_of_the_same_cause_are_its_eviden
     gc = label("gc", 40, 290, pattern="periodic", period_steps=10, stall_ms=300.0)
     kept = merge([slow, stalls, gc])
     assert kept == [slow, gc]
-    assert slow.evidence["stalls"] == {"pattern": "periodic", "period_steps": 2, "stall_ms": 80.0}
+    assert slow.evidence["stalls"] == {"pattern": "periodic", "period_steps": 2, "stall_ms": 80.0,
+                                       "cause": "input"}
     assert slow.summary.endswith("it stalls every 2 steps")
     # a short stretch of the same cause inside a long pattern is not its owner: both stay
     burst = label("compute", 48, 58)
@@ -483,3 +484,58 @@ def test_a_job_wide_slowdown_just_before_a_rank_fails_is_that_failures_echo():
     early = Anomaly("fail_slow", [], "communication", 5, 20, 0.2, 0.8, "the fabric slowed")
     assert [a.kind for a in merge([Anomaly("error", [1], "software", 20, 20, 0.1, 0.99, "…"), early])] == [
         "error", "fail_slow"]
+
+
+def test_a_checkpoint_that_rank_0_saves_while_the_others_wait_is_labelled_as_such():
+    """A framework's checkpoint, saved by rank 0 every 10 steps while the other ranks
+    wait for it (the Trainer's save on the main process): one periodic label whose cause
+    is the phase, in the words a user reads ("saves a checkpoint every 10 steps (+0.4 s
+    each, …)"), with its true share of the run; no `cpu` or `compute` label."""
+    table = job_spans("j", 4, 120, (Fault("checkpoint", 0, 10, 400.0, every=10),))
+    found = diagnose(_job(table)).anomalies
+    assert [(a.kind, a.ranks, a.cause) for a in found] == [("straggler", [0], "checkpoint")]
+    label = found[0]
+    assert label.evidence["pattern"] == "periodic" and label.evidence["period_steps"] == 10
+    assert label.first_step == 10
+    assert label.impact == pytest.approx(_measured_share(table, set(range(10, 120, 10))), rel=0.2)
+    assert re.match(r"rank 0 saves a checkpoint every 10 steps \(\+0\.4 s each, 11 times from "
+                    r"step 10 to 1\d\d\) while the other 3 ranks wait; \d+% of the run's time$",
+                    label.summary), label.summary
+
+
+def test_an_evaluation_every_rank_runs_is_time_spent_not_a_label():
+    """Every rank evaluates for 300 ms every 20 steps, and every rank saves for 100 ms
+    every 50: no label (nobody waits for anybody, and the job did not get slower), and
+    "where the time went" lists each phase with its period and its share."""
+    faults = (Fault("evaluation", -1, 20, 300.0, every=20), Fault("checkpoint", -1, 50, 100.0, every=50))
+    table = job_spans("j", 4, 200, faults)
+    diagnosis = diagnose(_job(table))
+    assert diagnosis.anomalies == [], [a.summary for a in diagnosis.anomalies]
+    phases = {row["cause"]: row for row in diagnosis.time_lost if row["kind"] == "phase"}
+    assert set(phases) == {"evaluation", "checkpoint"}, diagnosis.time_lost
+    assert phases["evaluation"]["who"] == "all ranks (every 20 steps)"
+    assert phases["evaluation"]["seconds"] == pytest.approx(9 * 0.3, rel=0.05)
+    assert phases["checkpoint"]["who"] == "all ranks (every 50 steps)"
+    assert phases["checkpoint"]["seconds"] == pytest.approx(3 * 0.1, rel=0.05)
+    # a share of the run: the steps' median durations summed
+    steps, durations = np.asarray(table["step"].to_pylist()), np.asarray(table["duration_ns"].to_pylist())
+    run_s = sum(float(np.median(durations[steps == s])) for s in np.unique(steps)) / 1e9
+    assert phases["evaluation"]["share"] == pytest.approx(2.7 / run_s, rel=0.1)
+    assert sum(row["share"] for row in diagnosis.time_lost) <= 1.0
+    text = render(diagnosis)
+    assert "No anomalies found." in text and re.search(r"all ranks \(every 20 steps\) +evaluation", text), text
+
+
+def test_a_slow_ranks_slower_evaluation_is_its_compute_labels_evidence():
+    """Rank 2's forward is slower from step 20, and its evaluation every 10 steps (the
+    same forward passes) slower with it: one compute label that says so, not a second,
+    periodic `evaluation` straggler. Rank 0's slow checkpoint, other work on another
+    rank, stays a label of its own."""
+    faults = (Fault("compute", 2, 20, 60.0), Fault("evaluation", -1, 10, 200.0, every=10),
+              Fault("evaluation", 2, 20, 300.0, every=10), Fault("checkpoint", 0, 10, 400.0, every=10))
+    found = diagnose(_job(job_spans("j", 4, 120, faults))).anomalies
+    assert sorted((a.ranks, a.cause) for a in found) == [([0], "checkpoint"), ([2], "compute")], \
+        [a.summary for a in found]
+    [compute] = [a for a in found if a.cause == "compute"]
+    assert compute.evidence["stalls"]["cause"] == "evaluation"
+    assert "its evaluation every 10 steps is slower too" in compute.summary

@@ -1,34 +1,41 @@
-"""Flare inside the trainers people run (issue #29), zero code change: the Hugging Face
-`Trainer` under torchrun, and PyTorch Lightning launching its own ranks from `python
-train.py` (examples/train_hf.py, examples/train_lightning.py). The framework owns the
-loop: gradient accumulation (4 micro-batches per optimizer step), evaluation and
-checkpoints, its logging callbacks. Steps must be optimizer steps, those phases must
-not be labelled, and a slowed rank must be named with the line that spends its extra
-time. One HF job asserts both: its phases give no label of their own and its slowed
-rank gets its line (a separate healthy HF job cost 50 s of the suite for what the
-labels of this one already show). Each scenario runs on a quiet and on a loaded host
-(the `host` fixture) and must give the same answer on both."""
+"""Flare inside the trainers people run (issue #29), zero code change, each started by
+its own launcher: the Hugging Face `Trainer` under `accelerate launch`, PyTorch
+Lightning's FSDP2 strategy launching its own ranks from `python train.py`, and DeepSpeed
+(ZeRO-1) under `deepspeed` (examples/train_hf.py, train_lightning.py,
+train_deepspeed.py). The framework owns the loop: gradient accumulation (4 micro-batches
+per optimizer step), evaluation and checkpoints, its logging callbacks. Steps must be
+optimizer steps, the phases every rank runs must not be labelled (they are time spent,
+in "where the time went"), one rank's slow checkpoint must be labelled as such, and a
+slowed rank must be named with the line that spends its extra time. Each scenario runs
+on a quiet and on a loaded host (the `host` fixture) and must give the same answer on
+both. (The HF Trainer and Lightning's DDP strategy under torchrun: docs/frameworks.md.)"""
 
 from __future__ import annotations
 
 import re
 import sys
+import time
 
 import harness
 import pytest
 
 pytest.importorskip("transformers", reason="the HF scenarios need transformers (requirements-dev.txt)")
 pytest.importorskip("lightning", reason="the Lightning scenario needs lightning (requirements-dev.txt)")
+pytest.importorskip("accelerate", reason="the HF scenario's launcher is accelerate (requirements-dev.txt)")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 
 TRAIN_HF = harness.ROOT / "examples" / "train_hf.py"
 TRAIN_LIGHTNING = harness.ROOT / "examples" / "train_lightning.py"
+TRAIN_DEEPSPEED = harness.ROOT / "examples" / "train_deepspeed.py"
 STEPS = 60
 ONSET = 20
 # 4 ranks share 2 cores: a rank's extra compute partly runs while its peers wait, so
 # the fault is sized to be lost time the job cannot hide (40 ms was absorbed, seen)
 FAULT_MS = 120
+# the HF job's checkpoints: one every 10 steps, each written 0.4 s slower (a slow disk)
+SAVE_EVERY = 10
+SLOW_SAVE_MS = 400
 
 
 def _every_rank_every_step(run: harness.FlareRun, steps: int | None = None, ranks: int = 4) -> None:
@@ -48,56 +55,122 @@ def _located(alerts: list[tuple[int, str]]) -> bool:
                for _, line in alerts)
 
 
-def test_a_slow_rank_in_the_hf_trainer_is_named_with_its_line(store, host):
-    run = harness.FlareRun(store, harness.job_name("hf_compute", host), harness.torchrun(
-        TRAIN_HF, "--steps", 300, "--accumulation", 4, "--eval-every", 10, "--save-every", 25,
-        "--fault", "compute", "--fault-rank", 2, "--fault-from", ONSET, "--fault-ms", FAULT_MS))
-    if run.wait_until(_located, timeout_s=240):
-        run.interrupt()  # as its user would, once the line is in
-    report = run.finish()
+def _said(run: harness.FlareRun, report: dict, labels: list[dict], scenario: str, host: str,
+          title: str) -> str:
+    """Print how soon the live alert and its line came after rank 2's onset, record the
+    scenario's verdict with the first label's line (quiet and loaded must agree), and
+    return that line's frame ("" without one)."""
     onset_ns = run.onset_ns(2, ONSET, end_of_previous=True)
     alert = next((t for t, line in run.alerts if "[straggler] ranks 2 cause" in line), None)
     located = next((t for t, line in run.alerts if _located([(t, line)])), None)
-    print(f"\nE2E HF Trainer, rank 2 compute ({host}): alert "
-          f"{(alert - onset_ns) / 1e9 if alert else float('nan'):.1f} s after the onset, line "
-          f"{(located - alert) / 1e9 if alert and located else float('nan'):.1f} s after the "
-          f"alert\n{harness.describe(report)}")
-    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
-    top = (stragglers[0]["evidence"].get("hotspots") or [{}])[0] if stragglers else {}
+    print(f"\nE2E {title}: alert {(alert - onset_ns) / 1e9 if alert else float('nan'):.1f} s after "
+          f"the onset, line {(located - alert) / 1e9 if alert and located else float('nan'):.1f} s "
+          f"after the alert\n{harness.describe(report)}\n{report.get('time_lost')}")
+    top = (labels[0]["evidence"].get("hotspots") or [{}])[0] if labels else {}
     frame = top.get("frame", "")
-    harness.agree("hf trainer, rank 2 compute", host, report,
+    harness.agree(scenario, host, report,
                   frame.split(":")[0] + " in " + frame.rsplit(" in ", 1)[-1] if frame else None)
-    # The Trainer's own phases are healthy: an evaluation every 10 steps, a checkpoint
-    # every 25, 4 micro-batches per step (the line comes 20 steps after the alert at the
-    # earliest, so at least one checkpoint and three evaluations are behind it). None of
-    # them is a label: every label is the injected fault's (rank 2, compute, from its
-    # onset), and steps are optimizer steps.
-    assert report["steps"]["first"] == 0 and report["steps"]["last"] >= 30, report["steps"]
+    return frame
+
+
+def _last_step(run: harness.FlareRun) -> int:
+    [(last,)] = run.query("SELECT coalesce(min(last), -1) FROM (SELECT max(step) AS last FROM spans "
+                          "WHERE job = ? AND name = 'train.step' GROUP BY rank)", [run.job])
+    return int(last)
+
+
+def test_a_slow_rank_and_a_slow_checkpoint_in_the_hf_trainer_are_each_named(store, host):
+    """Two faults in one Trainer job: rank 2's forward does ~120 ms of extra work per
+    step from step 20, and every checkpoint write (each 10 steps; the Trainer writes the
+    model from rank 0) takes 0.4 s longer — a slow shared disk. Two labels: rank 2,
+    compute, at its function; rank 0 saving a checkpoint every 10 steps while the others
+    wait, cause `checkpoint`. The evaluation every 10 steps, which every rank runs, is
+    no label: it is time spent, in "where the time went"."""
+    # accelerate's own launcher, as its users start a Trainer (`--multi_gpu` is its
+    # torchrun path; the script trains on the CPU)
+    launch = [str(harness.BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "4",
+              "--main_process_port", str(harness.free_port())]
+    run = harness.FlareRun(store, harness.job_name("hf_compute", host), [*launch, *map(str, (
+        TRAIN_HF, "--steps", 300, "--accumulation", 4, "--eval-every", 10, "--save-every", SAVE_EVERY,
+        "--slow-save-ms", SLOW_SAVE_MS, "--fault", "compute", "--fault-rank", 2,
+        "--fault-from", ONSET, "--fault-ms", FAULT_MS))])
+    if run.wait_until(_located, timeout_s=240):
+        # as its user would once the line is in, and with five saves behind it
+        deadline = time.monotonic() + 120
+        while _last_step(run) < 5 * SAVE_EVERY + 2 and time.monotonic() < deadline and run.process.poll() is None:
+            time.sleep(1.0)
+        run.interrupt()
+    report = run.finish()
+    compute = [a for a in report["anomalies"] if a["kind"] == "straggler" and a["cause"] == "compute"]
+    frame = _said(run, report, compute, "hf trainer, rank 2 compute, rank 0 slow checkpoints", host,
+                  f"HF Trainer (accelerate launch), rank 2 compute and rank 0's slow checkpoints ({host})")
+    # steps are optimizer steps (4 micro-batches each), every rank's, none missing
+    assert report["steps"]["first"] == 0 and report["steps"]["last"] >= 5 * SAVE_EVERY, report["steps"]
     _every_rank_every_step(run)
-    assert all(a["ranks"] == [2] and a["cause"] == "compute" and abs(a["first_step"] - ONSET) <= 3
-               for a in report["anomalies"]), harness.describe(report)
-    assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], \
-        harness.describe(report)
-    assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+    # the two faults, each once: nothing for the evaluations every rank runs
+    assert sorted((a["kind"], a["ranks"], a["cause"]) for a in report["anomalies"]) == [
+        ("straggler", [0], "checkpoint"), ("straggler", [2], "compute")], harness.describe(report)
+    assert abs(compute[0]["first_step"] - ONSET) <= 3, harness.describe(report)
     # the user's function that spends the time, not the Trainer's loop
     assert re.search(r"examples/train_hf\.py:\d+ in burn_compute$", frame), \
-        stragglers[0]["evidence"].get("hotspots")
+        compute[0]["evidence"].get("hotspots")
+    [saves] = [a for a in report["anomalies"] if a["cause"] == "checkpoint"]
+    assert saves["evidence"]["pattern"] == "periodic" and saves["evidence"]["period_steps"] == SAVE_EVERY
+    assert abs(saves["first_step"] - SAVE_EVERY) <= 3, harness.describe(report)
+    # the framework's checkpoint writer: where the Trainer spends the save
+    assert saves["evidence"]["phase_function"] == "transformers.trainer.Trainer._save_checkpoint"
+    assert re.match(rf"rank 0 saves a checkpoint \(transformers\.trainer\.Trainer\._save_checkpoint\) "
+                    rf"every {SAVE_EVERY} steps \(\+0\.[3-9] s each", saves["summary"]), saves["summary"]
+    spent = {row["cause"]: row for row in report["time_lost"] if row["kind"] == "phase"}
+    assert spent["evaluation"]["who"] == "all ranks (every 10 steps)", report["time_lost"]
 
 
-def test_lightning_launching_its_own_ranks_names_the_slow_one(store, host):
-    """`python train.py` with devices=3: Lightning's rank 0 starts ranks 1 and 2 itself
-    (no RANK in their environment); all three are seen and rank 2 is named. (Three: a
-    Lightning rank costs ~5 s of CPU to start on this host.)"""
+def test_lightning_fsdp2_launching_its_own_ranks_names_the_slow_one(store, host):
+    """`python train.py` with devices=3 and Lightning's FSDP2 strategy
+    (ModelParallelStrategy, the layers sharded by `fully_shard`): Lightning's rank 0
+    starts ranks 1 and 2 itself (no RANK in their environment); all three are seen and
+    rank 2 is named. (Three: a Lightning rank costs ~5 s of CPU to start on this host.)"""
     run = harness.FlareRun(store, harness.job_name("lightning_self", host), [
         sys.executable, str(TRAIN_LIGHTNING), *map(str, (
-            "--devices", 3, "--steps", STEPS, "--fault", "compute", "--fault-rank", 2,
-            "--fault-from", ONSET, "--fault-ms", FAULT_MS))])
+            "--devices", 3, "--strategy", "fsdp2", "--steps", STEPS, "--fault", "compute",
+            "--fault-rank", 2, "--fault-from", ONSET, "--fault-ms", FAULT_MS))])
     report = run.finish()
-    print(f"\nE2E Lightning self-launched, rank 2 compute ({host}):\n{harness.describe(report)}")
-    harness.agree("lightning self-launched, rank 2 of 3 compute", host, report)
+    print(f"\nE2E Lightning FSDP2 self-launched, rank 2 compute ({host}):\n{harness.describe(report)}")
+    harness.agree("lightning fsdp2 self-launched, rank 2 of 3 compute", host, report)
     _every_rank_every_step(run, STEPS, ranks=3)
+    # FSDP2 it is: the parameters are gathered and the gradients reduce-scattered
+    [(gathers, scatters)] = run.query(
+        "SELECT count(*) FILTER (WHERE name LIKE 'collective.all_gather%'), "
+        "count(*) FILTER (WHERE name LIKE 'collective.reduce_scatter%') FROM spans WHERE job = ?", [run.job])
+    assert gathers > 0 and scatters > 0, (gathers, scatters)
     assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
     stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], \
         harness.describe(report)
     assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+
+
+def test_deepspeed_under_its_own_launcher_names_the_slow_rank_and_its_line(store, host):
+    """DeepSpeed's `deepspeed` launcher (its runner, then a per-node agent, neither a
+    rank), ZeRO stage 1 on DeepSpeed's CPU accelerator (gloo), a tiny GPT-2: the engine's
+    optimizer steps (4 micro-batches each) of all 4 ranks, rank 2 named with its line,
+    and the checkpoints every rank writes (`engine.save_checkpoint`) no label."""
+    pytest.importorskip("deepspeed", reason="the DeepSpeed scenario needs deepspeed (requirements-dev.txt)")
+    steps = 100
+    run = harness.FlareRun(store, harness.job_name("deepspeed", host), [
+        str(harness.BIN / "deepspeed"), "--num_gpus", "4", "--master_port", str(harness.free_port()),
+        *map(str, (TRAIN_DEEPSPEED, "--steps", steps, "--eval-every", 20, "--save-every", 25,
+                   "--fault", "compute", "--fault-rank", 2, "--fault-from", ONSET,
+                   "--fault-ms", FAULT_MS))])
+    report = run.finish()
+    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
+    frame = _said(run, report, stragglers, "deepspeed zero-1, rank 2 compute", host,
+                  f"DeepSpeed (deepspeed launcher), rank 2 compute ({host})")
+    _every_rank_every_step(run, steps)
+    assert [row[0] for row in run.query("SELECT DISTINCT rank FROM spans WHERE job = ? AND rank IS NOT NULL "
+                                        "ORDER BY 1", [run.job])] == [0, 1, 2, 3]  # no launcher as a rank
+    assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
+    assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], harness.describe(report)
+    assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+    assert re.search(r"examples/train_deepspeed\.py:\d+ in burn_compute$", frame), \
+        stragglers[0]["evidence"].get("hotspots")

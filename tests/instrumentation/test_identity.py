@@ -129,6 +129,8 @@ def test_sdk_runs_the_detector_from_its_entry_point(clean_env):
     (["/venv/bin/python3", "-m", "torch.distributed.run", "train.py"], True),
     (["python", "-m", "torch.distributed.launch", "train.py"], True),
     (["/usr/bin/deepspeed", "train.py"], True),
+    # the per-node agent DeepSpeed's runner starts (it has no RANK; its children do)
+    (["/venv/bin/python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "train.py"], True),
     (["/venv/bin/python", "train.py"], False),
     (["python", "-m", "mypackage.train"], False),
 ])

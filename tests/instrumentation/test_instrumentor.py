@@ -959,3 +959,72 @@ def test_every_collective_seen_leaves_no_untimed_count_and_roles_come_from_descr
     assert roles == {"0": "world", tp.group_name: "tensor_parallel", other.group_name: ""}, roles
     assert semconv.STEP_PG_UNTIMED not in step
     assert semconv.STEP_COLLECTIVE_UNTIMED not in step
+
+
+class _SlowRows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(0.008)
+        return torch.zeros(2)
+
+
+def framework_save(path) -> None:
+    """A framework's checkpoint writer: its own work, then the generic writer it calls."""
+    import time
+
+    time.sleep(0.03)
+    torch.save({"w": torch.zeros(4)}, path)
+
+
+def framework_evaluate() -> None:
+    """A framework's evaluation loop: it loads its own batches (4 × 8 ms) and runs them."""
+    for batch in DataLoader(_SlowRows(), batch_size=1):
+        _MODEL(torch.cat([batch, batch], dim=0)[:, :2])
+
+
+def test_framework_phases_leave_compute_for_their_own_step_figures(rank_env, tmp_path):
+    """A checkpoint save and an evaluation (python_calls.PHASES, the frameworks' entry
+    points; here two functions of this module listed the same way) are timed by their
+    outermost function: the `torch.save` inside the framework's save is part of it, not
+    a second count, and the batches an evaluation loads are the evaluation's. Their time
+    is `flare.step.checkpoint_ms` / `flare.step.evaluation_ms`, taken out of compute and
+    data loading; every step carries both, 0.0 where no phase ran."""
+    from flare.instrumentation import python_calls
+
+    rank_env.setenv("FLARE_DETAIL_EVERY", "1")
+    rank_env.setitem(python_calls.PHASES, (__name__, "framework_save"), semconv.PHASE_CHECKPOINT)
+    rank_env.setitem(python_calls.PHASES, (__name__, "framework_evaluate"), semconv.PHASE_EVALUATION)
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    module = sys.modules[__name__]
+    try:
+        for step in range(5):
+            _MODEL(torch.randn(1, 2)).sum().backward()
+            if step == 1:
+                module.framework_save(tmp_path / "framework.pt")
+            if step == 2:
+                torch.save({"w": torch.zeros(4)}, tmp_path / "plain.pt")  # a loop's own save
+            if step == 3:
+                module.framework_evaluate()
+            _OPTIMIZER.step()
+    finally:
+        instrumentor.uninstrument()
+    steps = sorted(finished(exporter, semconv.SPAN_STEP), key=lambda s: s.attributes[semconv.STEP])
+    figures = [(s.attributes[semconv.STEP_CHECKPOINT_MS], s.attributes[semconv.STEP_EVALUATION_MS])
+               for s in steps]
+    assert [c > 0 for c, _ in figures] == [False, True, True, False, False], figures
+    assert [e > 0 for _, e in figures] == [False, False, False, True, False], figures
+    save, evaluation = steps[1].attributes, steps[3].attributes
+    assert save[semconv.STEP_CHECKPOINT_MS] >= 30.0
+    assert save[semconv.STEP_COMPUTE_MS] < save[semconv.STEP_CHECKPOINT_MS] - 25.0  # not compute
+    assert evaluation[semconv.STEP_EVALUATION_MS] >= 4 * 8.0
+    assert evaluation[semconv.STEP_DATALOADER_MS] < 8.0  # its batches are the evaluation's
+    calls = [(s.attributes[semconv.CODE_FUNCTION], s.attributes.get(semconv.PHASE))
+             for s in finished(exporter, semconv.SPAN_PYTHON_CALL)]
+    assert calls == [(f"{__name__}.framework_save", "checkpoint"), ("torch.save", "checkpoint"),
+                     (f"{__name__}.framework_evaluate", "evaluation")], calls

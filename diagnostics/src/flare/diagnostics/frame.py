@@ -23,7 +23,12 @@ COMPONENTS = {
     "compute": sc.STEP_COMPUTE_MS,
     "gc": sc.STEP_GC_MS,
     "pycall": sc.STEP_PYCALL_MS,
+    # the framework's phases, outside compute (python_calls.PHASES); 0 where not sent
+    "checkpoint": sc.STEP_CHECKPOINT_MS,
+    "evaluation": sc.STEP_EVALUATION_MS,
 }
+# Parts that only some steps and some jobs have: a missing value is 0 ms, not unknown.
+PHASES = ("checkpoint", "evaluation")
 WAIT = sc.STEP_COLLECTIVE_WAIT_MS
 BYTES = sc.STEP_COLLECTIVE_BYTES
 # NVML state the instrumentation attaches to a step when it changes (gpu_throttle reads it
@@ -44,9 +49,10 @@ STEP_ATTRIBUTES = (*COMPONENTS.values(), WAIT, BYTES, SM_CLOCK, THROTTLE, OTHER_
 
 # Which cause a component's growth points to.
 COMPONENT_CAUSE = {"dataloader": "input", "compute": "compute", "gc": "gc", "pycall": "cpu",
-                   "wait": "communication"}
+                   "checkpoint": "checkpoint", "evaluation": "evaluation", "wait": "communication"}
 # Which component dates a cause's onset (cpu starvation shows first in compute).
-CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute"}
+CAUSE_COMPONENT = {"compute": "compute", "input": "dataloader", "gc": "gc", "cpu": "compute",
+                   "checkpoint": "checkpoint", "evaluation": "evaluation"}
 
 
 @dataclasses.dataclass
@@ -192,7 +198,9 @@ def from_summary(table: Table, bucket: int) -> StepFrame:
     return StepFrame(
         ranks=ranks, steps=steps, bucket=bucket,
         duration=matrix("duration_ms"), wait=matrix(WAIT),
-        parts={name: matrix(key) for name, key in COMPONENTS.items()},
+        parts={name: (np.nan_to_num(matrix(key)) if name in PHASES else matrix(key))
+               if key in table.column_names else np.zeros((len(ranks), len(steps)), np.float32)
+               for name, key in COMPONENTS.items()},
         bytes=matrix(BYTES), start_ns=matrix("start_ns", np.float64),
         end_ns=matrix("end_ns", np.float64),
         sm_clock_mhz=matrix(SM_CLOCK), throttle_reasons=matrix(THROTTLE, np.float64),

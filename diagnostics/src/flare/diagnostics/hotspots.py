@@ -54,6 +54,34 @@ def attach(job: JobData, anomalies: list[Anomaly]) -> None:
                                 f"{top['culprit_ms']:.0f} ms, peer {top['peer_ms']:.0f} ms)")
 
 
+def name_phases(job: JobData, anomalies: list[Anomaly]) -> None:
+    """A label of a framework phase (cause `checkpoint` or `evaluation`) names the phase's
+    function, the one its ranks spent the most time in over the label's steps (the
+    `python.call` spans with `flare.phase`): `evidence.phase_function`, and in the
+    summary — "rank 0 saves a checkpoint (transformers.trainer.Trainer._save_checkpoint)
+    every 10 steps"."""
+    for anomaly in anomalies:
+        if anomaly.cause not in (sc.PHASE_CHECKPOINT, sc.PHASE_EVALUATION) or not anomaly.ranks:
+            continue
+        table = job.spans([sc.SPAN_PYTHON_CALL], attributes=[sc.PHASE, sc.CODE_FUNCTION],
+                          first_step=anomaly.first_step, last_step=anomaly.last_step,
+                          ranks=anomaly.ranks, columns=["duration_ns"])
+        spent: dict[str, int] = {}
+        for row in table.to_pylist():
+            if row.get(sc.PHASE) == anomaly.cause and isinstance(row.get(sc.CODE_FUNCTION), str):
+                spent[row[sc.CODE_FUNCTION]] = spent.get(row[sc.CODE_FUNCTION], 0) + int(row["duration_ns"] or 0)
+        if not spent:
+            continue
+        function = max(spent, key=spent.__getitem__)
+        anomaly.evidence["phase_function"] = function
+        said = {sc.PHASE_CHECKPOINT: ("saves a checkpoint", "save a checkpoint"),
+                sc.PHASE_EVALUATION: ("evaluates", "evaluate")}[anomaly.cause]
+        for words in said:
+            if f" {words} " in anomaly.summary:
+                anomaly.summary = anomaly.summary.replace(f" {words} ", f" {words} ({function}) ", 1)
+                break
+
+
 def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int | None) -> list[dict]:
     rows = [r for r in rows if r.get("step") is None or not (
         (first is not None and r["step"] < first) or (last is not None and r["step"] > last))]

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from flare.diagnostics.frame import StepFrame, warm_mask
+from flare.diagnostics.frame import PHASES, StepFrame, warm_mask
 from flare.diagnostics.model import DiagnosisConfig
 from flare.diagnostics.stats import mad, nanmedian
 
@@ -122,9 +122,11 @@ def noise_ms(deviation: np.ndarray) -> float:
     return mad(changes) / math.sqrt(2)
 
 
-def where_the_time_went(ledger: Ledger, labels: list, cells=None) -> list[dict]:
+def where_the_time_went(ledger: Ledger, labels: list, cells=None,
+                        phases: list[dict] | None = None) -> list[dict]:
     """Rows of the report's closing table: each rank-level label's seconds and share
-    of the run, then what no label explains.
+    of the run, the framework phases every rank ran (`phases`, from `phase_time`: time
+    spent, not lost to a culprit), then what no label explains.
 
     One count of each lost second: with `cells(label)` → (rows, columns) of the frame, a
     straggler label is credited with its ranks' part of each step's loss in its steps;
@@ -171,6 +173,12 @@ def where_the_time_went(ledger: Ledger, labels: list, cells=None) -> list[dict]:
         rows.append({"who": who, "cause": cause, "kind": anomaly.kind,
                      "seconds": round(float(lost), 3),
                      "share": round(float(lost) * 1e3 / run_ms, 4) if run_ms > 0 else 0.0})
+    for phase in phases or ():
+        every = f"every {phase['period_steps']} steps" if phase.get("period_steps") else (
+            f"{phase['steps']} time{'s' if phase['steps'] != 1 else ''}")
+        rows.append({"who": f"all ranks ({every})", "cause": phase["phase"], "kind": "phase",
+                     "seconds": round(phase["seconds"], 3),
+                     "share": round(phase["seconds"] * 1e3 / run_ms, 4) if run_ms > 0 else 0.0})
     total = float(np.sum(ledger.lost_ms * ledger.steps))
     explained = sum(r["seconds"] for r in rows if r["kind"] == "straggler") * 1e3
     rest = max(0.0, total - explained)
@@ -179,3 +187,35 @@ def where_the_time_went(ledger: Ledger, labels: list, cells=None) -> list[dict]:
                      "seconds": round(rest / 1e3, 3),
                      "share": round(rest / run_ms, 4) if run_ms > 0 else 0.0})
     return rows
+
+
+# A framework phase every rank ran is listed once it holds this share of the run, and a
+# step holds it when the median rank spent this long in it.
+PHASE_MIN_SHARE = 0.005
+PHASE_MIN_MS = 1.0
+
+
+def phase_time(frame: StepFrame, run_ms: float) -> list[dict]:
+    """The framework's phases (an evaluation every N steps, a checkpoint every M) that
+    the job's ranks ran alike: the median rank's time in each, summed over the run. A
+    phase of one rank that held the others up is a straggler label instead; one all
+    ranks run is time spent, never a label, and is listed here."""
+    out = []
+    for name in PHASES:
+        matrix = frame.parts.get(name)
+        if matrix is None:
+            continue
+        per_step = nanmedian(np.nan_to_num(matrix.astype(np.float64)), axis=0)
+        held = per_step >= PHASE_MIN_MS
+        counts = frame.step_counts if frame.step_counts is not None else np.full(
+            per_step.shape, float(frame.bucket))
+        seconds = float(np.sum(per_step[held] * counts[held])) / 1e3
+        if not held.any() or run_ms <= 0 or seconds * 1e3 < PHASE_MIN_SHARE * run_ms:
+            continue
+        steps = frame.steps[held]
+        gaps = np.diff(steps)
+        period = int(np.median(gaps)) if gaps.size >= 2 and np.all(
+            np.abs(gaps - np.median(gaps)) <= max(1.0, 0.1 * np.median(gaps))) else None
+        out.append({"phase": name, "seconds": seconds, "steps": int(held.sum()),
+                    "period_steps": period})
+    return out

@@ -174,6 +174,7 @@ def diagnose(
     from flare.diagnostics import hotspots
 
     hotspots.attach(cached, anomalies)
+    hotspots.name_phases(cached, anomalies)
     links = {a.key: evidence_spans(cached, a) for a in anomalies}
     for anomaly in anomalies:
         if not anomaly.trace_ids:
@@ -314,7 +315,7 @@ def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) 
                                   & (frame.steps <= anomaly.last_step))
         return (rows, cols) if rows and cols.size else None
 
-    return ledgers.where_the_time_went(book, labels, cells)
+    return ledgers.where_the_time_went(book, labels, cells, ledgers.phase_time(frame, book.run_ms))
 
 
 def live_alerts(alerted: Sequence[Anomaly], final: list[Anomaly]) -> list[dict]:
@@ -401,6 +402,13 @@ def _failure_behind(fail_slow: Anomaly, failures: list[Anomaly]) -> Anomaly | No
                  and 0 <= f.first_step - fail_slow.first_step <= FAILURE_LEAD_STEPS), None)
 
 
+# A phase that is the same work as a lasting slowdown's cause: an evaluation runs the
+# model's forward, so a rank whose compute is slower evaluates slower too (the HF Trainer
+# with a slow forward on rank 2: `straggler [2] evaluation` every 10 steps beside its
+# `straggler [2] compute`, one finding).
+_SAME_WORK = {"evaluation": ("compute", "cpu")}
+
+
 def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
     """Fold rank-level symptoms into the straggler label that already explains them."""
     stragglers = [a for a in anomalies if a.kind == "straggler"]
@@ -445,14 +453,19 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             # that slowdown shows (a slow loader stalling every other step), not a
             # second straggler: they become its evidence.
             owner = next((s for s in stragglers if s is not anomaly and not s.evidence.get("pattern")
-                          and set(s.ranks) == set(anomaly.ranks) and s.cause == anomaly.cause
+                          and set(s.ranks) == set(anomaly.ranks)
+                          and s.cause in (anomaly.cause, *_SAME_WORK.get(anomaly.cause, ()))
                           and _covers(s, anomaly)), None)
             if owner is not None:
                 ev = anomaly.evidence
                 owner.evidence["stalls"] = {k: ev[k] for k in ("pattern", "period_steps", "stall_ms")
                                             if k in ev}
+                owner.evidence["stalls"]["cause"] = anomaly.cause
                 if ev.get("period_steps"):
-                    owner.summary += f"; it stalls every {ev['period_steps']} steps"
+                    owner.summary += (f"; it stalls every {ev['period_steps']} steps"
+                                      if anomaly.cause == owner.cause else
+                                      f"; its {anomaly.cause} every {ev['period_steps']} steps "
+                                      "is slower too")
                 continue
         if owner is None:
             kept.append(anomaly)

@@ -42,6 +42,8 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         lines.extend(_host(diagnosis.host_contention))
         lines.extend(_wait_unknown(diagnosis.wait_unknown))
         lines.extend(_contention_unknown(diagnosis.contention_unknown))
+        # the framework's phases every rank ran (an evaluation every N steps): time spent
+        lines.extend(_time_table([r for r in diagnosis.time_lost if r["kind"] == "phase"]))
         lines.extend(_live(diagnosis.live_alerts))
         lines.extend(_withdrawn(diagnosis.withdrawn))
         return "\n".join(lines) + "\n"
@@ -127,7 +129,8 @@ def _time_table(rows: list[dict]) -> list[str]:
     """Where the time went: seconds and share of the run per culprit and cause."""
     if not rows or not any(r["seconds"] > 0 for r in rows):
         return []
-    out = ["", "Where the time went (time the other ranks waited, by culprit):",
+    out = ["", "Where the time went (time the other ranks waited, by culprit; "
+           "time every rank spent, by framework phase):",
            f"    {'WHO':<36} {'CAUSE':<13} {'SECONDS':>8} {'SHARE':>6}"]
     for row in rows:
         out.append(f"    {row['who'][:36]:<36} {row['cause']:<13} {row['seconds']:>8.2f} "

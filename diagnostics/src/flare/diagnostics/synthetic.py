@@ -22,7 +22,8 @@ from flare.instrumentation import semconv as sc
 @dataclasses.dataclass
 class Fault:
     # compute | input | gc | cpu | busy_thread | busy_thread_loaded | gil_between_steps | host |
-    # communication | hang | error | silent
+    # communication | hang | error | silent | checkpoint | evaluation (a framework phase's
+    # time: rank -1 runs it on every rank)
     kind: str
     rank: int
     from_step: int
@@ -77,7 +78,7 @@ def job_spans(
             if hiccups and rng.random() < hiccups:
                 jitter += rng.uniform(0.2, 1.0)
             part = {"dataloader": 2.0 * jitter, "compute": base_ms * jitter, "gc": 0.0,
-                    "pycall": 1.0 * jitter}
+                    "pycall": 1.0 * jitter, "checkpoint": 0.0, "evaluation": 0.0}
             if step < len(warmup):
                 part["compute"] += warmup[step] * (0.5 + rng.random())
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
@@ -85,7 +86,7 @@ def job_spans(
             idle = 0.0  # wall time of the step the training thread did not burn CPU for
             late = 0.0
             for f in faults:
-                active = (f.rank == rank and step >= f.from_step
+                active = (f.rank in (rank, -1) and step >= f.from_step
                           and (f.to_step is None or step < f.to_step)
                           and (not f.every or (step - f.from_step) % f.every == 0))
                 if not active:
@@ -96,6 +97,8 @@ def job_spans(
                     part["dataloader"] += f.extra_ms
                 elif f.kind == "gc":
                     part["gc"] += f.extra_ms
+                elif f.kind in ("checkpoint", "evaluation"):
+                    part[f.kind] += f.extra_ms
                 elif f.kind == "cpu":
                     for key in part:
                         part[key] *= 1.0 + f.extra_ms / base_ms
@@ -161,6 +164,8 @@ def job_spans(
                 sc.STEP_THREAD_CPU_MS: round(thread_cpu_ms[rank], 3),
                 sc.STEP_GC_MS: round(parts[rank]["gc"], 3),
                 sc.STEP_PYCALL_MS: round(parts[rank]["pycall"], 3),
+                sc.STEP_CHECKPOINT_MS: round(parts[rank]["checkpoint"], 3),
+                sc.STEP_EVALUATION_MS: round(parts[rank]["evaluation"], 3),
                 sc.STEP_COLLECTIVE_WAIT_MS: round(wait, 3),
                 sc.STEP_COLLECTIVE_COUNT: 1,
                 sc.STEP_PG_NAMES: ["0", *(n for n, m in (groups or {}).items() if rank in m)],

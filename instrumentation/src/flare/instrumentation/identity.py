@@ -35,8 +35,11 @@ def _int_env(name: str, default: int = 0) -> int:
 
 # Python launchers of ranks (`torchrun`, `python -m torch.distributed.run`, DeepSpeed,
 # Accelerate): never a training process themselves.
+# (DeepSpeed's runner, `deepspeed`, starts `python -u -m deepspeed.launcher.launch` on each
+# node, which starts the ranks with RANK)
 LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "deepspeed",
-             "accelerate", "accelerate-launch")
+             "deepspeed.launcher.runner", "deepspeed.launcher.launch", "accelerate",
+             "accelerate-launch")
 
 
 def is_launcher(argv: list[str] | None = None) -> bool:

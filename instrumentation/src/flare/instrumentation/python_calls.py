@@ -1,5 +1,13 @@
-"""`python.call`: curated hot functions (device synchronisation, checkpoint saves) and
-the user's `FLARE_TRACED_FUNCTIONS=module:qualname,...` list.
+"""`python.call`: curated hot functions (device synchronisation, checkpoint saves), the
+training frameworks' phases, and the user's `FLARE_TRACED_FUNCTIONS=module:qualname,...`
+list.
+
+A phase (PHASES: a checkpoint save, an evaluation) is timed by its outermost function
+only — the Trainer's `_save_checkpoint` holds the `torch.save` and `save_file` calls it
+makes — and its own time (less what it waited in collectives or in garbage collection,
+which the step counts already; the batches an evaluation loads are its own) leaves the
+step's compute and data loading for `flare.step.checkpoint_ms` / `flare.step.evaluation_ms`. The diagnosis names a slowdown
+there as the phase's, not as slower compute.
 
 User entries are resolved lazily: what is importable at instrumentation time is patched
 then, the rest (e.g. `__main__:train_step`) at the first step, when the user's modules
@@ -29,11 +37,24 @@ CURATED = (
     ("torch.cuda", "Stream.synchronize"),
     ("torch.cuda", "Stream.wait_event"),
     ("torch.cuda", "Stream.wait_stream"),
-    ("torch", "save"),
-    ("torch.distributed.checkpoint", "save"),
-    ("torch.distributed.checkpoint", "async_save"),
-    ("torch.distributed.checkpoint", "save_state_dict"),
 )
+
+# (module, qualname) -> phase: the frameworks' checkpoint and evaluation entry points
+# (patched where the framework is imported; tested: tests/e2e/test_frameworks.py), then
+# the generic writers a loop of the user's own calls.
+PHASES = {
+    ("transformers.trainer", "Trainer._save_checkpoint"): semconv.PHASE_CHECKPOINT,
+    ("transformers.trainer", "Trainer.evaluate"): semconv.PHASE_EVALUATION,
+    ("lightning.pytorch.trainer.trainer", "Trainer.save_checkpoint"): semconv.PHASE_CHECKPOINT,
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop.run"): semconv.PHASE_EVALUATION,
+    ("lightning.fabric.fabric", "Fabric.save"): semconv.PHASE_CHECKPOINT,
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint"): semconv.PHASE_CHECKPOINT,
+    ("torch", "save"): semconv.PHASE_CHECKPOINT,
+    ("torch.distributed.checkpoint", "save"): semconv.PHASE_CHECKPOINT,
+    ("torch.distributed.checkpoint", "async_save"): semconv.PHASE_CHECKPOINT,
+    ("torch.distributed.checkpoint", "save_state_dict"): semconv.PHASE_CHECKPOINT,
+    ("safetensors.torch", "save_file"): semconv.PHASE_CHECKPOINT,
+}
 
 
 def parse_entry(entry: str) -> tuple[str, str] | None:
@@ -60,13 +81,13 @@ class PythonCallHook:
                 self._pending_user.append((entry, *parsed))
 
     def install(self) -> None:
-        for module, qualname in CURATED:
+        for module, qualname in (*CURATED, *PHASES):
             if module in sys.modules or module in ("torch", "torch.cuda"):
                 self._patch(module, qualname, import_module=True)
         self._resolve_user(final=False)
 
     def on_first_step(self) -> None:
-        for module, qualname in CURATED:
+        for module, qualname in (*CURATED, *PHASES):
             if module in sys.modules:
                 self._patch(module, qualname, import_module=False)
         self._resolve_user(final=True)
@@ -109,7 +130,8 @@ class PythonCallHook:
         if id(target) in self._patched_ids or getattr(target, "_flare_traced", False):
             return True
         name = f"{module_name}.{qualname}"
-        wrapper = self._wrap(target, name)
+        phase = PHASES.get((module_name, qualname))
+        wrapper = self._wrap(target, name) if phase is None else self._wrap_phase(target, name, phase)
         self._patches.replace(owner, attribute, wrapper)
         self._patched_ids.add(id(target))
         return True
@@ -134,16 +156,66 @@ class PythonCallHook:
                 totals.pycall_ns += end - start
                 totals.pycall_count += 1
                 if runtime.step_open:
-                    attributes = {semconv.CODE_FUNCTION: name}
-                    if site is not None:
-                        attributes[semconv.CODE_FILEPATH] = site[0]
-                        attributes[semconv.CODE_LINENO] = site[1]
-                        attributes[semconv.CODE_CALLSITE] = format_site(site)
-                    # a function that runs the optimizer step (a whole `train_step`)
-                    # returns in the next step: its span keeps its whole duration,
-                    # starting before that step's (the summary counts it there too)
-                    runtime.emit_child(semconv.SPAN_PYTHON_CALL, start, end, attributes,
-                                       keep_start=True)
+                    _emit(runtime, start, end, {semconv.CODE_FUNCTION: name}, site)
 
         traced._flare_traced = True
         return traced
+
+    def _wrap_phase(self, original, name: str, phase: str):
+        """A phase's function: a `python.call` span with `flare.phase`, and its own time
+        in the step's phase total when it is the outermost phase running (the calls it
+        makes inside — `torch.save` under the Trainer's save — are its own time)."""
+        runtime = self.runtime
+        field = "checkpoint_ns" if phase == semconv.PHASE_CHECKPOINT else "evaluation_ns"
+
+        @functools.wraps(original)
+        def traced(*args, **kwargs):
+            if not runtime.enabled or runtime.phase is not None:
+                return original(*args, **kwargs)
+            start = time.time_ns()
+            site = caller_site()
+            runtime.phase = phase
+            totals = runtime.totals
+            inner = _inner_ns(totals)
+            op = runtime.push_op(semconv.SPAN_PYTHON_CALL, start,
+                                 {semconv.CODE_FUNCTION: name, semconv.PHASE: phase}, site)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end = time.time_ns()
+                runtime.pop_op(op)
+                runtime.phase = None
+                now = runtime.totals
+                own = end - start
+                if now is totals:  # (a phase across a step boundary, rare, keeps its wall time)
+                    # the wait in collectives and GC stay theirs; the batches the phase
+                    # loaded (an evaluation's) are the phase's time, not the step's loading
+                    waited, loaded = _inner_ns(now)
+                    own -= waited - inner[0]
+                    now.dataloader_ns -= loaded - inner[1]
+                setattr(now, field, getattr(now, field) + max(0, own))
+                if runtime.step_open:
+                    _emit(runtime, start, end, {semconv.CODE_FUNCTION: name, semconv.PHASE: phase}, site)
+
+        traced._flare_traced = True
+        return traced
+
+
+def _emit(runtime: Runtime, start: int, end: int, attributes: dict, site) -> None:
+    """The call's `python.call` span, with where it was called from."""
+    if site is not None:
+        attributes[semconv.CODE_FILEPATH] = site[0]
+        attributes[semconv.CODE_LINENO] = site[1]
+        attributes[semconv.CODE_CALLSITE] = format_site(site)
+    # a function that runs the optimizer step (a whole `train_step`) returns in the next
+    # step: its span keeps its whole duration, starting before that step's (the summary
+    # counts it there too)
+    runtime.emit_child(semconv.SPAN_PYTHON_CALL, start, end, attributes, keep_start=True)
+
+
+def _inner_ns(totals) -> tuple[int, int]:
+    """What the step's other counters hold so far: collective wait and GC, and data loading."""
+    wait = 0
+    for pg in totals.pg.values():
+        wait += pg.wait_ns
+    return wait + totals.gc_ns, totals.dataloader_ns

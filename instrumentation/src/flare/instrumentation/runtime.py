@@ -65,6 +65,9 @@ class StepTotals:
     gc_count: int = 0
     pycall_ns: int = 0
     pycall_count: int = 0
+    # the framework's phases (python_calls.PHASES): their own time, outside compute
+    checkpoint_ns: int = 0
+    evaluation_ns: int = 0
     backward_ns: int = 0
     pg: dict[str, PgTotals] = field(default_factory=dict)
     # (function, args): bookkeeping a hook left for when the step's span is built, off
@@ -108,6 +111,7 @@ class Runtime:
         self.span_attributes = dict(span_attributes)
         self.enabled = True
         self.explicit_steps = False  # flare.instrumentation.step() took over the boundaries
+        self.phase: str | None = None  # the framework phase running now (python_calls.PHASES)
         # replaced, never mutated: iterated without a copy
         self._listeners: tuple = ()
         self._on_start: tuple = ()  # (listener, its bound on_step_start)
@@ -680,6 +684,7 @@ class Runtime:
         wall_ms = (end_ns - start_ns) / 1e6
         dataloader_ms = totals.dataloader_ns / 1e6
         gc_ms = totals.gc_ns / 1e6
+        phases_ms = (totals.checkpoint_ns + totals.evaluation_ns) / 1e6
         wait_ns = 0
         for pg in totals.pg.values():  # (a loop: a generator is one more frame, cold)
             wait_ns += pg.wait_ns
@@ -695,8 +700,10 @@ class Runtime:
             semconv.STEP_PYCALL_COUNT: totals.pycall_count,
             semconv.STEP_BACKWARD_MS: round(totals.backward_ns / 1e6, 3),
             semconv.STEP_COLLECTIVE_WAIT_MS: round(wait_ns / 1e6, 3),
-            semconv.STEP_COMPUTE_MS: round(max(0.0, wall_ms - dataloader_ms - gc_ms
-                                               - wait_ns / 1e6), 3),
+            semconv.STEP_COMPUTE_MS: round(max(0.0, wall_ms - dataloader_ms - gc_ms - wait_ns / 1e6
+                                               - phases_ms), 3),
+            semconv.STEP_CHECKPOINT_MS: round(totals.checkpoint_ns / 1e6, 3),
+            semconv.STEP_EVALUATION_MS: round(totals.evaluation_ns / 1e6, 3),
             semconv.STEP_OTHER_THREADS_CPU_MS: round(
                 max(0, process_cpu_ns - step_thread_cpu_ns) / 1e6, 3),
             semconv.STEP_DETAIL: detail,

@@ -94,6 +94,15 @@ STEP_GC_COUNT = "flare.step.gc_count"
 STEP_PYCALL_MS = "flare.step.python_call_ms"
 STEP_PYCALL_COUNT = "flare.step.python_call_count"
 STEP_COMPUTE_MS = "flare.step.compute_ms"
+# The framework's phases inside the step (a checkpoint save, an evaluation): the phase's
+# own time, less what it waited in collectives, for data or in garbage collection, and
+# outside compute_ms. Always sent (0.0), so that a bucket of steps averages them right.
+STEP_CHECKPOINT_MS = "flare.step.checkpoint_ms"
+STEP_EVALUATION_MS = "flare.step.evaluation_ms"
+# On the `python.call` span of a phase's outermost function.
+PHASE = "flare.phase"
+PHASE_CHECKPOINT = "checkpoint"
+PHASE_EVALUATION = "evaluation"
 # CPU time the rank's other threads burnt during the step (process CPU minus the CPU
 # of the thread that runs the steps): a GIL-holding or busy thread shows up here.
 STEP_OTHER_THREADS_CPU_MS = "flare.step.cpu.other_threads_ms"
@@ -251,7 +260,9 @@ ANOMALY_KINDS = (
     "collective_slow", "hang", "error", "rank_missing", "gpu_throttle",
     "launch_bound", "gpu_idle", "kernel_slow",
 )
-CAUSES = ("compute", "input", "communication", "cpu", "gc", "hardware", "software", "unknown")
+# (checkpoint, evaluation: a framework phase that one rank runs while the others wait)
+CAUSES = ("compute", "input", "communication", "cpu", "gc", "hardware", "software", "checkpoint",
+          "evaluation", "unknown")
 
 # ---------------------------------------------------------------- configuration
 ENV_JOB_ID = "FLARE_JOB_ID"

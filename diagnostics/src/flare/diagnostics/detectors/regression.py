@@ -26,7 +26,8 @@ from flare.diagnostics.stats import nanmedian
 from flare.instrumentation import semconv as sc
 
 _NAMES = {"dataloader": "data loading", "compute": "compute", "gc": "garbage collection",
-          "pycall": "Python hot calls", "wait": "communication (collective wait)",
+          "pycall": "Python hot calls", "checkpoint": "checkpoint saves",
+          "evaluation": "evaluation", "wait": "communication (collective wait)",
           "gpu_compute": "GPU compute", "memcpy": "memory copies",
           "collectives": "collective kernels", "cpu_ops": "CPU operators", "gpu_idle": "GPU idle"}
 # What a kernel-derived part's growth points to.

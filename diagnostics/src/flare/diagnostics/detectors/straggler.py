@@ -322,6 +322,8 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
            "GIL-holding thread does)" if math.isfinite(other_cpu_delta) and other_cpu_delta > 0
            else "(every part of its step is slower, as with a GIL-holding thread)"),
         "communication": "its communication is slower", "unknown": "the cause is unclear",
+        "checkpoint": "its checkpoint saves take longer",
+        "evaluation": "its evaluation takes longer",
     }.get(why.cause, why.cause)
     if len(rows) > 1:
         cause_text = cause_text.replace("its ", "their ").replace("it pauses", "they pause")
@@ -370,14 +372,26 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
         evidence.update(pattern)
         every = (f"every {pattern['period_steps']} steps" if pattern["pattern"] == "periodic"
                  else "now and then")
-        summary = (f"{who} stall{'s' if len(rows) == 1 else ''} {victims} {every} "
-                   f"({counted} times from step {first} to {last}, "
-                   f"{pattern['stall_ms']:.0f} ms each): {cause_text}; "
-                   f"{impact:.0%} of the run's time")
+        doing = PHASE_DOING.get(why.cause)
+        if doing:  # a framework phase: what it does, and what each time costs
+            summary = (f"{who} {doing[0 if len(rows) == 1 else 1]} {every} "
+                       f"(+{pattern['stall_ms'] / 1e3:.1f} s each, {counted} times from step "
+                       f"{first} to {last}) while {victims} wait; {impact:.0%} of the run's time")
+        else:
+            summary = (f"{who} stall{'s' if len(rows) == 1 else ''} {victims} {every} "
+                       f"({counted} times from step {first} to {last}, "
+                       f"{pattern['stall_ms']:.0f} ms each): {cause_text}; "
+                       f"{impact:.0%} of the run's time")
     return Anomaly(
         kind="straggler", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
         impact=impact, confidence=min(confidence, 0.99), summary=summary, evidence=evidence,
     )
+
+
+# How a periodic label of a framework phase reads: "rank 0 saves a checkpoint every 10
+# steps (+0.4 s each, …)" (one rank, several ranks).
+PHASE_DOING = {"checkpoint": ("saves a checkpoint", "save a checkpoint"),
+               "evaluation": ("evaluates", "evaluate")}
 
 
 def _median_burnt(frame: frames.StepFrame, rows: list[int], peers: list[int], cols: np.ndarray) -> float | None:
