@@ -24,11 +24,14 @@ import os
 import tempfile
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
+import torch
+
+if not torch.cuda.is_available():  # (read when deepspeed is imported)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed
-import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -118,7 +121,9 @@ def evaluate(engine, loader: DataLoader) -> float:
     total = torch.zeros(2)
     with torch.no_grad():
         for ids in loader:
-            total += torch.stack([engine(input_ids=ids, labels=ids).loss.detach(), torch.ones(())])
+            ids = ids.to(engine.device)
+            total += torch.stack([engine(input_ids=ids, labels=ids).loss.detach().cpu(), torch.ones(())])
+    total = total.to(engine.device)
     dist.all_reduce(total)
     engine.train()
     return float(total[0] / total[1])
@@ -127,7 +132,8 @@ def evaluate(engine, loader: DataLoader) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    # gloo on DeepSpeed's CPU accelerator, NCCL on CUDA
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     fault = Fault(args, rank)
@@ -152,6 +158,7 @@ def main(argv=None) -> None:
     output = args.output or tempfile.mkdtemp(prefix="train_deepspeed-")
     started, step = time.perf_counter(), 0
     for ids in loader:
+        ids = ids.to(engine.device)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()  # the optimizer steps at the end of each accumulation

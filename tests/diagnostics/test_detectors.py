@@ -377,3 +377,16 @@ def test_a_slowdown_seen_as_waiting_is_the_rank_whose_cpu_grew():
     assert find(frame({2: 1.0}), before, after, 7.0) == []  # too little
     assert find(frame({r: 11.0 for r in range(4)}), before, after, 7.0) == []
     assert find(frame({1: 11.0, 2: 11.0, 3: 11.0}), before, after, 7.0) == []
+
+
+def test_slower_collectives_on_a_host_that_keeps_every_rank_waiting_for_a_cpu_are_not_communication():
+    """Every rank's collectives take 20 ms longer from step 30. On a quiet host that is
+    the job's communication; on a host busy enough that every rank waits ≥ 10 ms per
+    step for a CPU, the collective library's threads wait as well, and Flare cannot tell
+    a slower fabric from the busy host: no label (a busy host's own line says so)."""
+    faults = (Fault("communication", 0, 30),)
+    quiet = diagnose(_job(job_spans("j", 4, 80, faults, comm_ms=20.0, bytes_per_step=1 << 20))).anomalies
+    assert ("fail_slow", [], "communication") in [(a.kind, a.ranks, a.cause) for a in quiet]
+    busy = diagnose(_job(job_spans("j", 4, 80, faults, comm_ms=20.0, bytes_per_step=1 << 20,
+                                            busy_host_ms=12.0))).anomalies
+    assert busy == [], [a.summary for a in busy]

@@ -33,8 +33,8 @@ ONSET = 20
 # 4 ranks share 2 cores: a rank's extra compute partly runs while its peers wait, so
 # the fault is sized to be lost time the job cannot hide (40 ms was absorbed, seen)
 FAULT_MS = 120
-# the HF job's checkpoints: one every 10 steps, each written 0.4 s slower (a slow disk)
-SAVE_EVERY = 10
+# the HF job's checkpoints: one every 8 steps, each written 0.4 s slower (a slow disk)
+SAVE_EVERY = 8
 SLOW_SAVE_MS = 400
 
 
@@ -81,9 +81,9 @@ def _last_step(run: harness.FlareRun) -> int:
 
 def test_a_slow_rank_and_a_slow_checkpoint_in_the_hf_trainer_are_each_named(store, host):
     """Two faults in one Trainer job: rank 2's forward does ~120 ms of extra work per
-    step from step 20, and every checkpoint write (each 10 steps; the Trainer writes the
+    step from step 20, and every checkpoint write (each 8 steps; the Trainer writes the
     model from rank 0) takes 0.4 s longer — a slow shared disk. Two labels: rank 2,
-    compute, at its function; rank 0 saving a checkpoint every 10 steps while the others
+    compute, at its function; rank 0 saving a checkpoint every 8 steps while the others
     wait, cause `checkpoint`. The evaluation every 10 steps, which every rank runs, is
     no label: it is time spent, in "where the time went"."""
     # accelerate's own launcher, as its users start a Trainer (`--multi_gpu` is its

@@ -11,7 +11,9 @@
 # 3. FSDP2 and FSDP2 + tensor parallel (train_gpu.py --parallel) on NCCL, the last rank
 #    slowed when there are 2 GPUs or more: tests/gpu/check_parallel.py checks the groups,
 #    their waits and device times, nothing untimed, and the slow rank named;
-# 4. benchmarks/kernel_window_overhead.py on the GPU.
+# 4. Lightning's FSDPStrategy and DeepSpeed on CUDA, where installed (one GPU: one rank):
+#    steps counted, checkpoints a phase, a healthy run unlabelled;
+# 5. benchmarks/kernel_window_overhead.py on the GPU.
 #
 # Environment: PYTHON (default python3, whose torch must see the GPU). If Flare is not
 # importable there, a venv with --system-site-packages is made and the five Flare
@@ -103,6 +105,38 @@ for PAR in fsdp2 fsdp2_tp; do
   "$PY" tests/gpu/check_parallel.py --store "$PSTORE" --job "gpu-$PAR" \
     --diagnosis "$OUT/diagnosis-$PAR.json" --slow-rank "$SLOW" --slow-from 50 --groups "$NGROUPS" \
     || STATUS=1
+done
+
+echo "== Lightning's FSDPStrategy (FSDP1, which Lightning allows on a GPU only) and DeepSpeed on CUDA"
+# Where lightning / deepspeed are importable (installed, or from FLARE_WHEELS): each job's
+# optimizer steps all counted, its checkpoints a phase, and no label on a healthy run.
+for FW in lightning deepspeed; do
+  if ! "$PY" -c "import $FW" 2>/dev/null; then echo "N/A  $FW: not installed on this host"; continue; fi
+  FSTORE="$OUT/gpu-$FW.duckdb"
+  rm -f "$FSTORE"
+  if [ "$FW" = lightning ]; then
+    CMD=("$PY" examples/train_lightning.py --strategy fsdp --accelerator gpu --devices 1 --steps 60
+         --save-every 20)
+  else
+    CMD=(env DS_ACCELERATOR=cuda "$PY" -m torch.distributed.run --nproc_per_node 1
+         examples/train_deepspeed.py --steps 60 --save-every 20)
+  fi
+  timeout 240 "$PY" -m flare.diagnostics.cli run --store "$FSTORE" --job "gpu-$FW" --format json \
+    -o "$OUT/diagnosis-$FW.json" -- "${CMD[@]}" > "$OUT/run-$FW.log" 2>&1
+  echo "flare run ($FW) exit status $?"
+  "$PY" - "$FSTORE" "gpu-$FW" "$OUT/diagnosis-$FW.json" <<'PY' || STATUS=1
+import json, sys
+from flare.diagnostics.backends.store import StoreBackend
+from flare.instrumentation import semconv as sc
+job = StoreBackend(sys.argv[1]).job_data(sys.argv[2])
+steps = sorted(set(job.spans([sc.SPAN_STEP], columns=["step"]).column("step").to_pylist()))
+calls = job.spans([sc.SPAN_PYTHON_CALL], attributes=[sc.PHASE]).column(sc.PHASE).to_pylist()
+labels = json.load(open(sys.argv[3]))["anomalies"]
+ok = steps == list(range(60)) and sc.PHASE_CHECKPOINT in calls and not labels
+print(f"{'PASS' if ok else 'FAIL'} {sys.argv[2]}: steps {steps[:1]}..{steps[-1:]} ({len(steps)}), "
+      f"checkpoint phases {calls.count(sc.PHASE_CHECKPOINT)}, labels {[a['kind'] for a in labels]}")
+sys.exit(0 if ok else 1)
+PY
 done
 
 echo "== kernel window overhead on the GPU"

@@ -1028,3 +1028,36 @@ def test_framework_phases_leave_compute_for_their_own_step_figures(rank_env, tmp
              for s in finished(exporter, semconv.SPAN_PYTHON_CALL)]
     assert calls == [(f"{__name__}.framework_save", "checkpoint"), ("torch.save", "checkpoint"),
                      (f"{__name__}.framework_evaluate", "evaluation")], calls
+
+
+def test_a_loop_whose_optimizer_flare_cannot_see_is_said_once_and_is_no_hang(rank_env, caplog):
+    """A framework's own optimizer (not `torch.optim`): the first step opens at the first
+    backward and never ends. Past the hang limit while batches and backward passes go on,
+    that is one warning per rank that says what is missing, not a hang report; once
+    nothing moves for the limit, it is a hang."""
+    rank_env.setenv("FLARE_HANG_TIMEOUT_S", "30")
+    provider, exporter = make_provider()
+    instrumentor = TorchTrainingInstrumentor()
+    instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
+    runtime = flare_instrumentation.active_runtime()
+    watchdog = instrumentor._watchdog
+    model = torch.nn.Linear(2, 1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="flare.instrumentation.watchdog"):
+            model(torch.randn(1, 2)).sum().backward()  # the step opens, and never ends
+            started = runtime.step_start_ns
+            for tick in range(1, 15):  # every 5 s for 70 s: a backward between ticks
+                model(torch.randn(1, 2)).sum().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad  # an optimizer Flare does not see
+                watchdog.check_hangs(started + int(tick * 5e9))
+            assert finished(exporter, semconv.SPAN_HANG) == []
+            said = [r.getMessage() for r in caplog.records if "no step has ended" in r.getMessage()]
+            assert len(said) == 1 and "torch.optim" in said[0], said
+            # then it stops moving: past the limit, a hang
+            for tick in range(15, 24):
+                watchdog.check_hangs(started + int(tick * 5e9))
+    finally:
+        instrumentor.uninstrument()
+    assert len(finished(exporter, semconv.SPAN_HANG)) == 1

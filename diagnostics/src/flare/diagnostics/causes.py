@@ -167,3 +167,24 @@ def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float
     if not math.isfinite(runqueue) or runqueue < HOST_STARVED_SHARE * excess_ms:
         return False
     return not (work_grew(subject_mean, reference_mean, excess_ms) if grew is None else grew)
+
+
+# Slower collectives are the host's when the ranks waited for a CPU at least this share
+# of the slowdown per step (`host_busy`).
+HOST_BUSY_SHARE = 0.5
+
+
+def host_busy(frame: StepFrame, cols: np.ndarray, slowdown_ms: float) -> bool:
+    """Whether every rank's collectives may have slowed by `slowdown_ms` per step over
+    `cols` because the host was busy: the ranks' training threads waited for a CPU (run
+    queue, median rank, mean step) at least HOST_BUSY_SHARE of it. The collective
+    library's threads wait for CPUs too, unmeasured, so a busy host reads as a slower
+    fabric (a healthy compiled DDP job beside one busy process per core: "fail_slow []
+    communication" over its last 6 steps, 1 of 3 loaded runs). False where the run
+    queue is not reported."""
+    if frame.runqueue is None or not slowdown_ms > 0:
+        return False
+    per_step = nanmedian(frame.runqueue[:, cols].astype(np.float64), axis=0)
+    if not np.isfinite(per_step).any():
+        return False
+    return float(np.nanmean(per_step)) >= HOST_BUSY_SHARE * slowdown_ms

@@ -50,12 +50,17 @@ def job_spans(
     hiccups: float = 0.0,
     step_numbers: list[int] | None = None,
     warmup: tuple[float, ...] = (),
+    busy_host_ms: float = 0.0,
+    bytes_per_step: int = 0,
 ) -> pa.Table:
     """`node_size` > 0 puts `flare.node_rank` = rank // node_size in the resources;
     `groups` are process groups (name → member ranks) reported in each member's steps;
     `hiccups` is the chance that a rank's step is delayed by 20-100 % of `base_ms` (a
     loaded host descheduling it); `step_numbers` renumbers the steps (sampled jobs); `warmup` adds ms of compute
-    to the first steps, each rank 0.5-1.5x of it (a compiled model's first steps)."""
+    to the first steps, each rank 0.5-1.5x of it (a compiled model's first steps);
+    `busy_host_ms` is every rank's run-queue wait per step (a host busy with other work,
+    which also slows the collective library's threads: not modelled otherwise);
+    `bytes_per_step` > 0 reports that many collective bytes in every rank's step."""
     rng = np.random.default_rng(seed)
     cols: dict[str, list[object]] = {k: [] for k in (
         "job", "service", "trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns",
@@ -82,7 +87,7 @@ def job_spans(
             if step < len(warmup):
                 part["compute"] += warmup[step] * (0.5 + rng.random())
             other_cpu = 0.5 * jitter  # the rank's other threads (exporter, gloo)
-            runqueue = 0.2 * jitter  # the training thread waiting for a CPU
+            runqueue = 0.2 * jitter + busy_host_ms  # the training thread waiting for a CPU
             idle = 0.0  # wall time of the step the training thread did not burn CPU for
             late = 0.0
             for f in faults:
@@ -171,6 +176,8 @@ def job_spans(
                 sc.STEP_PG_NAMES: ["0", *(n for n, m in (groups or {}).items() if rank in m)],
                 sc.STEP_PG_WAIT_MS: [round(wait, 3)],
             }
+            if bytes_per_step:
+                attrs[sc.STEP_COLLECTIVE_BYTES] = bytes_per_step
             span_counter += 1
             _append(cols, job, trace_id, f"{span_counter:016x}", sc.SPAN_STEP,
                      now + int(late_ms[rank] * 1e6), int(duration_ms * 1e6), rank, number, attrs, world,

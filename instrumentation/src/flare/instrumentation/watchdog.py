@@ -46,6 +46,11 @@ class Watchdog:
         self._last_heartbeat = 0.0
         self._last_flag_poll = 0.0
         self.hang_reports = 0
+        # Before any step has ended: what the open step has done so far (batches,
+        # backward time, collections) and when that last moved (`_first_step_progress`)
+        self._progress: tuple | None = None
+        self._progress_ns = 0
+        self._no_steps_said = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="flare-watchdog", daemon=True)
@@ -111,6 +116,8 @@ class Watchdog:
     # ------------------------------------------------------------------ hangs
     def check_hangs(self, now_ns: int) -> None:
         runtime = self.runtime
+        if not runtime.recent_step_s:
+            self._first_step_progress(now_ns)
         in_flight = runtime.operations_in_flight()
         # Nearly every tick nothing is anywhere near the limit, which is at least the
         # configured timeout or the floor: return before the median of recent steps
@@ -128,6 +135,8 @@ class Watchdog:
         step_stuck = (runtime.step_open and runtime.step_number not in self._reported_steps
                       and now_ns - runtime.step_start_ns > limit_ns)
         if not stuck and not step_stuck:
+            return
+        if not stuck and self._training_without_steps(now_ns, limit_ns):
             return
         if not stuck and in_flight:
             # The step is past the limit and an operation it is blocked in started a
@@ -152,6 +161,37 @@ class Watchdog:
             self._reported_steps.add(runtime.step_number)
         runtime.request_detail()
         self.flush(FLUSH_TIMEOUT_MS)
+
+    def _first_step_progress(self, now_ns: int) -> None:
+        runtime = self.runtime
+        if not runtime.step_open:
+            self._progress = None
+            return
+        totals = runtime.totals
+        progress = (runtime.step_number, totals.dataloader_count, totals.backward_ns, totals.gc_count,
+                    totals.pycall_count)
+        if self._progress is None or progress[0] != self._progress[0]:
+            # first seen: still since the step began, until it is seen to move
+            self._progress, self._progress_ns = progress, runtime.step_start_ns
+        elif progress != self._progress:
+            self._progress, self._progress_ns = progress, now_ns
+
+    def _training_without_steps(self, now_ns: int, limit_ns: int) -> bool:
+        """A first step past the hang limit that is still loading batches and running
+        backward passes is a loop whose steps Flare cannot see (its optimizer is not a
+        `torch.optim` one: a framework Flare does not know), not a hang: said once, and
+        no hang is reported while it moves."""
+        if self._progress is None or now_ns - self._progress_ns > limit_ns / 2:
+            return False
+        if not self._no_steps_said:
+            self._no_steps_said = True
+            runtime = self.runtime
+            _log.warning("flare: rank %s has trained for %.0f s (batches, backward passes) and no "
+                         "step has ended: steps end at a torch.optim optimizer's step() or a "
+                         "flare.instrumentation.step() block, and this loop's optimizer is "
+                         "neither; its time is not split into steps, and no hang is reported "
+                         "while it trains", runtime.rank, (now_ns - runtime.step_start_ns) / 1e9)
+        return True
 
     def _emit_hang(self, now_ns: int, limit_ns: int, op: Operation | None, ident: int,
                    stacks: str, native: str | None = None) -> None:

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
+from flare.diagnostics.causes import host_busy
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import change_point, nanmedian
 from flare.instrumentation import semconv as sc
@@ -114,8 +115,8 @@ def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     comm_after = float(np.nanmedian(transfer_ms[after]))
     comm_before = float(np.nanmedian(transfer_ms[~after]))
     share = (comm_after - comm_before) / float(np.nanmedian(step_ms[after]))
-    if share < _MIN_COMM_SHARE:
-        return []
+    if share < _MIN_COMM_SHARE or host_busy(frame, warm[after], comm_after - comm_before):
+        return []  # (or a busy host's descheduled collective threads: causes.host_busy)
     first = frame.step_of(onset)
     mb = float(np.nanmedian(moved)) / 1e6
     bandwidth = {"before_mb_per_s": round(mb / (comm_before / 1e3), 2) if comm_before > 0 else None,

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
-from flare.diagnostics.causes import attribute, host_starved, means, medians, work_grew
+from flare.diagnostics.causes import attribute, host_busy, host_starved, means, medians, work_grew
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import ChangePoint, change_point, first_rise, mad, nanmedian
 
@@ -76,6 +76,11 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
         # Without byte counts a longer least wait may be a slower fabric or a busier
         # host (descheduled ranks): not enough to name communication.
+        why.cause = "unknown"
+    if (not ranks and why.cause == "communication" and not starved
+            and host_busy(frame, after, point.after - point.before)):
+        # every rank's collectives slowed while the host kept the ranks waiting for a CPU
+        # as long: not enough to name communication (causes.host_busy)
         why.cause = "unknown"
     onset = _cause_onset(frame, why.cause, rows, warm, persist, onset)
     first = frame.step_of(onset)
