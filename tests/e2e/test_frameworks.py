@@ -12,6 +12,7 @@ both. (The HF Trainer and Lightning's DDP strategy under torchrun: docs/framewor
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -155,6 +156,9 @@ def test_deepspeed_under_its_own_launcher_names_the_slow_rank_and_its_line(store
     rank), ZeRO stage 1 on DeepSpeed's CPU accelerator (gloo), a tiny GPT-2: the engine's
     optimizer steps (4 micro-batches each) of all 4 ranks, rank 2 named with its line,
     and the checkpoints every rank writes (`engine.save_checkpoint`) no label."""
+    if os.environ.get("FLARE_E2E_DEEPSPEED") != "1":
+        pytest.skip("opt-in (FLARE_E2E_DEEPSPEED=1): with it the README's test command takes "
+                    "over 20 minutes on a 2-core host; docs/frameworks.md has the command")
     pytest.importorskip("deepspeed", reason="the DeepSpeed scenario needs deepspeed (requirements-dev.txt)")
     steps = 100
     run = harness.FlareRun(store, harness.job_name("deepspeed", host), [
