@@ -43,8 +43,13 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         request.wait()
         dist.all_reduce(outgoing, async_op=True).wait()
     instrumentor.uninstrument()
-    dist.destroy_process_group()
     spans = [{"name": s.name, "attributes": dict(s.attributes)}
              for s in exporter.get_finished_spans()]
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
         json.dump(spans, handle, default=list)
+    # both ranks done with their point-to-point work before either tears gloo down: a
+    # rank destroying its group while its peer's last receive is still in gloo's hands
+    # aborted that peer ("terminate called without an active exception", once in a
+    # fresh-clone run)
+    dist.barrier()
+    dist.destroy_process_group()
