@@ -74,9 +74,9 @@ def name_phases(job: JobData, anomalies: list[Anomaly]) -> None:
             continue
         function = max(spent, key=spent.__getitem__)
         anomaly.evidence["phase_function"] = function
-        said = {sc.PHASE_CHECKPOINT: ("saves a checkpoint", "save a checkpoint"),
-                sc.PHASE_EVALUATION: ("evaluates", "evaluate")}[anomaly.cause]
-        for words in said:
+        from flare.diagnostics.detectors.straggler import PHASE_DOING  # (the label's own words)
+
+        for words in PHASE_DOING[anomaly.cause]:
             if f" {words} " in anomaly.summary:
                 anomaly.summary = anomaly.summary.replace(f" {words} ", f" {words} ({function}) ", 1)
                 break
