@@ -976,7 +976,7 @@ def framework_save(path) -> None:
     """A framework's checkpoint writer: its own work, then the generic writer it calls."""
     import time
 
-    time.sleep(0.03)
+    time.sleep(0.3)
     torch.save({"w": torch.zeros(4)}, path)
 
 
@@ -1020,8 +1020,9 @@ def test_framework_phases_leave_compute_for_their_own_step_figures(rank_env, tmp
     assert [c > 0 for c, _ in figures] == [False, True, True, False, False], figures
     assert [e > 0 for _, e in figures] == [False, False, False, True, False], figures
     save, evaluation = steps[1].attributes, steps[3].attributes
-    assert save[semconv.STEP_CHECKPOINT_MS] >= 30.0
-    assert save[semconv.STEP_COMPUTE_MS] < save[semconv.STEP_CHECKPOINT_MS] - 25.0  # not compute
+    assert save[semconv.STEP_CHECKPOINT_MS] >= 300.0
+    # not compute: the step's own compute is a few ms quiet, tens of ms on a loaded host
+    assert save[semconv.STEP_COMPUTE_MS] < save[semconv.STEP_CHECKPOINT_MS] / 2
     assert evaluation[semconv.STEP_EVALUATION_MS] >= 4 * 8.0
     assert evaluation[semconv.STEP_DATALOADER_MS] < 8.0  # its batches are the evaluation's
     calls = [(s.attributes[semconv.CODE_FUNCTION], s.attributes.get(semconv.PHASE))
