@@ -101,6 +101,18 @@ def test_a_periodic_stall_that_begins_while_the_job_settles_keeps_its_first_stal
         assert label.first_step == 8 and label.evidence["stall_steps"] == list(range(8, 60, 8))
 
 
+def test_a_periodic_stall_keeps_its_period_past_a_hiccup_off_it():
+    """A loaded host: the stalling rank is also descheduled once between two stalls, long
+    enough to read as a stall. That breaks two gaps of seven (intermittent, before) but
+    not the period; the hiccup is no stall of the label's."""
+    faults = (Fault("compute", 0, 8, 80.0, every=8), Fault("compute", 0, 29, 60.0, to_step=30))
+    [label] = [a for a in diagnose(_job(job_spans("j", 4, 60, faults))).anomalies
+               if a.kind == "straggler"]
+    assert label.ranks == [0] and label.evidence["pattern"] == "periodic"
+    assert label.evidence["period_steps"] == 8
+    assert label.evidence["stall_steps"] == list(range(8, 60, 8))
+
+
 def test_an_irregular_stall_that_costs_a_real_share_is_intermittent():
     steps = [12, 19, 33, 37, 58, 71, 90, 94, 110]
     faults = tuple(Fault("gc", 2, s, 300.0, to_step=s + 1) for s in steps)

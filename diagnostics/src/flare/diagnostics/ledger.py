@@ -28,7 +28,7 @@ import numpy as np
 
 from flare.diagnostics.frame import PHASES, StepFrame, warm_mask
 from flare.diagnostics.model import DiagnosisConfig
-from flare.diagnostics.stats import mad, nanmedian
+from flare.diagnostics.stats import mad, nanmedian, period
 
 # A rank is in a step's culprit set when it arrived within this share of the step's
 # loss of the last arrival (or within NOISE_UNITS of the job's noise, if more).
@@ -212,10 +212,7 @@ def phase_time(frame: StepFrame, run_ms: float) -> list[dict]:
         seconds = float(np.sum(per_step[held] * counts[held])) / 1e3
         if not held.any() or run_ms <= 0 or seconds * 1e3 < PHASE_MIN_SHARE * run_ms:
             continue
-        steps = frame.steps[held]
-        gaps = np.diff(steps)
-        period = int(np.median(gaps)) if gaps.size >= 2 and np.all(
-            np.abs(gaps - np.median(gaps)) <= max(1.0, 0.1 * np.median(gaps))) else None
+        every, _ = period(frame.steps[held], 3)
         out.append({"phase": name, "seconds": seconds, "steps": int(held.sum()),
-                    "period_steps": period})
+                    "period_steps": every})
     return out

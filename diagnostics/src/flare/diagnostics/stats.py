@@ -118,3 +118,38 @@ def first_rise(series: np.ndarray, min_segment: int, min_jump: float,
                 or earlier.consistency < EARLIER_MIN_CONSISTENCY):
             return index
         index = earlier.index
+
+
+def period(steps: np.ndarray, min_count: int, tolerance: float = 0.15,
+           regular: float = 0.75) -> tuple[int | None, np.ndarray]:
+    """The period of events at `steps` (sorted) and which events keep it, or (None, all
+    False) when they are not periodic.
+
+    Periodic: `regular` of the gaps between events within `tolerance` of their median
+    (at least ±1 step), or, failing that, a lattice — a first event plus whole periods,
+    ±tolerance — that holds `regular` of the events and has an event on `regular` of its
+    points from its first to its last. The lattice is what a loaded host leaves of a
+    stall every 8 steps: one hiccup of another step read as a stall breaks two gaps of
+    seven (periodic read as intermittent, seen), but not the lattice."""
+    steps = np.asarray(steps, dtype=np.float64)
+    none = (None, np.zeros(steps.shape, dtype=bool))
+    if steps.size < max(2, min_count):
+        return none
+    gaps = np.diff(steps)
+    median = float(np.median(gaps))
+    if median >= 2 and (np.abs(gaps - median) <= max(1.0, tolerance * median)).mean() >= regular:
+        return round(median), np.ones(steps.shape, dtype=bool)
+    values, counts = np.unique(np.round(gaps), return_counts=True)
+    candidates = {round(median), int(values[np.argmax(counts)])}
+    best: tuple[int, int | None, np.ndarray] = (0, None, none[1])
+    for candidate in sorted(c for c in candidates if c >= 2):
+        slack = max(1.0, tolerance * candidate)
+        for anchor in steps:
+            whole = np.round((steps - anchor) / candidate)
+            on = np.abs(steps - anchor - whole * candidate) <= slack
+            points = np.unique(whole[on])
+            filled = points.size / (points[-1] - points[0] + 1)
+            if (points.size >= min_count and filled >= regular and on.mean() >= regular
+                    and points.size > best[0]):
+                best = (points.size, candidate, on)
+    return (best[1], best[2]) if best[1] is not None else none

@@ -38,7 +38,7 @@ from flare.diagnostics.causes import (
     work_grew,
 )
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import first_rise, nanmedian, runs
+from flare.diagnostics.stats import first_rise, nanmedian, period, runs
 
 # Members of a group must be slow over the same steps: their runs overlap this much.
 GROUP_MIN_OVERLAP = 0.6
@@ -60,7 +60,8 @@ STALL_ABOVE_RUN = 2.0
 STALL_MIN_MS = 30.0
 # The job's noise is at least this share of its median step.
 NOISE_FLOOR_SHARE = 0.02
-# Periodic: this share of the gaps between stalls within PERIOD_TOLERANCE of the median gap.
+# Periodic (stats.period): this share of the gaps between stalls within PERIOD_TOLERANCE
+# of the median gap, or of the stalls and of the period's steps on one lattice.
 PERIODIC_MIN_REGULAR = 0.75
 PERIOD_TOLERANCE = 0.15
 
@@ -435,8 +436,12 @@ def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
         cols = np.flatnonzero(stalls)
         if cols.size < MIN_STALLS:
             continue
-        pattern = _pattern(frame.steps[cols])
+        pattern, on = _pattern(frame.steps[cols])
         if pattern["pattern"] == "periodic":
+            # a step off the period is another loss of the rank's (a loaded host's
+            # hiccup), not one of these stalls
+            stalls[cols[~on]] = False
+            cols = cols[on]
             cols = _settling_stalls(frame, config, book, row, cols, pattern["period_steps"])
             stalls[cols] = True
         impact = book.impact([row], cols)
@@ -487,12 +492,10 @@ def _settling_stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: led
     return np.concatenate([np.asarray(earlier[::-1], dtype=cols.dtype), cols]) if earlier else cols
 
 
-def _pattern(steps: np.ndarray) -> dict:
-    """Periodic (with its period in steps) when most gaps between stalls are alike."""
-    gaps = np.diff(np.asarray(steps, dtype=np.float64))
-    if gaps.size >= MIN_PERIODIC_STALLS - 1:
-        period = float(np.median(gaps))
-        close = np.abs(gaps - period) <= max(1.0, PERIOD_TOLERANCE * period)
-        if period >= 2 and close.mean() >= PERIODIC_MIN_REGULAR:
-            return {"pattern": "periodic", "period_steps": round(period)}
-    return {"pattern": "intermittent"}
+def _pattern(steps: np.ndarray) -> tuple[dict, np.ndarray]:
+    """Periodic (with its period in steps) when the stalls keep one (stats.period), and
+    which of them keep it; intermittent otherwise."""
+    every, on = period(steps, MIN_PERIODIC_STALLS, PERIOD_TOLERANCE, PERIODIC_MIN_REGULAR)
+    if every is None:
+        return {"pattern": "intermittent"}, np.ones(np.shape(steps), dtype=bool)
+    return {"pattern": "periodic", "period_steps": every}, on
