@@ -14,6 +14,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def store():
     # A directory of our own: pytest prunes old basetemps, and on a shared machine
     # another session's pytest can prune this one's while the scenarios still run.
+    # FLARE_E2E_KEEP=DIR keeps the store there, to read a failed scenario's spans again.
+    kept = os.environ.get("FLARE_E2E_KEEP")
+    if kept:
+        Path(kept).mkdir(parents=True, exist_ok=True)
+        yield Path(tempfile.mkdtemp(prefix="flare-e2e-", dir=kept)) / "store.duckdb"
+        return
     with tempfile.TemporaryDirectory(prefix="flare-e2e-") as directory:
         yield Path(directory) / "store.duckdb"
 
