@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--optimizer", choices=("sgd", "manual"), default="sgd",
+                        help="manual: a hand-written SGD update, no torch.optim optimizer (a "
+                             "framework's own optimizer, whose steps Flare cannot see)")
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--fault-rank", type=rank_list, default=(1,), metavar="RANKS",
                         help="the faulty rank, or a comma-separated list of ranks (1,3)")
@@ -94,6 +97,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--step-times", metavar="PATH",
                         help="rank 0 writes each step's wall time (s) here as JSON")
     return parser.parse_args(argv)
+
+
+class ManualSgd:
+    """Plain SGD written by hand, as a framework's own optimizer is: not a torch.optim
+    one, so no step of the loop ends where Flare looks."""
+
+    def __init__(self, parameters, lr: float):
+        self.parameters, self.lr = list(parameters), lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for parameter in self.parameters:
+            if parameter.grad is not None:
+                parameter -= self.lr * parameter.grad
 
 
 def second_fault(text: str) -> tuple[str, tuple[int, ...]]:
@@ -310,7 +331,8 @@ def main(argv=None) -> None:
         model = torch.compile(DistributedDataParallel(build_model(args.hidden)))
     else:
         model = DistributedDataParallel(build_model(args.hidden), bucket_cap_mb=0.5)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+                 if args.optimizer == "sgd" else ManualSgd(model.parameters(), lr=0.01))
     loss_fn = nn.CrossEntropyLoss()
     dataset = SyntheticDataset(args.steps * args.batch_size, args.seed, rank)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False,

@@ -551,3 +551,19 @@ def test_a_slow_ranks_slower_evaluation_is_its_compute_labels_evidence():
     [compute] = [a for a in found if a.cause == "compute"]
     assert compute.evidence["stalls"]["cause"] == "evaluation"
     assert "its evaluation every 10 steps is slower too" in compute.summary
+
+
+def test_a_short_episode_in_a_long_run_is_no_label_and_its_live_alert_says_why():
+    """Rank 1 slower for 14 steps early on (a loaded host starving its loader): a label
+    while the run is short (what the live monitor saw), a blip of a long one (under
+    straggler_min_run_share: 0.2 % of a 1,000-step run, seen), and the live alert of it
+    is withdrawn with its figures."""
+    from flare.diagnostics.pipeline import withdrawn
+
+    episode = (Fault("compute", 1, 25, 15.0, to_step=38),)
+    [live] = [a for a in diagnose(_job(job_spans("j", 4, 50, episode))).anomalies]
+    assert (live.kind, live.ranks) == ("straggler", [1]) and live.impact >= 0.01
+    final = diagnose(_job(job_spans("j", 4, 600, episode)))
+    assert final.anomalies == []
+    [why] = withdrawn([live], final.anomalies, blips=final.blips)
+    assert why["reason"].startswith("a short episode: steps 25-3") and "under the 1% a label needs" in why["reason"], why

@@ -74,10 +74,13 @@ def test_a_live_straggler_is_given_its_line(store, host, fault):
     assert re.search(LINES[fault], top["frame"]), straggler["evidence"]["hotspots"]
     assert top["delta_ms"] > 20 and top["peer_ms"] < 0.3 * top["culprit_ms"], top
     assert straggler["callsite"].startswith(top["frame"] + ": +")
-    # asked of the culprit and one peer only: no other rank captured
+    # asked of the culprit and one peer only, and of a rank a live alert named that the
+    # final report withdrew with its reason (loaded: rank 1's loader worker starved for
+    # 14 steps, a short episode): no other rank captured
     captured = {rank for (rank,) in run.query(
         "SELECT DISTINCT rank FROM spans WHERE job = ? AND name = 'flare.capture'", [run.job])}
-    assert 2 in captured and len(captured) == 2, (captured, "".join(
+    withdrawn = {r for alert in report.get("withdrawn_alerts", []) for r in alert["ranks"]}
+    assert 2 in captured and len(captured - withdrawn) == 2, (captured, withdrawn, "".join(
         line for line in run.stderr if line.startswith(("flare:", "1", "0", "2"))))
     # the line came live, within 30 s of the fault's onset
     located = _located(run.alerts, top["frame"].rsplit(" in ", 1)[-1])

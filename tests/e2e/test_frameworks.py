@@ -126,6 +126,80 @@ def test_a_slow_rank_and_a_slow_checkpoint_in_the_hf_trainer_are_each_named(stor
     assert spent["evaluation"]["who"] == "all ranks (every 10 steps)", report["time_lost"]
 
 
+# A healthy framework job as its users run one: 4 micro-batches per optimizer step, an
+# evaluation every 20 steps, a checkpoint every 50 (every rank takes part in both).
+HEALTHY = ("--steps", 55, "--accumulation", 4, "--eval-every", 20, "--save-every", 50)
+
+
+@pytest.mark.parametrize("framework", ["hf", "lightning"])
+def test_a_healthy_framework_job_gives_no_label(store, host, framework):
+    """The HF Trainer and Lightning's DDP strategy under torchrun, nothing slowed: the
+    evaluations, the checkpoint and the accumulation are the framework's own work, every
+    rank's alike — time spent, never a label, quiet or loaded. The evaluations are a row
+    of where the time went. (Two ranks, each the other's only peer: the suite's time goes
+    to the faulty scenarios' four.)"""
+    script = TRAIN_HF if framework == "hf" else TRAIN_LIGHTNING
+    extra = () if framework == "hf" else ("--strategy", "ddp")
+    run = harness.FlareRun(store, harness.job_name(f"{framework}_healthy", host),
+                           harness.torchrun(script, *HEALTHY, *extra, nproc=2))
+    report = run.finish()
+    print(f"\nE2E {framework}, healthy ({host}):\n{harness.describe(report)}\n{report.get('time_lost')}")
+    harness.agree(f"{framework} healthy (accumulation 4, evaluation every 20, checkpoint at 50)",
+                  host, report)
+    _every_rank_every_step(run, HEALTHY[1], ranks=2)
+    assert report["anomalies"] == [], harness.describe(report)
+    spent = {row["cause"]: row for row in report["time_lost"] if row["kind"] == "phase"}
+    assert "evaluation" in spent and spent["evaluation"]["who"].startswith("all ranks"), report["time_lost"]
+
+
+def test_a_loop_whose_optimizer_flare_does_not_know_says_what_is_unaccounted(store):
+    """A framework Flare does not know: its own optimizer (examples/train_ddp.py
+    --optimizer manual), so no step ends where Flare looks. Training goes on untouched,
+    each rank says once what it could not find, no hang is reported, and the report says
+    the whole step is unaccounted for."""
+    run = harness.FlareRun(store, "unknown_optimizer", harness.torchrun(
+        harness.TRAIN_DDP, "--steps", 600, "--hidden", 256, "--optimizer", "manual",
+        "--fault", "compute", "--fault-rank", "0,1", "--fault-from", 0, "--fault-ms", 15, nproc=2),
+        env={"FLARE_HANG_TIMEOUT_S": "3", "FLARE_HEARTBEAT_S": "1"})
+    report = run.finish()
+    said = [line for line in run.stderr if "no step has ended" in line]
+    assert len(said) == 2, "".join(run.stderr[-30:])  # once per rank
+    assert report["steps"] is None and report["anomalies"] == [], report
+    unseen = report["steps_unseen"]
+    assert unseen["ranks"] == [0, 1] and unseen["trained_s"] >= 3 and unseen["batches"] > 0, unseen
+    assert "the whole step" in unseen["note"]
+
+
+# A launcher of its own, as a scheduler's or a framework's wrapper is: it starts two
+# ranks of examples/train_ddp.py with RANK in their environment and waits for them.
+OWN_LAUNCHER = """
+import os, subprocess, sys
+port, script = sys.argv[1], sys.argv[2]
+env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+ranks = [subprocess.Popen([sys.executable, script, "--steps", "40", "--hidden", "256"],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+sys.exit(max(rank.wait() for rank in ranks))
+"""
+
+
+def test_a_launcher_flare_does_not_know_is_no_rank_of_the_job(store):
+    """`flare run -- python -c <a launcher of one's own>`: the process flare run started
+    has no RANK and no launcher's name, so it starts as a job of one process — rank 0.
+    Once its children are seen to be ranks it says so once and sends nothing more: the
+    job's rank 0 is the training rank 0 alone, and the report is the ranks'."""
+    run = harness.FlareRun(store, "own_launcher", [
+        sys.executable, "-c", OWN_LAUNCHER, str(harness.free_port()), str(harness.TRAIN_DDP)],
+        env={"FLARE_HEARTBEAT_S": "1"})
+    report = run.finish()
+    said = [line for line in run.stderr if "launcher Flare does not know" in line]
+    assert len(said) == 1, "".join(run.stderr[-30:])
+    assert report["steps"] == {"first": 0, "last": 39} and report["anomalies"] == [], report
+    # one process is rank 0: the training one (its heartbeats and steps), not the launcher
+    pids = run.query("SELECT rank, count(DISTINCT pid) FROM spans WHERE job = ? AND rank IS NOT NULL "
+                     "GROUP BY rank ORDER BY rank", [run.job])
+    assert pids == [(0, 1), (1, 1)], pids
+
+
 def test_lightning_fsdp2_launching_its_own_ranks_names_the_slow_one(store, host):
     """`python train.py` with devices=3 and Lightning's FSDP2 strategy
     (ModelParallelStrategy, the layers sharded by `fully_shard`): Lightning's rank 0

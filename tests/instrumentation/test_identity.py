@@ -181,6 +181,23 @@ def test_a_rank_started_by_a_rank_of_another_local_rank_is_no_helper(monkeypatch
     assert not torch_training._is_helper_of_a_rank()
 
 
+def test_a_process_given_a_rank_of_its_own_is_no_helper(monkeypatch):
+    """The marker carries its rank's RANK: a spawned worker inherits it unchanged (a
+    helper); a process its parent gave a RANK of its own is a rank (a launcher Flare does
+    not know, under flare run, took itself for a job of one process: RANK unset)."""
+    from flare.instrumentation import torch_training
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "4")
+    monkeypatch.setenv(semconv.ENV_RANK_PID, f"{os.getpid() + 1}:0:4")  # its rank's worker
+    assert torch_training._is_helper_of_a_rank()
+    monkeypatch.setenv(semconv.ENV_RANK_PID, f"{os.getpid() + 1}:0:")  # a launcher's rank
+    assert not torch_training._is_helper_of_a_rank()
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv(semconv.ENV_RANK_PID, f"{os.getpid() + 1}:0:")  # a job of one's worker
+    assert torch_training._is_helper_of_a_rank()
+
+
 def test_the_one_process_a_launcher_under_flare_run_started_is_the_job(monkeypatch):
     # `flare run -- accelerate launch train.py` on one CPU: the script is accelerate's
     # child, without RANK

@@ -1056,6 +1056,11 @@ def test_a_loop_whose_optimizer_flare_cannot_see_is_said_once_and_is_no_hang(ran
             assert finished(exporter, semconv.SPAN_HANG) == []
             said = [r.getMessage() for r in caplog.records if "no step has ended" in r.getMessage()]
             assert len(said) == 1 and "torch.optim" in said[0], said
+            # and every heartbeat tells the diagnosis, which has no step to read
+            watchdog.emit_heartbeat(started + int(70e9))
+            [beat] = finished(exporter, semconv.SPAN_HEARTBEAT)
+            assert beat.attributes[semconv.HEARTBEAT_NO_STEP_S] == 70.0
+            assert beat.attributes[semconv.HEARTBEAT_NO_STEP_BATCHES] == 0  # no loader here
             # then it stops moving: past the limit, a hang
             for tick in range(15, 24):
                 watchdog.check_hangs(started + int(tick * 5e9))

@@ -168,6 +168,11 @@ class DiagnosisConfig:
     # Added: a straggler must be the culprit of this many steps (5 labelled 1-s CPU-starvation
     # bursts on a shared host as stragglers).
     straggler_min_steps: int = 10
+    # Added: a lasting straggler over under half the run must cost this share of it: a
+    # short episode early in a long job (a loaded host starving one rank's DataLoader worker for 14
+    # steps of 1,000: 0.2 % of the run) is a blip, alerted live while the run was short,
+    # withdrawn with its figures in the final report.
+    straggler_min_run_share: float = 0.01
     # Relative shift for a change point to count as fail-slow (Greyhound: >= 10%).
     fail_slow_min_shift: float = 0.10
     # Added: a change point must also stand this many noise units (MAD) above the noise.

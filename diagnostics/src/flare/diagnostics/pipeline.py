@@ -119,6 +119,12 @@ class Diagnosis:
     # Ranks whose host gives no scheduler statistics (no run-queue wait: not Linux, or a
     # container that hides /proc/thread-self/schedstat): said once (see _contention_unknown).
     contention_unknown: dict | None = None
+    # Lasting straggler labels that cost under straggler_min_run_share of the whole run
+    # (short episodes): not reported, kept to say why a live alert of one was withdrawn.
+    blips: list[Anomaly] = dataclasses.field(default_factory=list)
+    # Ranks that trained and ended no step Flare could see (their optimizer is not one it
+    # times): the whole step is unaccounted for; said once (see _steps_unseen).
+    steps_unseen: dict | None = None
 
     def to_json(self) -> dict:
         out = {
@@ -139,6 +145,8 @@ class Diagnosis:
             out["wait_unknown"] = dict(self.wait_unknown)
         if self.contention_unknown:
             out["contention_unknown"] = dict(self.contention_unknown)
+        if self.steps_unseen:
+            out["steps_unseen"] = dict(self.steps_unseen)
         if self.detector_errors:  # a partial report says so in itself, not only on stderr
             out["detector_errors"] = dict(self.detector_errors)
         return out
@@ -170,6 +178,7 @@ def diagnose(
             errors[name] = f"{type(exc).__name__}: {exc}"
             (warn or _stderr)(f"flare: detector {name} failed: {type(exc).__name__}: {exc}")
     anomalies, host = _host_contention(order(merge(found)))
+    anomalies, blips = _short_episodes(anomalies, config, cached.steps_range())
     unknown = _wait_unknown(cached, config, anomalies)
     from flare.diagnostics import hotspots
 
@@ -182,7 +191,59 @@ def diagnose(
     return Diagnosis(job.job, job.backend, cached.steps_range(), anomalies, links, errors, cached,
                      _time_lost(cached, config, anomalies + host),
                      host_contention=[_host_row(a) for a in host], wait_unknown=unknown,
-                     contention_unknown=_contention_unknown(cached, config))
+                     contention_unknown=_contention_unknown(cached, config),
+                     blips=blips, steps_unseen=_steps_unseen(cached))
+
+
+def _short_episodes(anomalies: list[Anomaly], config: DiagnosisConfig,
+                    steps: tuple[int, int] | None) -> tuple[list[Anomaly], list[Anomaly]]:
+    """A lasting straggler over a short part of the run (under half its steps; not a
+    periodic or intermittent stall: their thresholds are shares of the run already)
+    that cost under `straggler_min_run_share` of the run: an episode in a long job,
+    not a finding. A straggler over the whole run stays however small its share (a
+    worker 400 ms slower in a 64-rank pipeline, its cost mostly hidden: 0.8 %). Kept
+    apart, to say why a live alert of one was withdrawn."""
+    if steps is None:
+        return anomalies, []
+    length = steps[1] - steps[0] + 1
+
+    def short(a: Anomaly) -> bool:
+        return (a.kind == "straggler" and "pattern" not in a.evidence
+                and a.first_step is not None and a.last_step is not None
+                and (a.last_step - a.first_step + 1) < 0.5 * length
+                and a.impact < config.straggler_min_run_share)
+
+    return [a for a in anomalies if not short(a)], [a for a in anomalies if short(a)]
+
+
+STEPS_UNSEEN_TEXT = ("no step ended: steps end at a torch.optim optimizer's step() or a "
+                     "flare.instrumentation.step() block, and this loop's optimizer is neither "
+                     "(a framework Flare does not know). Unaccounted for: the whole step — its "
+                     "compute, data loading, collective waits, phases — so no straggler, "
+                     "fail-slow or regression can be told; hangs, errors and silent ranks still are")
+
+
+def _steps_unseen(job: JobData) -> dict | None:
+    """Ranks whose heartbeats say they trained (batches, backward passes) with no step
+    ended (`flare.heartbeat.no_step_s`, sent once the watchdog has seen it for the hang
+    limit): asked only of a job without one step, the report's one question then."""
+    if job.steps_range() is not None:
+        return None
+    table = job.spans([sc.SPAN_HEARTBEAT], [sc.HEARTBEAT_NO_STEP_S, sc.HEARTBEAT_NO_STEP_BATCHES],
+                      columns=["rank"])
+    seconds: dict[int, float] = {}
+    batches: dict[int, int] = {}
+    for row in table.to_pylist():
+        trained = row.get(sc.HEARTBEAT_NO_STEP_S)
+        if row.get("rank") is None or trained is None:
+            continue
+        rank = int(row["rank"])
+        seconds[rank] = max(seconds.get(rank, 0.0), float(trained))
+        batches[rank] = max(batches.get(rank, 0), int(row.get(sc.HEARTBEAT_NO_STEP_BATCHES) or 0))
+    if not seconds:
+        return None
+    return {"ranks": sorted(seconds), "trained_s": round(max(seconds.values()), 1),
+            "batches": max(batches.values()), "note": STEPS_UNSEEN_TEXT}
 
 
 CONTENTION_UNKNOWN_TEXT = ("report no run-queue wait (their host gives no scheduler statistics, "
@@ -362,7 +423,7 @@ def _measured(job: JobData | None, config: DiagnosisConfig, ranks: set[int], fir
 
 
 def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | None = None,
-              config: DiagnosisConfig | None = None) -> list[dict]:
+              config: DiagnosisConfig | None = None, blips: Sequence[Anomaly] = ()) -> list[dict]:
     """The live alerts the final report does not keep, each with one line of why.
 
     An alert is kept when the final report has a label of its kind on the same ranks
@@ -377,7 +438,12 @@ def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | N
         if _kept(alert, final):
             continue
         instead = next((a for a in final if ranks and ranks & set(a.ranks)), None)
-        if instead is not None:
+        blip = next((b for b in blips if b.kind == alert.kind and set(b.ranks) == ranks), None)
+        if blip is not None:
+            why = (f"a short episode: steps {blip.first_step}-{blip.last_step} cost "
+                   f"{blip.impact:.1%} of the run's time, under the "
+                   f"{(config or DiagnosisConfig()).straggler_min_run_share:.0%} a label needs")
+        elif instead is not None:
             why = (f"superseded by [{instead.kind}] ranks {','.join(map(str, instead.ranks))} "
                    f"cause {instead.cause} from step {instead.first_step}")
         else:

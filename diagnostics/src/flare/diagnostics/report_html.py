@@ -43,7 +43,7 @@ def render(diagnosis: Diagnosis, job: JobData, config: DiagnosisConfig) -> str:
              f"<p>Backend {_e(diagnosis.backend)}; "
              + (f"steps {diagnosis.steps[0]}–{diagnosis.steps[1]}" if diagnosis.steps else "no steps")
              + (f"; {len(frame.ranks)} ranks" if frame is not None else "") + "</p>",
-             "<h2>Anomalies</h2>", _anomalies(diagnosis), _wait_unknown(diagnosis),
+             "<h2>Anomalies</h2>", _steps_unseen(diagnosis), _anomalies(diagnosis), _wait_unknown(diagnosis),
              _contention_unknown(diagnosis), _time_lost(diagnosis),
              _withdrawn(diagnosis), _flame_graphs(diagnosis, job)]
     if frame is not None:
@@ -92,6 +92,12 @@ def _unknown(title: str, row: dict | None, said: str) -> str:
 def _wait_unknown(diagnosis: Diagnosis) -> str:
     row = diagnosis.wait_unknown
     return _unknown("Wait unknown", row, f"ran {row['collectives_per_step']:g} " if row else "")
+
+
+def _steps_unseen(diagnosis: Diagnosis) -> str:
+    row = diagnosis.steps_unseen
+    return _unknown("Steps unseen", row, f"trained for {row['trained_s']:g} s ({row['batches']} batches) "
+                    "and " if row else "")
 
 
 def _contention_unknown(diagnosis: Diagnosis) -> str:

@@ -31,7 +31,11 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     head = (f"Flare diagnosis of job {diagnosis.job} ({diagnosis.backend}), "
             + (f"steps {steps[0]}-{steps[1]}" if steps else "no steps recorded"))
     lines = [head]
-    if not steps:
+    unseen = diagnosis.steps_unseen
+    if unseen:
+        lines.append(f"Steps unseen: ranks {_ranks(unseen['ranks'])} trained for "
+                     f"{unseen['trained_s']:g} s ({unseen['batches']} batches) and {unseen['note']}.")
+    elif not steps:
         lines.append(f"(no train.step spans: is {diagnosis.job} a training job instrumented by "
                      "Flare, and has it finished a step yet?)")
     if diagnosis.detector_errors:  # said before any verdict: "no anomalies" would be false

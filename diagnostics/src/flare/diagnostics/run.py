@@ -380,7 +380,8 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
         job_data = backend.job_data(job)
         config = DiagnosisConfig(stopped_by_user=stopped_by_user)
         diagnosis = pipeline.diagnose(job_data, config)
-        diagnosis.withdrawn = pipeline.withdrawn(alerted, diagnosis.anomalies, diagnosis.job_data, config)
+        diagnosis.withdrawn = pipeline.withdrawn(alerted, diagnosis.anomalies, diagnosis.job_data, config,
+                                                 diagnosis.blips)
         diagnosis.live_alerts = pipeline.live_alerts(alerted, diagnosis.anomalies)
     except BackendError as exc:
         print(f"flare: cannot diagnose: {exc}", file=sys.stderr)

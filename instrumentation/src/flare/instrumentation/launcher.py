@@ -72,3 +72,23 @@ def keep_for_children(environ=os.environ) -> bool:
     environ["PYTHONPATH"] = folder + os.pathsep + current if current else folder
     _log.debug("flare: auto-instrumentation kept on PYTHONPATH for this process's children")
     return True
+
+
+def rank_child(pid: int | None = None) -> tuple[int, str] | None:
+    """A process `pid` (this one) started, or one of those started, that is a rank
+    (RANK in its environment): its pid and rank, None when there is none. A process
+    that starts ranks is a launcher, whatever its name."""
+    from flare.instrumentation.worker_capture import child_pids
+
+    pid = pid or os.getpid()
+    children = child_pids(pid)
+    for child in [*children, *(grandchild for c in children for grandchild in child_pids(c))]:
+        try:
+            with open(f"/proc/{child}/environ", "rb") as handle:
+                environ = handle.read().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK=") and item[5:].strip().isdigit():
+                return child, item[5:].decode()
+    return None

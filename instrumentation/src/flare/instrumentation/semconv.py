@@ -211,6 +211,10 @@ HANG_LOADER_STACKS = "flare.hang.loader_stacks"
 # ---------------------------------------------------------------- heartbeat
 HEARTBEAT_LAST_STEP = "flare.heartbeat.last_step"
 HEARTBEAT_INTERVAL_S = "flare.heartbeat.interval_s"
+# A rank that trains (batches, backward passes) and has ended no step: its optimizer is
+# not one Flare times. Seconds it has trained so far, and the batches it loaded.
+HEARTBEAT_NO_STEP_S = "flare.heartbeat.no_step_s"
+HEARTBEAT_NO_STEP_BATCHES = "flare.heartbeat.no_step_batches"
 
 # ---------------------------------------------------------------- errors
 ERROR_SIGNAL = "flare.error.signal"

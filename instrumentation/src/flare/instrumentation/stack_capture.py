@@ -40,8 +40,12 @@ MAX_STEPS = 1000
 TOP_FRAMES = 30
 MAX_DEPTH = 48  # user frames kept per sampled stack
 WORKER_SCAN_STEPS = 10
-# The workers' recordings were asked to stop one step earlier: how long the last captured
-# step's end waits for their samples (py-spy writes them in a few ms) before dropping them.
+# The workers' recordings are asked to stop this many steps before the capture's last
+# ends, and that end waits this long for their samples before dropping them. py-spy
+# writes them in a few ms on a quiet host; on a loaded one it waits for a CPU too (one
+# step ahead and 0.5 s: samples lost, and an input-bound rank's live line read as its
+# loader loop's "waiting in main", in 2 of 8 loaded runs).
+WORKER_STOP_AHEAD_STEPS = 3
 WORKER_STOP_S = 0.5
 _OWN_THREADS = ("flare-", "Otel", "pt_", "QueueFeederThread")  # Flare's, the SDK's, torch's
 # The training thread was blocked over a sampling interval when it ran, or waited in the
@@ -189,17 +193,16 @@ class StackCapture:
         })
 
     def _worker_step(self, span) -> None:
-        """Count a captured step the workers were recorded over; one step before the
-        capture's last, ask their recordings to stop (they write their samples while
-        the last step runs); at its last, read them into one child."""
+        """Count a captured step the workers were recorded over; WORKER_STOP_AHEAD_STEPS
+        before the capture's last, ask their recordings to stop (they write their samples
+        while the last steps run); at its last, read them into one child."""
         if not self._workers.active:
             return
         self._worker_steps += 1
         self._worker_step_ns += max(0, time.time_ns() - self.runtime.step_start_ns)
-        if self.steps_left == 1:
-            self._workers.signal_stop()
-            return
         if self.steps_left > 0:
+            if self.steps_left <= WORKER_STOP_AHEAD_STEPS and not self._workers.stopping:
+                self._workers.signal_stop()
             return
         pids = self._workers.pids
         stacks, per_worker = self._workers.stop(timeout_s=WORKER_STOP_S)

@@ -47,19 +47,25 @@ os.register_at_fork(after_in_child=_disable_in_forked_child)
 
 def _rank_marker() -> str:
     """What an instrumented rank leaves in its environment for the processes it starts:
-    its pid and its local rank."""
-    return f"{os.getpid()}:{os.environ.get('LOCAL_RANK', '').strip() or '0'}"
+    its pid, its local rank and its RANK as its environment gave it ("" for a job of one
+    process, which has none)."""
+    return (f"{os.getpid()}:{os.environ.get('LOCAL_RANK', '').strip() or '0'}:"
+            f"{os.environ.get('RANK', '').strip()}")
 
 
 def _is_helper_of_a_rank() -> bool:
     """A process started by an instrumented rank (a spawned DataLoader worker) inherits
     its environment, RANK included; the rank's marker tells it apart. A process of
     another local rank that a rank started is a rank itself (Lightning's rank 0
-    starting ranks 1..)."""
+    starting ranks 1..), and so is one given a RANK of its own (the ranks of a launcher
+    Flare does not know, which first took itself for a job of one process)."""
     marker = os.environ.get(semconv.ENV_RANK_PID, "")
     if not marker:
         return False
-    pid, _, local_rank = marker.partition(":")
+    pid, _, rest = marker.partition(":")
+    local_rank, has_rank, rank = rest.partition(":")
+    if has_rank and os.environ.get("RANK", "").strip() != rank:
+        return False
     mine = os.environ.get("LOCAL_RANK", "").strip() or "0"
     return pid != str(os.getpid()) and local_rank in ("", mine)
 
@@ -167,6 +173,7 @@ class TorchTrainingInstrumentor(BaseInstrumentor):
             self._install(part)
         runtime.add_step_listener(_FirstStepListener(runtime, python_calls))
         self._watchdog = Watchdog(runtime, self._flush, collectives)
+        self._watchdog.on_launcher = self._stop_opamp  # (the collector must not ask it for captures)
         self._opamp = None
         if os.environ.get(opamp_agent.ENV_ENDPOINT):  # the collector can ask for a capture
             from flare.instrumentation.stack_capture import StackCapture

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
 from opentelemetry.trace import Status, StatusCode
 
-from flare.instrumentation import loader_workers, native_stacks, semconv
+from flare.instrumentation import identity, launcher, loader_workers, native_stacks, semconv
 from flare.instrumentation.callsite import all_thread_stacks, format_site, frame_site
 from flare.instrumentation.config import HANG_STEP_MULTIPLE, HANG_TIMEOUT_FLOOR_S
 from flare.instrumentation.runtime import Operation, Runtime
@@ -33,6 +34,8 @@ _log = logging.getLogger(__name__)
 TICK_S = 5.0
 FLAG_POLL_S = 5.0
 FLUSH_TIMEOUT_MS = 5000
+# A job of one process looks among its children for ranks this long (`_started_ranks`).
+LAUNCHER_SCAN_S = 120.0
 
 
 class Watchdog:
@@ -51,6 +54,11 @@ class Watchdog:
         self._progress: tuple | None = None
         self._progress_ns = 0
         self._no_steps_said = False
+        # A job of one process (no RANK, started by `flare run`) may be a launcher Flare
+        # does not know: until when its children are looked at for ranks.
+        self._launcher_until = (time.monotonic() + LAUNCHER_SCAN_S
+                                if identity.single_process_job() else None)
+        self.on_launcher = None  # called once it has found itself a launcher (its agent stops)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="flare-watchdog", daemon=True)
@@ -88,6 +96,8 @@ class Watchdog:
                 _log.warning("flare: watchdog tick failed: %r", error)
 
     def tick(self, monotonic_s: float, now_ns: int) -> None:
+        if self._launcher_until is not None and self._started_ranks(monotonic_s):
+            return
         config = self.runtime.config
         if config.detail_flag_file and monotonic_s - self._last_flag_poll >= FLAG_POLL_S:
             self._last_flag_poll = monotonic_s
@@ -96,6 +106,27 @@ class Watchdog:
             self._last_heartbeat = monotonic_s
             self.emit_heartbeat(now_ns)
         self.check_hangs(now_ns)
+
+    def _started_ranks(self, monotonic_s: float) -> bool:
+        """A job of one process whose children are ranks (RANK in their environment) is
+        a launcher Flare does not know, not rank 0 of a world of 1: said once, and from
+        then on it sends nothing (its ranks are instrumented). Looked at until its first
+        step ends or LAUNCHER_SCAN_S have passed."""
+        if monotonic_s > self._launcher_until or self.runtime.recent_step_s:
+            self._launcher_until = None
+            return False
+        found = launcher.rank_child()
+        if found is None:
+            return False
+        self._launcher_until = None
+        self.runtime.enabled = False
+        if self.on_launcher is not None:
+            self.on_launcher()
+        _log.warning("flare: this process (pid %d, %s) started rank %s (pid %d): it is a launcher "
+                     "Flare does not know, not a job of one process; it sends nothing more, its "
+                     "ranks are instrumented", os.getpid(), " ".join(sys.argv[:2]) or "python",
+                     found[1], found[0])
+        return True
 
     # ------------------------------------------------------------------ heartbeat
     def emit_heartbeat(self, now_ns: int) -> None:
@@ -108,6 +139,10 @@ class Watchdog:
         if runtime.step_open:
             attributes[semconv.HEARTBEAT_STEP_OPEN_S] = round(
                 (now_ns - runtime.step_start_ns) / 1e9, 3)
+            if self._no_steps_said and not runtime.recent_step_s:
+                # said once in the rank's log; every heartbeat tells the diagnosis
+                attributes[semconv.HEARTBEAT_NO_STEP_S] = attributes[semconv.HEARTBEAT_STEP_OPEN_S]
+                attributes[semconv.HEARTBEAT_NO_STEP_BATCHES] = runtime.totals.dataloader_count
         attributes.update(runtime.span_attributes)
         span = runtime.tracer.start_span(semconv.SPAN_HEARTBEAT, start_time=now_ns,
                                          attributes=attributes)

@@ -52,6 +52,11 @@ class WorkerRecorder:
         return bool(self._recording)
 
     @property
+    def stopping(self) -> bool:
+        """Asked to stop (`signal_stop`), not yet stopped."""
+        return self._stopping
+
+    @property
     def pids(self) -> list[int]:
         return sorted(self._recording)
 
@@ -166,7 +171,7 @@ def forked_children(pid: int | None = None) -> list[int]:
     except OSError:
         return []
     out = []
-    for child in _children(pid):
+    for child in child_pids(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as theirs:
                 if theirs.read() == command:
@@ -176,7 +181,7 @@ def forked_children(pid: int | None = None) -> list[int]:
     return out
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     """`pid`'s children: from /proc/PID/task/*/children where the kernel keeps it,
     else by the parent field of every process's /proc/N/stat."""
     found: list[int] = []
