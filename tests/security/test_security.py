@@ -6,6 +6,7 @@ is rejected, counted, and nothing of it reaches the store.
 
 from __future__ import annotations
 
+import os
 import ssl
 import time
 import urllib.error
@@ -265,3 +266,47 @@ def test_tls_endpoints_check_the_token_before_path_and_body(secured_collector, c
                                    b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
                                    b"Content-Length: -1\r\n\r\n")
         assert status == 400 and b"Connection: close" in reply
+
+
+def test_a_rank_polls_the_control_channel_over_mutual_tls(secured_collector, certs, monkeypatch):
+    """A rank's OpAMP agent to a collector that wants TLS, a client certificate and the
+    ingest token: it takes them from the OTLP exporter's variables (one reading of them,
+    http_client.otlp_tls_from_env, one client context, http_client.tls_context) and is
+    seen alive; without the client certificate the collector never sees it."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from flare.instrumentation import identity
+    from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+
+    collector, _ = secured_collector
+    for key in [k for k in os.environ if k.startswith(("FLARE_", "OTEL_EXPORTER_OTLP"))]:
+        monkeypatch.delenv(key)
+    job = "mtls-job"
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "FLARE_JOB_ID": job,
+                       "FLARE_HEARTBEAT_S": "0", "FLARE_OPAMP_INTERVAL_S": "0.2",
+                       "FLARE_OPAMP_ENDPOINT": f"https://{collector.http_endpoint}/v1/opamp",
+                       "OTEL_EXPORTER_OTLP_HEADERS": f"Authorization=Bearer {TOKEN}",
+                       "OTEL_EXPORTER_OTLP_CERTIFICATE": certs["ca"] + ".pem"}.items():
+        monkeypatch.setenv(key, value)
+
+    def seen(client_certificate: bool) -> bool:
+        if client_certificate:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", certs["client"] + ".pem")
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_CLIENT_KEY", certs["client"] + ".key")
+        identity.current_identity.cache_clear()
+        instrumentor = TorchTrainingInstrumentor()
+        instrumentor.instrument(tracer_provider=TracerProvider(), skip_dep_check=True)
+        try:
+            # (5 polls a second: refused ones are over within 3 s)
+            deadline = time.monotonic() + (10 if client_certificate else 3)
+            while time.monotonic() < deadline:
+                if any(a.get("state") == "alive" for a in collector.opamp.agents(job)):
+                    return True
+                time.sleep(0.1)
+            return False
+        finally:
+            instrumentor.uninstrument()
+            identity.current_identity.cache_clear()
+
+    assert not seen(client_certificate=False)
+    assert seen(client_certificate=True)

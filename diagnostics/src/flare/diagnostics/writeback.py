@@ -175,11 +175,9 @@ def send_otlp(
 
 
 def _send_http(url: str, request: trace_service_pb2.ExportTraceServiceRequest, timeout_s: float) -> None:
-    import ssl
-
     from flare.instrumentation import http_client
 
-    context = ssl.create_default_context() if url.startswith("https:") else None
+    context = http_client.tls_context() if url.startswith("https:") else None
     client = http_client.HttpClient(url, timeout_s, context)
     try:
         reply = client.request("POST", client.prefix, body=request.SerializeToString(),

@@ -32,6 +32,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from flare.instrumentation import http_client
 from flare.instrumentation.http_client import HttpClient, TransportError
 from flare.processors import options
 
@@ -89,10 +90,7 @@ class TlsFiles:
         return bool(self.ca_file or self.cert_file)
 
     def ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self.ca_file)
-        if self.cert_file:
-            context.load_cert_chain(self.cert_file, self.key_file)
-        return context
+        return http_client.tls_context(self.ca_file or True, self.cert_file, self.key_file)
 
 
 def _read_tls_file(what: str, path: str | None) -> bytes | None:

@@ -16,6 +16,7 @@ the reply at once (closing a socket alone would not).
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -26,6 +27,35 @@ from typing import NamedTuple
 
 import urllib3
 from urllib3 import exceptions as _errors
+
+
+def tls_context(verify: bool | str = True, cert_file: str | None = None,
+                key_file: str | None = None) -> ssl.SSLContext:
+    """The client TLS context every Flare client uses: the system's trust store, or
+    `verify` as a CA file; no verification where `verify` is False (a user's explicit
+    insecure choice); a client certificate (and its key) where given. Raises OSError or
+    ssl.SSLError for a file that cannot be read."""
+    context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+    if verify is False:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def otlp_tls_from_env(certificate_file: str | None = None, client_key_file: str | None = None,
+                      client_certificate_file: str | None = None) -> tuple[bool | str, str | None, str | None]:
+    """(verify, client certificate, client key) as the OTLP exporter's settings give
+    them: the arguments, then the traces and the generic environment variables
+    (OTEL_EXPORTER_OTLP_[TRACES_]CERTIFICATE, …_CLIENT_CERTIFICATE, …_CLIENT_KEY); the
+    span exporter and the OpAMP agent read them here, once each."""
+    def first(given: str | None, name: str) -> str | None:
+        return (given or os.environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}")
+                or os.environ.get(f"OTEL_EXPORTER_OTLP_{name}") or None)
+
+    return (first(certificate_file, "CERTIFICATE") or True,
+            first(client_certificate_file, "CLIENT_CERTIFICATE"), first(client_key_file, "CLIENT_KEY"))
 
 
 class TransportError(Exception):

@@ -36,7 +36,7 @@ import secrets
 import threading
 import time
 
-from flare.instrumentation import semconv
+from flare.instrumentation import http_client, semconv
 
 _log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class CaptureAgent:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flare-opamp", daemon=True)
+        verify, client_certificate, client_key = http_client.otlp_tls_from_env()
         self.client = OpAMPClient(
             endpoint=endpoint,
             headers=headers,
@@ -118,10 +119,7 @@ class CaptureAgent:
                 semconv.HOST_NAME: identity.host_name, semconv.PROCESS_PID: identity.pid,
                 semconv.LOCAL_RANK: identity.local_rank, semconv.WORLD_SIZE: identity.world_size,
                 INTERVAL_ATTRIBUTE: interval_s},  # (the collector marks it gone after 3 missed polls)
-            tls_certificate=_env("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE") or True,
-            tls_client_certificate=_env("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
-                                        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"),
-            tls_client_key=_env("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY", "OTEL_EXPORTER_OTLP_CLIENT_KEY"),
+            tls_certificate=verify, tls_client_certificate=client_certificate, tls_client_key=client_key,
             transport=self.transport,
         )
         self._report_effective()
@@ -263,13 +261,11 @@ class CaptureAgent:
 
 def _transport():
     """The OpAMP client's transport on Flare's HTTP client (one kept-alive connection)."""
-    import ssl
 
     from opentelemetry._opamp import messages
     from opentelemetry._opamp.transport.base import HttpTransport
     from opentelemetry._opamp.transport.exceptions import OpAMPException
 
-    from flare.instrumentation import http_client
 
     class FlareTransport(HttpTransport):
         def __init__(self) -> None:
@@ -280,12 +276,9 @@ def _transport():
             if self._client is None:
                 context = None
                 if url.startswith("https:"):
-                    context = ssl.create_default_context(
-                        cafile=tls_certificate if isinstance(tls_certificate, str) else None)
-                    if tls_certificate is False:
-                        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-                    if tls_client_certificate:
-                        context.load_cert_chain(tls_client_certificate, tls_client_key)
+                    context = http_client.tls_context(
+                        tls_certificate if isinstance(tls_certificate, (str, bool)) else True,
+                        tls_client_certificate, tls_client_key)
                 self._client = http_client.HttpClient(url, timeout_millis / 1e3, context)
             client = self._client
             try:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import ssl
 import threading
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
 )
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from flare.instrumentation import otlp_encoding, sdk_gate
+from flare.instrumentation import http_client, otlp_encoding, sdk_gate
 from flare.instrumentation.http_client import HttpClient, Reply, TransportError
 
 _log = logging.getLogger(__name__)
@@ -59,15 +58,10 @@ def _accepts_transport() -> bool:
 
 
 def _ssl_context(verify: bool | str, cert: str | tuple | None) -> ssl.SSLContext:
-    if verify is False:
-        context = ssl._create_unverified_context()
-    else:
-        context = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
-    if isinstance(cert, tuple):
-        context.load_cert_chain(cert[0], cert[1])
-    elif isinstance(cert, str):
-        context.load_cert_chain(cert)
-    return context
+    """requests' verify/cert pair (what the SDK's session-based settings are) as the
+    one client context."""
+    cert_file, key_file = cert if isinstance(cert, tuple) else (cert, None)
+    return http_client.tls_context(verify, cert_file, key_file)
 
 
 if BaseHTTPTransport is not None:
@@ -132,14 +126,9 @@ if BaseHTTPTransport is not None:
 
 def _tls_settings(certificate_file, client_key_file, client_certificate_file):
     """verify/cert as the SDK's requests transport derives them (arguments, then the
-    traces and generic environment variables)."""
-    verify = (certificate_file or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE")
-              or os.environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE") or True)
-    key = (client_key_file or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY")
-           or os.environ.get("OTEL_EXPORTER_OTLP_CLIENT_KEY"))
-    certificate = (client_certificate_file
-                   or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE")
-                   or os.environ.get("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"))
+    traces and generic environment variables: http_client.otlp_tls_from_env)."""
+    verify, certificate, key = http_client.otlp_tls_from_env(
+        certificate_file, client_key_file, client_certificate_file)
     cert = (certificate, key) if certificate and key else certificate
     return verify, cert
 

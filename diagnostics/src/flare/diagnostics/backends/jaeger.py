@@ -80,9 +80,7 @@ class HttpClient:
         context: ssl.SSLContext | None = None
         if parsed.scheme == "https":
             try:
-                context = ssl.create_default_context(cafile=ca_file)
-                if cert_file:
-                    context.load_cert_chain(cert_file, key_file)
+                context = http_client.tls_context(ca_file or True, cert_file, key_file)
             except (OSError, ssl.SSLError) as exc:
                 raise BackendError(f"cannot load TLS files for {product}: {exc}") from exc
         elif ca_file or cert_file:
