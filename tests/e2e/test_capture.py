@@ -72,7 +72,9 @@ def test_a_live_straggler_is_given_its_line(store, host, fault):
     harness.agree(f"capture rank 2 {fault}", host, report, top["frame"].split(":")[0] + " in "
                   + top["frame"].rsplit(" in ", 1)[-1])
     assert re.search(LINES[fault], top["frame"]), straggler["evidence"]["hotspots"]
-    assert top["delta_ms"] > 20 and top["peer_ms"] < 0.3 * top["culprit_ms"], top
+    # a real share of the step, the culprit's own (the GIL-holding thread's 60 ms a step
+    # read 18 ms per step on a loaded host, where the hog thread waits for a CPU too)
+    assert top["delta_ms"] > 10 and top["peer_ms"] < 0.3 * top["culprit_ms"], top
     assert straggler["callsite"].startswith(top["frame"] + ": +")
     # asked of the culprit and one peer only, and of a rank a live alert named that the
     # final report withdrew with its reason (loaded: rank 1's loader worker starved for

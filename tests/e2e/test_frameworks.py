@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.flaky(reruns=1)]
 TRAIN_HF = harness.ROOT / "examples" / "train_hf.py"
 TRAIN_LIGHTNING = harness.ROOT / "examples" / "train_lightning.py"
 TRAIN_DEEPSPEED = harness.ROOT / "examples" / "train_deepspeed.py"
-STEPS = 60
 ONSET = 20
 # 4 ranks share 2 cores: a rank's extra compute partly runs while its peers wait, so
 # the fault is sized to be lost time the job cannot hide (40 ms was absorbed, seen)
@@ -39,15 +38,17 @@ SAVE_EVERY = 8
 SLOW_SAVE_MS = 400
 
 
-def _every_rank_every_step(run: harness.FlareRun, steps: int | None = None, ranks: int = 4) -> None:
+def _every_rank_every_step(run: harness.FlareRun, steps: int | None = None, ranks: int = 4,
+                           stopped_slack: int = 1) -> None:
     """Every rank sent steps 0 to the same last step (`steps` - 1, or wherever a job
-    stopped by Ctrl-C got to), none missing: optimizer steps, not micro-batches."""
+    stopped by Ctrl-C got to, within `stopped_slack`), none missing: optimizer steps,
+    not micro-batches."""
     counted = run.query("SELECT rank, count(DISTINCT step), min(step), max(step) FROM spans "
                         "WHERE job = ? AND name = 'train.step' GROUP BY rank ORDER BY rank",
                         [run.job])
     assert [row[0] for row in counted] == list(range(ranks)), counted
-    last = steps - 1 if steps is not None else min(row[3] for row in counted)
-    assert all(row[2] == 0 and row[1] == row[3] + 1 and last <= row[3] <= last + 1
+    last = steps - 1 if steps is not None else max(row[3] for row in counted) - stopped_slack
+    assert all(row[2] == 0 and row[1] == row[3] + 1 and last <= row[3] <= last + stopped_slack
                for row in counted), counted
 
 
@@ -204,25 +205,35 @@ def test_lightning_fsdp2_launching_its_own_ranks_names_the_slow_one(store, host)
     """`python train.py` with devices=3 and Lightning's FSDP2 strategy
     (ModelParallelStrategy, the layers sharded by `fully_shard`): Lightning's rank 0
     starts ranks 1 and 2 itself (no RANK in their environment); all three are seen and
-    rank 2 is named. (Three: a Lightning rank costs ~5 s of CPU to start on this host.)"""
+    rank 2 is named with the line that spends its extra time — the job is stopped
+    (Ctrl-C, as its user would) once that line is in. (Three: a Lightning rank costs ~5 s
+    of CPU to start on this host.)"""
     run = harness.FlareRun(store, harness.job_name("lightning_self", host), [
         sys.executable, str(TRAIN_LIGHTNING), *map(str, (
-            "--devices", 3, "--strategy", "fsdp2", "--steps", STEPS, "--fault", "compute",
+            "--devices", 3, "--strategy", "fsdp2", "--steps", 400, "--fault", "compute",
             "--fault-rank", 2, "--fault-from", ONSET, "--fault-ms", FAULT_MS))])
+    if run.wait_until(_located, timeout_s=240):
+        run.interrupt()
     report = run.finish()
-    print(f"\nE2E Lightning FSDP2 self-launched, rank 2 compute ({host}):\n{harness.describe(report)}")
-    harness.agree("lightning fsdp2 self-launched, rank 2 of 3 compute", host, report)
-    _every_rank_every_step(run, STEPS, ranks=3)
+    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
+    frame = _said(run, report, stragglers, "lightning fsdp2 self-launched, rank 2 of 3 compute", host,
+                  f"Lightning FSDP2 self-launched, rank 2 compute ({host})")
+    # Stopped by Ctrl-C: once a rank exits non-zero (as one stopped by Ctrl-C does),
+    # Lightning's child-process observer SIGKILLs every rank rank 0 started, so their
+    # last steps' spans, still in the exporter's batch, go with them (seen: rank 1 four
+    # steps short)
+    _every_rank_every_step(run, ranks=3, stopped_slack=5)
     # FSDP2 it is: the parameters are gathered and the gradients reduce-scattered
     [(gathers, scatters)] = run.query(
         "SELECT count(*) FILTER (WHERE name LIKE 'collective.all_gather%'), "
         "count(*) FILTER (WHERE name LIKE 'collective.reduce_scatter%') FROM spans WHERE job = ?", [run.job])
     assert gathers > 0 and scatters > 0, (gathers, scatters)
     assert all(a["ranks"] == [2] for a in report["anomalies"]), harness.describe(report)
-    stragglers = [a for a in report["anomalies"] if a["kind"] == "straggler"]
     assert [(a["ranks"], a["cause"]) for a in stragglers] == [([2], "compute")], \
         harness.describe(report)
     assert abs(stragglers[0]["first_step"] - ONSET) <= 3, harness.describe(report)
+    assert re.search(r"examples/train_lightning\.py:\d+ in burn_compute$", frame), \
+        stragglers[0]["evidence"].get("hotspots")
 
 
 def test_deepspeed_under_its_own_launcher_names_the_slow_rank_and_its_line(store, host):
