@@ -567,3 +567,24 @@ def test_a_short_episode_in_a_long_run_is_no_label_and_its_live_alert_says_why()
     assert final.anomalies == []
     [why] = withdrawn([live], final.anomalies, blips=final.blips)
     assert why["reason"].startswith("a short episode: steps 25-3") and "under the 1% a label needs" in why["reason"], why
+
+
+def test_a_group_whose_members_begin_together_is_one_label_though_one_recovers_first():
+    """A slowed pipeline stage (ranks 2 and 3) on a loaded host: rank 2 stopped arriving
+    last 17 steps before rank 3 (its runs overlap under 60 % of their union). Begun at
+    the same step, it is one episode: one label of the group, not two of its members."""
+    faults = (Fault("compute", 2, 20, 60.0, to_step=33), Fault("compute", 3, 20, 60.0))
+    groups = {"stage1": (2, 3), "stage0": (0, 1)}
+    found = straggler.detect(_job(job_spans("j", 4, 50, faults, groups=groups)), DiagnosisConfig())
+    assert [(a.ranks, a.first_step) for a in found] == [([2, 3], 20)], [(a.ranks, a.first_step, a.last_step) for a in found]
+
+
+def test_a_members_stalls_inside_its_groups_label_are_its_evidence():
+    """Rank 3 of a slowed stage also stalls in bursts (a loaded host): the bursts are
+    the stage's label's evidence (`stalls`, with the member), not a second label."""
+    bursts = [Fault("compute", 3, s, 300.0, to_step=s + 1) for s in (25, 29, 35)]
+    faults = (Fault("compute", 2, 20, 60.0), Fault("compute", 3, 20, 60.0), *bursts)
+    groups = {"stage1": (2, 3), "stage0": (0, 1)}
+    found = [a for a in diagnose(_job(job_spans("j", 4, 50, faults, groups=groups))).anomalies
+             if a.kind == "straggler"]
+    assert [a.ranks for a in found] == [[2, 3]], [(a.ranks, a.first_step, a.evidence.get("pattern")) for a in found]

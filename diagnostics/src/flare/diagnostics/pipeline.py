@@ -517,9 +517,11 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
         if anomaly.kind == "straggler" and anomaly.evidence.get("pattern"):
             # A rank's stalls of the same cause inside its own lasting slowdown are how
             # that slowdown shows (a slow loader stalling every other step), not a
-            # second straggler: they become its evidence.
+            # second straggler: they become its evidence. So are a member's inside its
+            # group's (one rank of a slowed pipeline stage arriving last in bursts, on a
+            # loaded host, seen as a second label beside the stage's).
             owner = next((s for s in stragglers if s is not anomaly and not s.evidence.get("pattern")
-                          and set(s.ranks) == set(anomaly.ranks)
+                          and set(anomaly.ranks) <= set(s.ranks)
                           and s.cause in (anomaly.cause, *_SAME_WORK.get(anomaly.cause, ()))
                           and _covers(s, anomaly)), None)
             if owner is not None:
@@ -527,6 +529,8 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                 owner.evidence["stalls"] = {k: ev[k] for k in ("pattern", "period_steps", "stall_ms")
                                             if k in ev}
                 owner.evidence["stalls"]["cause"] = anomaly.cause
+                if set(anomaly.ranks) != set(owner.ranks):
+                    owner.evidence["stalls"]["ranks"] = list(anomaly.ranks)
                 if ev.get("period_steps"):
                     owner.summary += (f"; it stalls every {ev['period_steps']} steps"
                                       if anomaly.cause == owner.cause else

@@ -40,8 +40,12 @@ from flare.diagnostics.causes import (
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import first_rise, nanmedian, period, runs
 
-# Members of a group must be slow over the same steps: their runs overlap this much.
+# Members of a group must be slow over the same steps: their runs overlap this much,
+# or they begin within GROUP_ONSET_SLACK steps of each other (one episode: on a loaded
+# host one member of a slowed pipeline stage stopped arriving last 17 steps before the
+# other, and the stage split into two labels, seen).
 GROUP_MIN_OVERLAP = 0.6
+GROUP_ONSET_SLACK = 3
 # An intermittent stall: a step whose loss is at least this share of the median step
 # (and NOISE_UNITS of the job's noise), in at least MIN_STALLS steps, costing at least
 # straggler_min_impact of the run if periodic, twice that if not.
@@ -208,7 +212,9 @@ def _grouped(frame: frames.StepFrame, runs_of: dict,
             spans = [set(runs_of[r][2].tolist()) for r in rows]
             together = len(set.intersection(*spans))
             either = len(set.union(*spans))
-            if either and together >= GROUP_MIN_OVERLAP * either:
+            starts = [int(frame.steps[int(runs_of[r][2][0])]) for r in rows]
+            if either and (together >= GROUP_MIN_OVERLAP * either
+                           or (together and max(starts) - min(starts) <= GROUP_ONSET_SLACK)):
                 out.append((sorted(rows), topology.describe(members)))
                 done |= set(rows)
     out.extend(([row], None) for row in sorted(runs_of) if row not in done)
