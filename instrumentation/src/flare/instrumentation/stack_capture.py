@@ -42,9 +42,10 @@ MAX_DEPTH = 48  # user frames kept per sampled stack
 WORKER_SCAN_STEPS = 10
 # The workers' recordings are asked to stop this many steps before the capture's last
 # ends, and that end waits this long for their samples before dropping them. py-spy
-# writes them in a few ms on a quiet host; on a loaded one it waits for a CPU too (one
-# step ahead and 0.5 s: samples lost, and an input-bound rank's live line read as its
-# loader loop's "waiting in main", in 2 of 8 loaded runs).
+# writes them in a few ms on a quiet host; on a loaded one it waits for a CPU too, and
+# three steps ahead leave it that time without holding the training thread longer. (A
+# precaution: the loaded runs whose stores were kept had all their workers' samples;
+# their wrong live line came from a short episode, mended in the diagnosis.)
 WORKER_STOP_AHEAD_STEPS = 3
 WORKER_STOP_S = 0.5
 _OWN_THREADS = ("flare-", "Otel", "pt_", "QueueFeederThread")  # Flare's, the SDK's, torch's
