@@ -7,6 +7,10 @@ SIGTERM to the survivors of a crashed rank. So the C-level handler also writes t
 wakeup fd watched by a small thread that records and flushes at once and, if the
 previous disposition was the default, ends the process as the signal would have.
 SIGSEGV and friends go to `faulthandler` (native-safe, writes all stacks to stderr).
+
+Ctrl-C (SIGINT) is no error, but the same thread hands the queued spans over at once:
+a launcher may SIGKILL its ranks on Ctrl-C (Lightning's rank 0 does, once its own
+teardown is done), and a rank's last seconds would go with it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ErrorHooks:
         self._recorded_signals: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._enabled_faulthandler = False
+        self._interrupt_flush: threading.Thread | None = None
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -205,6 +210,8 @@ class ErrorHooks:
                 for signum in set(data):
                     if signum in self._previous_handlers:
                         self._on_signal_in_thread(signum)
+                    elif signum == signal.SIGINT:
+                        self._flush_on_interrupt()
         except OSError:
             return
         finally:
@@ -212,6 +219,24 @@ class ErrorHooks:
                 os.close(read_fd)
             except OSError:
                 pass
+
+    def _flush_on_interrupt(self) -> None:
+        """Hand the spans queued so far over, off this thread (a second signal must
+        still be seen); one flush at a time."""
+        with self._lock:
+            if self._interrupt_flush is not None and self._interrupt_flush.is_alive():
+                return
+            self._interrupt_flush = threading.Thread(target=self._flush_quietly, name="flare-interrupt-flush",
+                                                     daemon=True)
+            self._interrupt_flush.start()
+
+    def _flush_quietly(self) -> None:
+        if not self.runtime.enabled:
+            return
+        try:
+            self.flush(FLUSH_TIMEOUT_MS)
+        except Exception as error:  # the job's Ctrl-C must go on whatever the export does
+            _log.debug("flare: the flush on Ctrl-C failed: %r", error)
 
     def _on_signal_in_thread(self, signum: int) -> None:
         self.record_signal(signum)
