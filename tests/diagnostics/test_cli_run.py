@@ -163,6 +163,32 @@ def test_a_signal_stops_the_job_reports_and_exits_as_a_shell_would(tmp_path, sig
     assert "Traceback" not in stderr.split("stopping the job", 1)[0]
 
 
+def test_flare_run_started_with_sigint_ignored_still_stops_its_job_on_it(tmp_path):
+    """`nohup flare run … &`, or flare run in the background of a script, starts with
+    SIGINT ignored: the job must not inherit that, or the SIGINT flare run passes on to
+    stop it is lost and only the escalation's SIGTERM, 15 s later, stops it."""
+    import signal
+    import time
+
+    flare = subprocess.Popen(
+        [FLARE, "run", "--", sys.executable, "-c",
+         "import sys, time; print('job running', file=sys.stderr, flush=True); time.sleep(120)"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        while "job running" not in flare.stderr.readline():
+            pass
+        sent = time.monotonic()
+        flare.send_signal(signal.SIGINT)
+        _, stderr = flare.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if flare.poll() is None:
+            flare.kill()
+    assert flare.returncode == 130, stderr
+    assert took < 10, (took, stderr)  # the job's own KeyboardInterrupt, not the SIGTERM at 15 s
+
+
 def test_a_json_report_on_stdout_stays_parseable_when_the_job_prints(tmp_path):
     result = _run(["--job", "noisy", "--format", "json", "--", sys.executable, "-c",
                    "import subprocess, sys; print('step 0 loss 2.7', flush=True); "

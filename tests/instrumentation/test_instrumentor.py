@@ -163,6 +163,7 @@ CTRL_C_IN_C_CODE = """
 import os, pickle, signal, threading, time
 from opentelemetry.sdk.trace import TracerProvider
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell starts it (xdist ignores it)
 TorchTrainingInstrumentor().instrument(tracer_provider=TracerProvider(), skip_dep_check=True)
 # C code that allocates (and so collects) while the Ctrl-C comes
 nested = pickle.dumps([[(i, [j]) for j in range(50)] for i in range(2000)])

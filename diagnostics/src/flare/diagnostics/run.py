@@ -303,6 +303,12 @@ def child_environment(job: str, endpoint: str, base: dict[str, str] | None = Non
 
 def _launch(command: list[str], job: str, endpoint: str, stdout=None,
             opamp: bool = False, job_token: str | None = None) -> subprocess.Popen:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started with SIGINT ignored (in the background of a script, under nohup): the
+        # job would inherit that and ignore the SIGINT Flare passes on to stop it, until
+        # the escalation's SIGTERM. A handler of Flare's own is reset to the default in
+        # the child at exec; Flare still ignores it until `_wait` forwards it.
+        signal.signal(signal.SIGINT, _ignore)
     try:
         # Its own process group: Ctrl-C reaches Flare, which passes it on and still
         # gets to drain the collector and print the report.
@@ -311,6 +317,10 @@ def _launch(command: list[str], job: str, endpoint: str, stdout=None,
                                 process_group=0, stdout=stdout)
     except OSError as exc:
         raise UserError(f"cannot run {command[0]}: {exc.strerror or exc}") from None
+
+
+def _ignore(_signum: int, _frame) -> None:
+    pass
 
 
 def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 15.0,
