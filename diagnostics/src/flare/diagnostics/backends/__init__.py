@@ -8,23 +8,11 @@ HTTP stack.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from flare.diagnostics.model import JobData
+from flare.diagnostics.backends.base import Backend, BackendError
 
-
-class BackendError(Exception):
-    """A backend problem a user can act on; the message is one sentence."""
-
-
-class Backend(Protocol):
-    name: str  # e.g. "store:/path/to/store.duckdb"
-
-    def jobs(self) -> list[str]: ...
-
-    def job_data(self, job: str) -> JobData: ...
-
-    def close(self) -> None: ...
+__all__ = ["Backend", "BackendError", "open_backend"]
 
 
 _HTTP_SCHEMES = {

@@ -28,7 +28,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flare.diagnostics.backends import BackendError
+from flare.diagnostics.backends.base import BackendError
 from flare.exporters import store
 from flare.instrumentation import http_client
 from flare.instrumentation import semconv as sc

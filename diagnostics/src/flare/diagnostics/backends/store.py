@@ -20,7 +20,6 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from flare.diagnostics.backends import BackendError
 from flare.diagnostics.backends.attributes import (
     BITMASK_ATTRIBUTES,
     is_list,
@@ -30,6 +29,7 @@ from flare.diagnostics.backends.attributes import (
     sql_typed_from_strings,
     type_name,
 )
+from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.columns import Table
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc

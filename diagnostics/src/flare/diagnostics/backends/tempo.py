@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flare.diagnostics.backends import BackendError
+from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.backends.jaeger import (
     HttpClient,
     SpanRows,
