@@ -390,3 +390,29 @@ def test_slower_collectives_on_a_host_that_keeps_every_rank_waiting_for_a_cpu_ar
     busy = diagnose(_job(job_spans("j", 4, 80, faults, comm_ms=20.0, bytes_per_step=1 << 20,
                                             busy_host_ms=12.0))).anomalies
     assert busy == [], [a.summary for a in busy]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slow_rank_hidden_behind_a_slower_one_is_named_too(seed):
+    """Two faults at once (examples/train_ddp.py --fault compute --fault-rank 1 --also
+    gc@2): rank 2's collections (+70 ms/step) set the job's pace and rank 1's compute
+    (+40 ms/step) is never the last to arrive, so the ledger gives it nothing — yet
+    fixing rank 2 alone leaves the job waiting for rank 1. Each is named with its own
+    cause; rank 1's label says it hides behind rank 2 and costs nothing yet; the job's
+    slowdown is their evidence, not a third label. A healthy rank is never named."""
+    from flare.diagnostics import pipeline
+
+    faults = (Fault("compute", 1, 20, extra_ms=40), Fault("gc", 2, 20, extra_ms=70))
+    job = _job(job_spans("two", 4, 100, faults, seed=seed, hiccups=0.05))
+    found = pipeline.diagnose(job, DiagnosisConfig(), warn=lambda _: None).anomalies
+    assert sorted((a.kind, a.ranks, a.cause) for a in found) == [
+        ("straggler", [1], "compute"), ("straggler", [2], "gc")], [a.summary for a in found]
+    [hidden] = [a for a in found if a.ranks == [1]]
+    assert hidden.evidence["hidden_behind"] == [2] and hidden.impact == 0.0
+    assert abs(hidden.first_step - 20) <= 3
+    assert 0.2 <= hidden.evidence["would_cost"] <= 0.6, hidden.evidence
+    assert "hidden behind rank 2" in hidden.summary
+    # one fault alone: no rank hides behind it
+    alone = pipeline.diagnose(_job(job_spans("one", 4, 100, faults[1:], seed=seed, hiccups=0.05)),
+                              DiagnosisConfig(), warn=lambda _: None).anomalies
+    assert [(a.kind, a.ranks) for a in alone] == [("straggler", [2])], [a.summary for a in alone]

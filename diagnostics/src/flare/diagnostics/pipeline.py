@@ -550,10 +550,12 @@ def _stragglers_behind(fail_slow: Anomaly, stragglers: list[Anomaly]) -> list[An
     ranks of four: one fail-slow of both, one straggler each). A straggler the host
     starved is not one: that pair is the host's, reported beside the anomalies."""
     ranks = set(fail_slow.ranks)
-    hosts = [s for s in stragglers if s.cause == fail_slow.cause and not s.evidence.get("pattern")
+    hosts = [s for s in stragglers if not s.evidence.get("pattern")
              and not s.evidence.get("host_starved") and set(s.ranks) <= ranks and _overlap(s, fail_slow)]
     covered = {r for s in hosts for r in s.ranks}
-    return hosts if covered == ranks else []
+    # Of its cause; or two faults at once (rank 1's compute, rank 2's collections), a
+    # straggler each, and the fail-slow's cause, the larger part of the mix, one of theirs.
+    return hosts if covered == ranks and fail_slow.cause in {s.cause for s in hosts} else []
 
 
 def _nest_slowdown(straggler_label: Anomaly, fail_slow: Anomaly) -> None:
@@ -562,7 +564,7 @@ def _nest_slowdown(straggler_label: Anomaly, fail_slow: Anomaly) -> None:
         "ranks": sorted(fail_slow.ranks), "first_step": fail_slow.first_step,
         **{k: ev[k] for k in ("step_ms_before", "step_ms_after", "shift", "noise_units",
                               "consistency") if k in ev}}
-    if "step_ms_before" in ev and "step_ms_after" in ev:
+    if "step_ms_before" in ev and "step_ms_after" in ev and not straggler_label.evidence.get("hidden_behind"):
         straggler_label.summary += (
             f"; the job's step went from {ev['step_ms_before']:.1f} to {ev['step_ms_after']:.1f} ms "
             f"(+{ev.get('shift', 0):.0%}) from step {fail_slow.first_step}")

@@ -189,8 +189,70 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
                 anomaly = _label(frame, config, book, rows, peers, cols, mask, group)
         anomaly.evidence["job_noise_ms"] = round(book.noise_ms, 3)
         anomalies.append(anomaly)
+    anomalies.extend(_hidden(frame, config, book, deviation, set(runs_of), anomalies, persist,
+                             density, first_warm))
     anomalies.extend(_stalls(frame, config, book, anomalies))
     return anomalies
+
+
+def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
+            deviation: np.ndarray, slow: set[int], labelled: list[Anomaly], persist: int,
+            density: float, first_warm: int) -> list[Anomaly]:
+    """Ranks whose own time exceeds their healthy peers' over a lasting stretch in which
+    a slower rank's label already stands: the job waits for the slower one first, so
+    the ledger gives them no loss and no culprit step — but fixing the slower rank
+    alone leaves the job waiting for them. Two faults at once (rank 1's compute +40
+    ms/step behind rank 2's garbage collection +70 ms, seen): rank 1 went unnamed in
+    3 of 4 runs. It must have become slower than its own past as well (the peers of a
+    pipeline's ranks do other work by design). Each such rank is a straggler of its own, over the healthy peers,
+    with `hidden_behind` the ranks it hides behind and impact 0 (it has cost nothing
+    yet); `would_cost` is the share of the run its excess would take."""
+    lasting = [a for a in labelled if not a.evidence.get("pattern") and not a.evidence.get("host_starved")
+               and a.first_step is not None and a.last_step is not None]
+    healthy = [r for r in range(len(frame.ranks)) if r not in slow]
+    if not lasting or len(healthy) < 3:  # the candidate and two healthy peers at least
+        return []
+    work = frame.work.astype(np.float64)
+    threshold = config.straggler_min_noise_units * book.noise_ms
+    found = []
+    for row in healthy:
+        peers = [r for r in healthy if r != row]
+        excess = work[row] - nanmedian(work[peers], axis=0)
+        mask = book.warm & (np.nan_to_num(excess, nan=-np.inf) >= threshold)
+        spans = [(a, b) for a, b in _dense_runs(mask, persist, density)
+                 if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= density]
+        if not spans:
+            continue
+        cols = np.concatenate([_trim(excess, a, b) for a, b in spans])
+        cols = cols[cols >= _onset(excess, first_warm, int(cols[0]), int(cols[-1]), persist)]
+        first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))
+        behind = [a for a in lasting if a.first_step <= last and first <= a.last_step]
+        if not behind:
+            continue
+        anomaly = _label(frame, config, book, [row], peers, cols, mask, None)
+        ev = anomaly.evidence
+        relative, individual = ev["relative_score"], ev["individual_score"]
+        if not (relative is not None and relative <= config.straggler_max_relative_score
+                and ev["excess_ms_per_step"] >= threshold and ev["work_grew"]
+                and not ev.get("host_starved")):
+            continue  # slower without doing more: a victim of the host, not a culprit
+        if not (individual is not None and individual <= config.straggler_max_relative_score):
+            # Slower than its own past too: a rank whose work differs by design (a
+            # pipeline's last stage computes the loss) is that way from the start.
+            continue
+        hides = sorted({r for a in behind for r in a.ranks})
+        would = ev["excess_ms_per_step"] * frame.step_count(cols) / max(book.run_ms, 1e-9)
+        ev.update(hidden_behind=hides, would_cost=round(would, 4), job_noise_ms=round(book.noise_ms, 3))
+        them = f"rank {hides[0]}" if len(hides) == 1 else f"ranks {','.join(map(str, hides))}"
+        cause = _cause_text(anomaly.cause, ev["other_threads_cpu_delta_ms"] or math.nan)
+        anomaly.impact = 0.0
+        anomaly.summary = (
+            f"rank {int(frame.ranks[row])} is slower than its healthy peers from step {first} to "
+            f"{last}: {cause} (+{ev['excess_ms_per_step']:.1f} ms/step), hidden behind {them}, "
+            f"whom the job waits for first; with {them} fixed it would cost ~{would:.0%} of the "
+            "run's time")
+        found.append(anomaly)
+    return found
 
 
 def _grouped(frame: frames.StepFrame, runs_of: dict,
@@ -322,16 +384,7 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
         density = 1.0  # the stalls are the label's steps
     confidence = density * (0.5 + 0.5 * persist_factor) * (1.0 if why.cause != "unknown" else 0.8)
     others = len(frame.ranks) - len(rows)
-    cause_text = {
-        "compute": "its compute is slower", "input": "its data loading is slower",
-        "gc": "it pauses in garbage collection", "cpu": "its Python side is starved of CPU "
-        + (f"(its other threads burn +{other_cpu_delta:.1f} ms of CPU per step, as a "
-           "GIL-holding thread does)" if math.isfinite(other_cpu_delta) and other_cpu_delta > 0
-           else "(every part of its step is slower, as with a GIL-holding thread)"),
-        "communication": "its communication is slower", "unknown": "the cause is unclear",
-        "checkpoint": "its checkpoint saves take longer",
-        "evaluation": "its evaluation takes longer",
-    }.get(why.cause, why.cause)
+    cause_text = _cause_text(why.cause, other_cpu_delta)
     if len(rows) > 1:
         cause_text = cause_text.replace("its ", "their ").replace("it pauses", "they pause")
     who = (f"rank {ranks[0]}" if len(ranks) == 1
@@ -393,6 +446,20 @@ def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledge
         kind="straggler", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
         impact=impact, confidence=min(confidence, 0.99), summary=summary, evidence=evidence,
     )
+
+
+def _cause_text(cause: str, other_cpu_delta: float) -> str:
+    """What the cause says of one rank ("its compute is slower")."""
+    return {
+        "compute": "its compute is slower", "input": "its data loading is slower",
+        "gc": "it pauses in garbage collection", "cpu": "its Python side is starved of CPU "
+        + (f"(its other threads burn +{other_cpu_delta:.1f} ms of CPU per step, as a "
+           "GIL-holding thread does)" if math.isfinite(other_cpu_delta) and other_cpu_delta > 0
+           else "(every part of its step is slower, as with a GIL-holding thread)"),
+        "communication": "its communication is slower", "unknown": "the cause is unclear",
+        "checkpoint": "its checkpoint saves take longer",
+        "evaluation": "its evaluation takes longer",
+    }.get(cause, cause)
 
 
 # How a periodic label of a framework phase reads: "rank 0 saves a checkpoint every 10
