@@ -167,16 +167,22 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell starts it
 TorchTrainingInstrumentor().instrument(tracer_provider=TracerProvider(), skip_dep_check=True)
 # C code that allocates (and so collects) while the Ctrl-C comes
 nested = pickle.dumps([[(i, [j]) for j in range(50)] for i in range(2000)])
-stopped = 0
-for trial in range(20):
-    threading.Timer(0.05 + (trial % 7) * 0.013, os.kill, (os.getpid(), signal.SIGINT)).start()
+stopped = twice = 0
+for trial in range(10):
+    ctrl_c = threading.Timer(0.05 + (trial % 7) * 0.013, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
     began = time.monotonic()
     try:
-        while time.monotonic() - began < 1.0:
+        while time.monotonic() - began < 5.0:  # (a loaded host: the timer may come late)
             pickle.loads(nested)
     except KeyboardInterrupt:
         stopped += 1
-print("stopped", stopped)
+    ctrl_c.join()
+    try:
+        time.sleep(0.2)  # a Ctrl-C delivered twice would land here
+    except KeyboardInterrupt:
+        twice += 1
+print("stopped", stopped, "twice", twice)
 """
 
 
@@ -184,12 +190,12 @@ def test_every_ctrl_c_stops_the_job_even_inside_a_collection(rank_env):
     """Flare's gc callback is the first Python code to run when a Ctrl-C comes during C
     code that allocates; the interpreter drops an exception raised in a gc callback, so
     without care the job ignores most Ctrl-Cs (35 of 40 on this loop, seen; a Lightning
-    job ran on after one). Every one must stop it."""
+    job ran on after one). Every one must stop it, once."""
     import subprocess
 
     done = subprocess.run([sys.executable, "-c", CTRL_C_IN_C_CODE], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "FLARE_HEARTBEAT_S": "0"}, check=False)
-    assert done.stdout.split() == ["stopped", "20"], done.stdout + done.stderr[-2000:]
+    assert done.stdout.split() == ["stopped", "10", "twice", "0"], done.stdout + done.stderr[-2000:]
     assert "KeyboardInterrupt" not in done.stderr, done.stderr[-2000:]
 
 
