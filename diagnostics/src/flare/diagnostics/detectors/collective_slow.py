@@ -40,6 +40,11 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
                       columns=["rank", "step", "duration_ns"])
     if spans.num_rows == 0:
         return []
+    # Past warm-up only: a job's first collectives (a model's parameters broadcast at
+    # set-up, FSDP's first all-gathers) move differently sized tensors at varying speed
+    # within a step or two; read as a slowdown they gave a false label, "steps 0-0",
+    # impact 0.78, beside a straggler (FSDP2 job, quiet, seen once).
+    first_warm = _first_warm_step(job, config)
     # (pg, seq) → the last arrival's time (the least duration) and the bytes moved.
     by_call: dict[tuple[str, int], list] = {}
     for rank, step, duration, pg, seq, size, op, source, busbw in zip(
@@ -49,6 +54,8 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
             spans[sc.COLL_SOURCE].to_pylist(), spans[sc.COLL_BUSBW_GBPS].to_pylist(),
             strict=False):
         if pg is None or seq is None or not duration or not size:
+            continue
+        if step is not None and first_warm is not None and step < first_warm:
             continue
         if source == "flight_recorder" and busbw is None:
             # no completion recorded (gloo): the span ends with the enclosing backward,
@@ -69,6 +76,9 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         if (point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score
                 or point.consistency < config.change_min_consistency):
             continue
+        stepped = [c[2] for c in calls if c[2] is not None]
+        if stepped and len({c[2] for c in calls[point.index:] if c[2] is not None}) < 2:
+            continue  # a change within one step is no lasting slowdown
         before = float(np.median(gbps[:point.index]))
         after = float(np.median(gbps[point.index:]))
         first_step = next((c[2] for c in calls[point.index:] if c[2] is not None), None)
@@ -85,6 +95,15 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
                       "group_size": max(c[4] for c in calls)},
         ))
     return anomalies
+
+
+def _first_warm_step(job: JobData, config: DiagnosisConfig) -> int | None:
+    """The first step past warm-up (frame.warm_mask); None without step data."""
+    frame = frames.load(job, config)
+    if frame is None:
+        return None
+    warm = frames.warm_mask(frame, config)
+    return int(frame.steps[int(np.argmax(warm))]) if warm.any() else int(frame.steps[-1]) + 1
 
 
 def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
