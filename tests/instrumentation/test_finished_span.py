@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
-from test_instrumentor import finished, rank_env, train  # noqa: F401  (fixture)
+from test_instrumentor import finished, make_provider, rank_env, train  # noqa: F401  (fixture)
 
 import flare.instrumentation as flare_instrumentation
 from flare.instrumentation import semconv
@@ -376,13 +376,10 @@ def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa
     """With no listener wanting ordinary steps' ends (the CPU default), no stand-in is
     made at the boundary: the finisher fixes the span id; the spans are the same. Detail
     steps are deferred as well, their children with them."""
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     reference_provider = TracerProvider(resource=Resource({"service.name": "t"}))
     _, reference, _ = run(reference_provider, steps=5)
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource({"service.name": "t"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    provider, exporter = make_provider(batch_delay_ms=60_000)
     instrumentor = TorchTrainingInstrumentor()
     instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
     try:
@@ -549,12 +546,9 @@ def test_the_boundary_takes_step_totals_the_finisher_made(rank_env):  # noqa: F8
     """The usual step boundary takes the next step's totals from those the finisher
     made when it last drained (about as many as it drained), and the figures of those
     steps are complete."""
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     rank_env.setenv("FLARE_DETAIL_EVERY", "0")
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource({"service.name": "t"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    provider, exporter = make_provider(batch_delay_ms=60_000)
     instrumentor = TorchTrainingInstrumentor()
     instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
     runtime = flare_instrumentation.active_runtime()

@@ -53,10 +53,15 @@ def rank_env(monkeypatch):
     identity.current_identity.cache_clear()
 
 
-def make_provider(resource_attributes=None):
+def make_provider(resource_attributes=None, batch_delay_ms: int | None = None):
+    """A provider exporting to memory: span by span, or in batches every
+    `batch_delay_ms` (a rank's exporter, held back)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     exporter = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource(resource_attributes or {"service.name": "t"}))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.add_span_processor(SimpleSpanProcessor(exporter) if batch_delay_ms is None
+                                else BatchSpanProcessor(exporter, schedule_delay_millis=batch_delay_ms))
     return provider, exporter
 
 
@@ -131,12 +136,8 @@ def test_ctrl_c_hands_the_queued_spans_over_at_once(rank_env):
     at the batch processor's next export (60 s here) nor at an exit it may not reach."""
     import time
 
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
     rank_env.setenv("FLARE_DETAIL_EVERY", "1000")
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource({"service.name": "t"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=60_000))
+    provider, exporter = make_provider(batch_delay_ms=60_000)
     instrumentor = TorchTrainingInstrumentor()
     instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
     previous = signal.signal(signal.SIGINT, lambda *_: None)  # the job's own handler
