@@ -6,9 +6,10 @@ to run, so the interpreter raises the KeyboardInterrupt in it — and a gc callb
 exception is reported as "unraisable" and dropped: the job goes on as if no Ctrl-C
 had come (seen: 35 of 40 Ctrl-Cs lost by a loop of `pickle.loads` with a callback,
 none without). So the hook also watches `sys.unraisablehook`: a KeyboardInterrupt
-that escaped the callback has a short-lived thread interrupt the main thread again
-(from the main thread itself the interrupt would land in the hook, and be dropped
-again), to land in the job's own code; anything else goes to the previous hook.
+that escaped the callback has a short-lived thread interrupt the main thread again once
+the main thread has left the hook (raised from the main thread itself, or while it is
+still in the hook, the interrupt would land in the hook and be dropped again), to land
+in the job's own code; anything else goes to the previous hook.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import _thread
 import gc
 import sys
-import threading
 import time
 
 from flare.instrumentation import semconv
 from flare.instrumentation.runtime import Runtime
+
+# How long the main thread may stay in the hook before the Ctrl-C is raised anyway.
+_LEAVE_HOOK_S = 1.0
 
 
 class GcHook:
@@ -43,14 +46,13 @@ class GcHook:
 
     def _unraisable(self, unraisable) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt) and unraisable.object == self._callback:
-            for _ in range(5):
-                try:
-                    threading.Thread(target=_interrupt_main_soon, name="flare-ctrl-c", daemon=True).start()
-                    return
-                except KeyboardInterrupt:  # it was quicker than this frame: once more
-                    continue
-                except RuntimeError:  # no new threads (the interpreter is exiting)
-                    break
+            try:
+                # a bare thread: threading's start() waits for the thread to run, a wait the
+                # interrupt could land in
+                _thread.start_new_thread(_interrupt_main_outside, (_thread.get_ident(),))
+                return
+            except RuntimeError:  # no new threads (the interpreter is exiting)
+                pass
         (self._previous_unraisablehook or sys.__unraisablehook__)(unraisable)
 
     def _callback(self, phase: str, info: dict) -> None:
@@ -73,6 +75,20 @@ class GcHook:
             })
 
 
-def _interrupt_main_soon() -> None:
-    time.sleep(0.001)  # let the main thread leave the collection first
+def _interrupt_main_outside(main_ident: int, hook=GcHook._unraisable.__code__) -> None:
+    """Raise the Ctrl-C again once the main thread has left the hook: raised in the hook
+    it would be dropped too. On a loaded host the main thread can stay there for
+    milliseconds (seen in CI: a fixed 1-ms wait lost 1 Ctrl-C of 10)."""
+    deadline = time.monotonic() + _LEAVE_HOOK_S
+    while time.monotonic() < deadline and _runs(main_ident, hook):
+        time.sleep(0.0005)
     _thread.interrupt_main()
+
+
+def _runs(ident: int, code) -> bool:
+    frame = sys._current_frames().get(ident)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
