@@ -407,6 +407,22 @@ def test_slower_collectives_on_a_host_that_keeps_every_rank_waiting_for_a_cpu_ar
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_rank_whose_last_steps_were_lost_does_not_make_collectives_look_slower(seed):
+    """Rank 0 arrives last at every collective, and its spans from step 50 are lost (a
+    SIGKILL, a hang before the queue was sent). The least wait of the ranks left is
+    their wait for rank 0, not a transfer time: no collective slowdown from step 50
+    (seen on a loaded host: a killed rank's peer, "collective_slow [] communication")."""
+    import pyarrow.compute as pc
+
+    table = job_spans("j", 4, 80, (Fault("compute", 0, 0, extra_ms=15),), comm_ms=5.0,
+                      bytes_per_step=1 << 20, seed=seed, hiccups=0.05)
+    lost = pc.and_(pc.equal(table["rank"], 0), pc.greater_equal(table["step"], 50))
+    found = diagnose(_job(table.filter(pc.invert(lost)))).anomalies
+    assert [(a.kind, a.ranks, a.cause) for a in found] == [("straggler", [0], "compute")], \
+        [a.summary for a in found]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_slow_rank_hidden_behind_a_slower_one_is_named_too(seed):
     """Two faults at once (examples/train_ddp.py --fault compute --fault-rank 1 --also
     gc@2): rank 2's collections (+70 ms/step) set the job's pace and rank 1's compute

@@ -153,6 +153,24 @@ def warm_mask(frame: StepFrame, config: DiagnosisConfig) -> np.ndarray:
     return warm & (np.arange(len(series)) >= limit)
 
 
+# The least wait of a step is a transfer time only while (nearly) every rank reports it.
+_LEAST_WAIT_MIN_REPORTING = 0.9
+
+
+def least_wait(frame: StepFrame, cols: np.ndarray) -> np.ndarray:
+    """Per column of `cols`, the least collective wait over the ranks: the rank that
+    arrived last waited for nobody, so its wait is the collective's own time. NaN where
+    fewer than 90 % of the ranks (and fewer than two) report the step: a rank whose last
+    steps were lost (killed, hung, its spans still queued) is often the one that arrived
+    last, and the least wait of those left is their wait for it (a killed rank's peer:
+    "collective_slow [] communication" over its last 8 steps, seen on a loaded host)."""
+    wait = frame.wait[:, cols].astype(np.float64)
+    reporting = np.sum(~np.isnan(wait), axis=0)
+    enough = reporting >= max(2, math.ceil(_LEAST_WAIT_MIN_REPORTING * (reporting.max(initial=0))))
+    least = np.nanmin(np.where(np.isnan(wait), np.inf, wait), axis=0)
+    return np.where(enough & np.isfinite(least), least, np.nan)
+
+
 def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig,
                distinct: int | None = None) -> int:
     """Steps per column: 1 unless the job has more steps than `max_step_columns`

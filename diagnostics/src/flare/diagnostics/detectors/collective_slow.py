@@ -114,9 +114,10 @@ def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     persist = max(2, math.ceil(config.min_persist_steps / frame.bucket))
     if warm.size < 2 * persist:
         return []
-    wait = frame.wait[:, warm].astype(np.float64)
-    transfer_ms = np.nanmin(np.where(np.isnan(wait), np.inf, wait), axis=0)
-    transfer_ms = np.where(np.isfinite(transfer_ms), transfer_ms, np.nan)
+    transfer_ms = frames.least_wait(frame, warm)
+    warm, transfer_ms = warm[np.isfinite(transfer_ms)], transfer_ms[np.isfinite(transfer_ms)]
+    if warm.size < 2 * persist:
+        return []
     moved = nanmedian(frame.bytes[:, warm].astype(np.float64), axis=0)
     per_byte = np.isfinite(moved) & (moved > 0)
     if per_byte.mean() <= 0.9:

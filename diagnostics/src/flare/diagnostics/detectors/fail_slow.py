@@ -262,7 +262,6 @@ def _ranks_that_changed(frame: frames.StepFrame, config: DiagnosisConfig, warm: 
 
 
 def _comm_ms(frame: frames.StepFrame, cols: np.ndarray) -> float:
-    wait = frame.wait[:, cols].astype(np.float64)
-    least = np.nanmin(np.where(np.isnan(wait), np.inf, wait), axis=0)
+    least = frames.least_wait(frame, cols)
     least = least[np.isfinite(least)]
     return float(np.median(least)) if least.size else 0.0
