@@ -127,16 +127,52 @@ def build(path: str, ranks: int, steps: int) -> dict[str, int]:
     return counts
 
 
-def measure(path: str) -> tuple[float, float, int, dict]:
+def load_chdb(path: str, directory: str) -> tuple[int, float]:
+    """The store's spans into a chDB directory's `otel_traces`, as otelcol-contrib's
+    ClickHouse exporter writes them (in a child: chDB holds its directory for the life
+    of its process). Rows and seconds."""
+    import subprocess
+
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from flare.diagnostics.backends import clickhouse; "
+         "print(clickhouse.load_store(clickhouse.create_chdb(sys.argv[1]), sys.argv[2]))",
+         directory, path], capture_output=True, text=True, check=True)
+    return int(done.stdout), time.perf_counter() - started
+
+
+PULLED = """
+import json, sys
+from flare.diagnostics.backends import open_backend
+from flare.diagnostics.model import DiagnosisConfig
+from flare.diagnostics.pipeline import diagnose
+backend = open_backend(sys.argv[1])
+diagnose(backend.job_data(sys.argv[2]), DiagnosisConfig(), warn=lambda _: None)
+stored = backend.query("SELECT sum(data_uncompressed_bytes) AS raw, sum(data_compressed_bytes) AS disk, "
+                       "sum(rows) AS rows FROM system.parts WHERE active AND table = 'otel_traces'").to_pylist()[0]
+print(json.dumps({"pulled": backend.bytes_received, **stored}))
+"""
+
+
+def pulled(spec: str) -> dict:
+    """Bytes a diagnosis over `spec` received, against what the table holds."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", PULLED, spec, JOB], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def measure(path: str, backend: str | None = None) -> tuple[float, float, int, dict]:
     """Wall seconds, CPU seconds (user+sys: what the diagnosis costs whatever else
     shares the machine), peak RSS in KiB, and the JSON report."""
     # Through a small launcher that forks the diagnosis and reads its wait4 figures: Linux
     # starts a child's peak-RSS count at its parent's resident set, and this process has
     # just built the store with DuckDB (over 1 GiB), which RUSAGE_CHILDREN then reported
     # as the diagnosis's peak.
+    source = ["--backend", backend, "--job", JOB] if backend else ["--store", path]
     elapsed, cpu, peak_kb, stdout = run_measured(
-        [sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store", path,
-         "--format", "json"])
+        [sys.executable, "-m", "flare.diagnostics.cli", "diagnose", *source, "--format", "json"])
     return elapsed, cpu, peak_kb, json.loads(stdout)
 
 
@@ -162,6 +198,9 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3600)
     parser.add_argument("--keep", metavar="PATH", help="build (or reuse) the store at PATH")
+    parser.add_argument("--chdb", action="store_true",
+                        help="also copy the store into a chDB directory (the ClickHouse "
+                             "exporter's otel_traces) and diagnose it there, side by side")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.keep or os.path.join(tmp, "bench.duckdb")
@@ -180,6 +219,21 @@ def main() -> int:
         print(f"anomalies: {found}")
         print("per detector (in-process, same store): " + ", ".join(
             f"{name} {seconds:.1f} s" for name, seconds in per_detector(path)))
+        if args.chdb:
+            directory = os.path.join(tmp, "chdb")
+            rows, seconds = load_chdb(path, directory)
+            print(f"chDB: {rows:,} rows into otel_traces in {seconds:.0f} s")
+            c_elapsed, c_cpu, c_peak_kb, c_report = measure(path, f"chdb:{directory}")
+            c_found = [(a["kind"], a["ranks"], a["cause"], a["first_step"]) for a in c_report["anomalies"]]
+            moved = pulled(f"chdb:{directory}")
+            print(f"flare diagnose --backend chdb: {c_elapsed:.1f} s wall ({c_elapsed / elapsed:.2f}x the "
+                  f"store's), {c_cpu:.1f} s CPU, peak RSS {c_peak_kb / 1024:.0f} MiB; same answer as the "
+                  f"store: {'yes' if c_found == found else 'NO: ' + str(c_found)}")
+            print(f"bytes pulled by the diagnosis: {moved['pulled'] / 2**20:.1f} MiB of the table's "
+                  f"{moved['raw'] / 2**20:.0f} MiB uncompressed ({moved['pulled'] / moved['raw']:.2%}; "
+                  f"{moved['disk'] / 2**20:.0f} MiB on disk, {moved['rows']:,} rows)")
+            if c_found != found:
+                return 1
         culprit = fault_rank(args.ranks)
         node = fault_node(args.ranks)
         members = list(range(8 * node, 8 * node + 8))

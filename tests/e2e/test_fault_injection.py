@@ -171,3 +171,33 @@ def test_regression_against_baseline_names_communication(store, host):
     assert regressions[0]["cause"] == "communication", json.dumps(regressions[0], indent=1)
     assert "communication" in regressions[0]["summary"]
     _record("extra_comm vs healthy", f"regression {regressions[0]['summary']}", None)
+
+
+def test_clickhouse_gives_the_stores_answer_on_every_job_of_this_module(store, host, tmp_path):
+    """This module's real `flare run` jobs (healthy, gc, hangs, a kill, a raise, the
+    regression pair), copied from its store into the ClickHouse exporter's `otel_traces`
+    layout in chDB as the exporter writes the same OTLP: each job's diagnosis through
+    the ClickHouse backend is the store's, label for label and line for line."""
+    pytest.importorskip("chdb", reason="chdb is not installed (pip install chdb)")
+    from flare.diagnostics.backends import clickhouse, open_backend
+    from flare.diagnostics.model import DiagnosisConfig
+    from flare.diagnostics.pipeline import diagnose
+
+    if not store.exists():
+        pytest.skip("no job of this module ran in this session")
+    chdb_backend = clickhouse.create_chdb(tmp_path / "chdb")
+    store_backend = open_backend(f"store:{store}")
+    try:
+        assert clickhouse.load_store(chdb_backend, store) > 0
+        jobs = chdb_backend.jobs()
+        assert jobs and set(jobs) <= set(store_backend.jobs())
+        for job in jobs:
+            answers = [[(a.kind, a.ranks, a.cause, a.first_step, a.last_step, a.callsite)
+                        for a in diagnose(backend.job_data(job), DiagnosisConfig(),
+                                          warn=lambda _: None).anomalies]
+                       for backend in (store_backend, chdb_backend)]
+            assert answers[1] == answers[0], job
+        print(f"\nE2E clickhouse: {len(jobs)} jobs, the store's answer on each")
+    finally:
+        chdb_backend.close()
+        store_backend.close()

@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     source = jobs.add_mutually_exclusive_group()
     source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
     source.add_argument("--backend", metavar="SPEC",
-                        help="store:PATH, jaeger+http(s)://HOST:PORT or tempo+http(s)://HOST:PORT")
+                        help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
+                             "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
     jobs.add_argument("--format", choices=("text", "json"), default="text")
     jobs.set_defaults(handler=jobs_command, command_parser=jobs)
 
@@ -142,7 +143,8 @@ def add_diagnose_options(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
     source.add_argument("--backend", metavar="SPEC",
-                        help="store:PATH, jaeger+http(s)://HOST:PORT or tempo+http(s)://HOST:PORT")
+                        help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
+                             "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
     parser.add_argument("--job", metavar="ID", help="job to diagnose (default: the only job)")
     parser.add_argument("--baseline-job", metavar="ID", help="compare against this earlier job")
     parser.add_argument("--format", choices=("text", "json", "html"), default="text")

@@ -286,6 +286,8 @@ ENV_BACKEND_CA_FILE = "FLARE_BACKEND_CA_FILE"
 ENV_BACKEND_CERT_FILE = "FLARE_BACKEND_CERT_FILE"
 ENV_BACKEND_KEY_FILE = "FLARE_BACKEND_KEY_FILE"
 ENV_BACKEND_TOKEN = "FLARE_BACKEND_TOKEN"
+ENV_BACKEND_USER = "FLARE_BACKEND_USER"  # ClickHouse: user and password (else from the URL)
+ENV_BACKEND_PASSWORD = "FLARE_BACKEND_PASSWORD"
 # The control channel's credentials (docs/collector.md, "The control channel"): a job's
 # token (HMAC of the collector's job secret; flare run makes one per run and gives it to
 # the ranks) admits its ranks as agents and scopes `flare capture` to the job; an

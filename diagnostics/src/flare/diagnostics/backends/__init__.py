@@ -1,4 +1,4 @@
-"""Trace backends diagnosis reads from: the embedded store, Jaeger, Tempo.
+"""Trace backends diagnosis reads from: the embedded store, Jaeger, Tempo, ClickHouse.
 
 `open_backend(spec)` turns a user's `--store`/`--backend` value into a `Backend`;
 each backend hands out one `JobData` per job, and detectors never see which backend
@@ -23,7 +23,8 @@ _HTTP_SCHEMES = {
 
 def open_backend(spec: str, **opts: Any) -> Backend:
     """`store:PATH` or a bare path → the DuckDB store; `jaeger+http(s)://…`,
-    `tempo+http(s)://…` → the HTTP adapters (options passed through)."""
+    `tempo+http(s)://…` → the HTTP adapters (options passed through);
+    `clickhouse+http(s)://HOST:PORT/DB` and `chdb:PATH` → ClickHouse's traces table."""
     if not spec:
         raise BackendError("no backend given (use --store PATH or --backend URL)")
     prefix, sep, rest = spec.partition("+")
@@ -36,10 +37,14 @@ def open_backend(spec: str, **opts: Any) -> Backend:
         except ImportError as exc:
             raise BackendError(f"the {prefix} backend is not available: {exc}") from exc
         return getattr(module, class_name)(rest, **opts)
+    if spec.startswith("chdb:") or (prefix == "clickhouse" and rest.startswith(("http://", "https://"))):
+        from flare.diagnostics.backends.clickhouse import ClickHouseBackend
+
+        return ClickHouseBackend(spec, **opts)
     if "://" in spec:
         raise BackendError(
-            f"unknown backend {spec!r}: use store:PATH, jaeger+http(s)://HOST:PORT "
-            "or tempo+http(s)://HOST:PORT"
+            f"unknown backend {spec!r}: use store:PATH, jaeger+http(s)://HOST:PORT, "
+            "tempo+http(s)://HOST:PORT, clickhouse+http(s)://HOST:PORT/DB or chdb:PATH"
         )
     from flare.diagnostics.backends.store import StoreBackend
 

@@ -32,7 +32,28 @@ def _list_of(value_type: str) -> str:
 BITMASK_ATTRIBUTES = frozenset({sc.STEP_GPU_THROTTLE})
 
 _TYPES: dict[str, str] = {
+    # resource (a backend that keeps values as text gives them back typed: clickhouse.py)
+    sc.RANK: _INT,
+    sc.LOCAL_RANK: _INT,
+    sc.WORLD_SIZE: _INT,
+    sc.NODE_RANK: _INT,
+    sc.RESTART_COUNT: _INT,
+    sc.PROCESS_PID: _INT,
+    sc.GPU_INDEX: _INT,
+    # spans
     sc.STEP: _INT,
+    sc.STEP_RUNQUEUE_MS: _DOUBLE,
+    sc.STEP_THREAD_CPU_MS: _DOUBLE,
+    sc.STEP_BACKWARD_MS: _DOUBLE,
+    sc.STEP_GPU_TEMPERATURE_C: _DOUBLE,
+    sc.STEP_GPU_POWER_W: _DOUBLE,
+    sc.STEP_PG_DEVICE_MS: _list_of(_DOUBLE),
+    sc.COLL_DEVICE_MS: _DOUBLE,
+    sc.COLL_P2P_PEER: _INT,
+    sc.DATALOADER_INDEX: _INT,
+    sc.KERNEL_LAUNCH_NS: _INT,
+    sc.KERNEL_LAUNCH_DUR_US: _DOUBLE,
+    sc.HEARTBEAT_STEP_OPEN_S: _DOUBLE,
     sc.STEP_DATALOADER_MS: _DOUBLE,
     sc.STEP_COLLECTIVE_WAIT_MS: _DOUBLE,
     sc.STEP_GC_MS: _DOUBLE,
@@ -230,6 +251,18 @@ def python_values(json_texts: Sequence[str | None], key: str):
                 value = None
         out.append(_coerce(value, name))
     return pa.array(out, type=arrow_type(key))
+
+
+def from_text(text: str | None, key: str) -> object:
+    """`key`'s value from the text a backend that keeps every value as text holds (the
+    ClickHouse exporter's maps: numbers and bools spelled out, lists as JSON)."""
+    name = type_name(key)
+    if text is None or name == _TEXT:
+        return text
+    try:
+        return _coerce(json.loads(text), name)
+    except ValueError:
+        return None
 
 
 def _coerce(value: object, name: str) -> object:

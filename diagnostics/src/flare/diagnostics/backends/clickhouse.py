@@ -1,0 +1,615 @@
+"""ClickHouse's OpenTelemetry traces table as a diagnosis backend.
+
+Reads the table otelcol-contrib's `clickhouse` exporter writes (`otel_traces`: one row
+per span, resource and span attributes as `Map(LowCardinality(String), String)`, every
+value as text) over HTTP(S) with `clickhouse-connect` (`clickhouse+http://HOST:8123/DB`),
+or an embedded chDB directory (`chdb:PATH`), with the same SQL.
+
+Everything a detector aggregates is aggregated in ClickHouse: the per-step, per-rank
+frame is one GROUP BY over the job's `train.step` rows, attribute values are cast in
+SQL (`toFloat64OrNull(SpanAttributes['flare.step.compute_ms'])`), and only the columns
+and attributes asked for leave the server, as Arrow. The job, span names and step range
+are filtered on the table's own columns, so the exporter's bloom-filter indexes on the
+attribute maps and its `(ServiceName, SpanName, …)` order key prune what is read.
+Values users give (job ids, span names) travel as query parameters, never as SQL text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flare.diagnostics.backends import attributes as attrs
+from flare.diagnostics.backends.base import BackendError
+from flare.diagnostics.columns import Column, Table, list_value_type
+from flare.instrumentation import semconv as sc
+
+DEFAULT_TABLE = "otel_traces"
+# The columns Flare reads; a table without them is not the exporter's traces table.
+REQUIRED_COLUMNS = ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "SpanName", "SpanKind",
+                    "ServiceName", "ResourceAttributes", "SpanAttributes", "Duration",
+                    "StatusCode", "StatusMessage", "Events.Timestamp", "Events.Name",
+                    "Events.Attributes", "Links.TraceId", "Links.SpanId", "Links.Attributes")
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+
+
+def _res(key: str) -> str:  # keys are Flare's own constants, never user text
+    return f"ResourceAttributes['{key}']"
+
+
+def _attr(key: str) -> str:
+    return f"SpanAttributes['{key}']"
+
+
+_JOB = f"if({_res(sc.JOB_ID)} = '', toString(ServiceName), {_res(sc.JOB_ID)})"
+_START = "toInt64(toUnixTimestamp64Nano(Timestamp))"
+_DURATION = "toInt64(Duration)"
+# The exporter writes kinds and status codes as text: `traceutil` spells them as the
+# proto does ("SPAN_KIND_SERVER", "STATUS_CODE_ERROR"), newer pdata as "Server", "Error".
+_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+_KIND = ("toInt8(multiIf(" + ", ".join(
+    f"upper(SpanKind) IN ('SPAN_KIND_{k}', '{k}'), {i}" for i, k in enumerate(_KINDS) if i) + ", 0))")
+_STATUS = ("toInt8(multiIf(upper(StatusCode) IN ('STATUS_CODE_ERROR', 'ERROR'), 2, "
+           "upper(StatusCode) IN ('STATUS_CODE_OK', 'OK'), 1, 0))")
+_EVENTS = ("toJSONString(arrayMap((t, n, a) -> CAST(tuple(n, toUnixTimestamp64Nano(t), a), "
+           "'Tuple(name String, time_ns Int64, attributes Map(String, String))'), "
+           "`Events.Timestamp`, `Events.Name`, `Events.Attributes`))")
+_LINKS = ("toJSONString(arrayMap((t, s, a) -> CAST(tuple(lower(t), lower(s), a), "
+          "'Tuple(trace_id String, span_id String, attributes Map(String, String))'), "
+          "`Links.TraceId`, `Links.SpanId`, `Links.Attributes`))")
+# The store's span columns (flare.exporters.store.SPAN_SQL_COLUMNS), from the table's.
+_COLUMNS: dict[str, str] = {
+    "job": _JOB,
+    "service": "toString(ServiceName)",
+    "trace_id": "lower(TraceId)",
+    "span_id": "lower(SpanId)",
+    "parent_span_id": "lower(ParentSpanId)",
+    "name": "toString(SpanName)",
+    "kind": _KIND,
+    "start_ns": _START,
+    "end_ns": f"{_START} + {_DURATION}",
+    "duration_ns": _DURATION,
+    "status_code": _STATUS,
+    "status_message": "StatusMessage",
+    "rank": f"toInt32OrNull({_res(sc.RANK)})",
+    "step": f"toInt64OrNull({_attr(sc.STEP)})",
+    "host": f"nullIf({_res(sc.HOST_NAME)}, '')",
+    "pid": f"toInt32OrNull({_res(sc.PROCESS_PID)})",
+    "attributes": "toJSONString(SpanAttributes)",
+    "resource": "toJSONString(ResourceAttributes)",
+    "events": _EVENTS,
+    "links": _LINKS,
+}
+_COLUMN_TYPES = {"kind": "int8", "status_code": "int8", "rank": "int32", "pid": "int32",
+                 "start_ns": "int64", "end_ns": "int64", "duration_ns": "int64", "step": "int64"}
+_LIST_SQL = {"int64": "Int64", "double": "Float64", "string": "String", "bool": "Bool"}
+
+
+def _typed_attribute(key: str, column: str = "SpanAttributes") -> str:
+    """`key`'s value from the map, cast in SQL to the type Flare gives it (NULL where
+    absent or not of that type); lists were written as JSON text by the exporter."""
+    value = f"{column}['{key}']"
+    name = attrs.type_name(key)
+    if name == "double":
+        return f"toFloat64OrNull({value})"
+    if name == "int64":
+        return f"toInt64OrNull({value})"
+    if name == "bool":
+        return f"multiIf({value} = 'true', true, {value} = 'false', false, NULL)"
+    if attrs.is_list(key):
+        inner = _LIST_SQL.get(list_value_type(name), "String")
+        return f"if(mapContains({column}, '{key}'), JSONExtract({value}, 'Array({inner})'), NULL)"
+    return f"if(mapContains({column}, '{key}'), {value}, NULL)"
+
+
+class _Params:
+    """Query parameters, `{p0:String}` in the SQL: ClickHouse binds them itself."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def add(self, value: Any, typ: str = "String") -> str:
+        name = f"p{len(self.values)}"
+        self.values[name] = value
+        return f"{{{name}:{typ}}}"
+
+
+class _Chdb:
+    """An embedded chDB directory. chDB serves one directory per process: backends on
+    the same directory share its session, which closes with the last of them."""
+
+    _lock = threading.Lock()
+    _open: dict[str, list] = {}  # resolved path → [session, users]
+
+    def __init__(self, path: str) -> None:
+        if not Path(path).is_dir():
+            raise BackendError(f"chDB directory {path} does not exist")
+        try:
+            from chdb import session
+        except ImportError:
+            raise BackendError("the chdb backend needs the chdb package (pip install chdb)") from None
+        self.where = f"chDB at {path}"
+        self._path = str(Path(path).resolve())
+        with self._lock:
+            entry = self._open.get(self._path)
+            if entry is None:
+                if self._open:
+                    raise BackendError(f"chDB opens one directory per process and "
+                                       f"{next(iter(self._open))} is open")
+                entry = self._open[self._path] = [_open_session(session, self._path, self.where), 0]
+            entry[1] += 1
+        self._session = entry[0]
+        self._closed = False
+
+    def arrow(self, sql: str, params: dict[str, Any]):
+        # chDB hands parameters to ClickHouse as escaped text (TSV rules)
+        text = {k: str(v).replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+                for k, v in params.items()}
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"{self.where} is closed")
+            try:
+                return self._session.query(sql, "ArrowTable", params=text)
+            except RuntimeError as exc:  # chdb.ChdbError
+                raise BackendError(f"{self.where}: {_first_line(exc)}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            entry = self._open[self._path]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._open[self._path]
+                entry[0].close()
+
+
+def _open_session(session, path: str, where: str):
+    """chDB's session; its engine prints why it cannot start on stderr itself (a second
+    process on the directory): that text goes into the one-line error instead."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as said:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(said.fileno(), 2)
+        try:
+            return session.Session(path)
+        except RuntimeError as exc:
+            said.seek(0)
+            printed = said.read().decode(errors="replace")
+            if "Another server instance" in printed or "Cannot lock file" in printed:
+                raise BackendError(f"{where} is in use by another process (chDB opens a "
+                                   "directory from one process at a time)") from None
+            raise BackendError(f"cannot open {where}: {_first_line(exc)}") from None
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+class _Http:
+    """A ClickHouse server over HTTP(S), through clickhouse-connect."""
+
+    def __init__(self, url: str, database: str) -> None:
+        try:
+            parsed = urllib.parse.urlsplit(url)
+            port = parsed.port
+        except ValueError as exc:
+            raise BackendError(f"ClickHouse URL {url!r} is not http(s)://HOST:PORT/DB "
+                               f"({str(exc).lower()})") from None
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise BackendError(f"ClickHouse URL {url!r} is not http(s)://HOST:PORT/DB")
+        try:
+            import clickhouse_connect
+            from clickhouse_connect.driver.exceptions import ClickHouseError
+        except ImportError:
+            raise BackendError("the clickhouse backend needs clickhouse-connect "
+                               "(pip install clickhouse-connect)") from None
+        self._errors = (ClickHouseError,)
+        secure = parsed.scheme == "https"
+        self.where = f"ClickHouse at {parsed.scheme}://{parsed.hostname}:{port or (8443 if secure else 8123)}"
+        env = os.environ.get
+        token = env(sc.ENV_BACKEND_TOKEN) or None
+        options: dict[str, Any] = {
+            "host": parsed.hostname, "port": port or (8443 if secure else 8123),
+            "database": database, "secure": secure,
+            "username": urllib.parse.unquote(parsed.username or "") or env(sc.ENV_BACKEND_USER) or "default",
+            "password": urllib.parse.unquote(parsed.password or "") or env(sc.ENV_BACKEND_PASSWORD) or "",
+            "connect_timeout": 10, "send_receive_timeout": 300, "compress": True,
+        }
+        if token:
+            options["access_token"] = token
+        if secure:
+            options |= {"ca_cert": env(sc.ENV_BACKEND_CA_FILE) or None,
+                        "client_cert": env(sc.ENV_BACKEND_CERT_FILE) or None,
+                        "client_cert_key": env(sc.ENV_BACKEND_KEY_FILE) or None}
+        try:
+            self._client = clickhouse_connect.get_client(**options)
+        except ClickHouseError as exc:
+            raise BackendError(f"cannot reach {self.where}: {_first_line(exc)}") from None
+
+    def arrow(self, sql: str, params: dict[str, Any]):
+        try:
+            return self._client.query_arrow(sql, parameters=params)
+        except self._errors as exc:
+            raise BackendError(f"{self.where}: {_first_line(exc)}") from None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def _split_table(spec: str) -> tuple[str, str]:
+    """`LOCATION?table=NAME` → (LOCATION, NAME); the table is checked as an identifier."""
+    location, _, query = spec.partition("?")
+    options = urllib.parse.parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(options) - {"table"})
+    if unknown:
+        raise BackendError(f"unknown ClickHouse backend option {unknown[0]!r} (only ?table=NAME)")
+    table = (options.get("table") or [DEFAULT_TABLE])[-1] or DEFAULT_TABLE
+    if not _TABLE_NAME.match(table):
+        raise BackendError(f"ClickHouse table name {table!r} is not NAME or DATABASE.NAME")
+    return location, table
+
+
+class ClickHouseBackend:
+    """`clickhouse+http(s)://[USER:PASSWORD@]HOST:PORT/DB[?table=NAME]` or `chdb:PATH`."""
+
+    def __init__(self, spec: str) -> None:
+        self.name = spec.split("?", 1)[0]
+        self.bytes_received = 0
+        if spec.startswith("chdb:"):
+            location, self.table = _split_table(spec[len("chdb:"):])
+            if not location:
+                raise BackendError("the chdb backend needs a directory: chdb:PATH")
+            self._engine: _Chdb | _Http = _Chdb(location)
+        else:
+            location, self.table = _split_table(spec.partition("+")[2])
+            parsed = urllib.parse.urlsplit(location)
+            database = parsed.path.strip("/") or "default"
+            if not _TABLE_NAME.match(database) or "." in database:
+                raise BackendError(f"ClickHouse database name {database!r} is not a NAME")
+            self._engine = _Http(urllib.parse.urlunsplit(parsed._replace(path="")), database)
+            self.name = f"clickhouse+{parsed.scheme}://{parsed.hostname}:{parsed.port or ''}/{database}"
+        self._check_table()
+
+    def _check_table(self) -> None:
+        database, _, table = self.table.rpartition(".")
+        params = _Params()
+        where_db = f"database = {params.add(database)}" if database else "database = currentDatabase()"
+        rows = self.query(f"SELECT name FROM system.columns WHERE {where_db} "
+                          f"AND table = {params.add(table)}", params).column("name").to_pylist()
+        if not rows:
+            raise BackendError(f"{self._engine.where} has no table {self.table}")
+        missing = [c for c in REQUIRED_COLUMNS if c not in rows]
+        if missing:
+            raise BackendError(f"{self.table} is not an OpenTelemetry traces table as the "
+                               f"clickhouse exporter writes it (no {', '.join(missing[:3])})")
+
+    def query(self, sql: str, params: _Params | None = None) -> Table:
+        table = self._engine.arrow(sql, params.values if params else {})
+        self.bytes_received += table.nbytes  # what the diagnosis pulled (docs/backends.md)
+        return Table.from_arrow(table)
+
+    def jobs(self) -> list[str]:
+        """Jobs with a step, an error, a hang dump or a heartbeat: the spans every rank
+        of a job sends (read through the order key's SpanName, not the whole table)."""
+        params = _Params()
+        names = ", ".join(params.add(n) for n in (sc.SPAN_STEP, sc.SPAN_ERROR, sc.SPAN_HANG,
+                                                    sc.SPAN_HEARTBEAT))
+        rows = self.query(f"SELECT DISTINCT {_JOB} AS job FROM {self.table} "
+                          f"WHERE SpanName IN ({names}) ORDER BY job", params)
+        return [j for j in rows.column("job").to_pylist() if j]
+
+    def job_data(self, job: str) -> ClickHouseJobData:
+        return ClickHouseJobData(self, job)
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+class ClickHouseJobData:
+    """`JobData` over one job of the traces table."""
+
+    def __init__(self, backend: ClickHouseBackend, job: str) -> None:
+        self._backend = backend
+        self.job = job
+        self.backend = backend.name
+
+    def _rows(self, params: _Params, where: str = "") -> str:
+        """The job's rows of the table; `where` filters on its own columns."""
+        job = params.add(self.job)
+        return (f"{self._backend.table} WHERE ({_res(sc.JOB_ID)} = {job} OR "
+                f"({_res(sc.JOB_ID)} = '' AND ServiceName = {job}))" + (f" AND {where}" if where else ""))
+
+    @staticmethod
+    def _names(names: Sequence[str], params: _Params) -> str:
+        parts = [f"SpanName = {params.add(n)}" for n in names if not n.endswith("*")]
+        parts += [f"startsWith(SpanName, {params.add(n[:-1])})" for n in names if n.endswith("*")]
+        return "(" + (" OR ".join(parts) or "false") + ")"
+
+    @staticmethod
+    def _range(first_step: int | None, last_step: int | None, ranks: Sequence[int] | None,
+               step: str = "step") -> str:
+        parts = []
+        if first_step is not None:
+            parts.append(f"{step} >= {int(first_step)}")
+        if last_step is not None:
+            parts.append(f"{step} <= {int(last_step)}")
+        if ranks is not None:
+            parts.append(f"rank IN ({', '.join(str(int(r)) for r in ranks)})" if ranks else "false")
+        return " AND ".join(parts) or "true"
+
+    def spans(
+        self,
+        names: Sequence[str],
+        attributes: Sequence[str] = (),
+        first_step: int | None = None,
+        last_step: int | None = None,
+        ranks: Sequence[int] | None = None,
+        columns: Sequence[str] | None = None,
+        limit: int | None = None,
+        status_code: int | None = None,
+    ) -> Table:
+        params = _Params()
+        cols = list(columns) if columns is not None else list(_COLUMNS)
+        unknown = [c for c in cols if c not in _COLUMNS]
+        if unknown:
+            raise ValueError(f"no span column {unknown[0]!r}")
+        needed = set(cols) | {"start_ns", "step", "rank"} | ({"status_code"} if status_code is not None else set())
+        inner = ", ".join(f"{_COLUMNS[c]} AS {c}" for c in _COLUMNS if c in needed)
+        inner += "".join(f', {_typed_attribute(a)} AS "{a}"' for a in attributes)
+        where = self._range(first_step, last_step, ranks)
+        if status_code is not None:
+            where += f" AND status_code = {int(status_code)}"
+        sql = (f"SELECT {', '.join(cols + [repr_ident(a) for a in attributes])} FROM "
+               f"(SELECT {inner} FROM {self._rows(params, self._names(names, params))}) "
+               f"WHERE {where} ORDER BY start_ns" + (f" LIMIT {int(limit)}" if limit is not None else ""))
+        table = self._backend.query(sql, params)
+        for column in ("resource", "attributes"):
+            if column in cols:
+                table = _typed_json_column(table, column)
+        return _cast(table, {c: _COLUMN_TYPES[c] for c in cols if c in _COLUMN_TYPES}
+                     | {a: attrs.type_name(a) for a in attributes})
+
+    def step_summary(
+        self,
+        attributes: Sequence[str] = (),
+        step_bucket: int = 1,
+        first_step: int | None = None,
+        last_step: int | None = None,
+    ) -> Table:
+        """As the store's: per (rank, bucket of steps) the means of train.step's duration
+        and of `attributes` (bit masks ORed), computed in ClickHouse."""
+        bucket = max(1, int(step_bucket))
+        params = _Params()
+        values = "".join(  # as the store: every value a number (bit masks integers)
+            f", to{'Int64' if a in attrs.BITMASK_ATTRIBUTES else 'Float64'}OrNull({_attr(a)}) AS v{i}"
+            for i, a in enumerate(attributes))
+        means = "".join(
+            f', toFloat32(groupBitOr(v{i})) AS "{a}"' if a in attrs.BITMASK_ATTRIBUTES
+            else f', toFloat32(avg(v{i})) AS "{a}"' for i, a in enumerate(attributes))
+        where = self._range(first_step, last_step, None, step="s")
+        sql = (
+            f"SELECT r AS rank, intDiv(s, {bucket}) * {bucket} AS step, count() AS steps, "
+            "min(s) AS first_step, max(s) AS last_step, min(b) AS start_ns, max(e) AS end_ns, "
+            f"avg(d) / 1e6 AS duration_ms{means} FROM (SELECT {_COLUMNS['rank']} AS r, "
+            f"{_COLUMNS['step']} AS s, {_START} AS b, {_START} + {_DURATION} AS e, "
+            f"{_DURATION} AS d{values} FROM {self._rows(params, f'SpanName = {params.add(sc.SPAN_STEP)}')}) "
+            f"WHERE r IS NOT NULL AND s IS NOT NULL AND {where} GROUP BY r, intDiv(s, {bucket})"
+        )
+        table = self._backend.query(sql, params)
+        return _cast(table, {"rank": "int32", "step": "int64", "steps": "int64", "first_step": "int64",
+                             "last_step": "int64", "start_ns": "int64", "end_ns": "int64",
+                             "duration_ms": "double"} | {a: "float" for a in attributes})
+
+    def _one(self, select: str, where: str, params: _Params) -> dict[str, Any]:
+        return self._backend.query(f"SELECT {select} FROM {self._rows(params, where)}",
+                                   params).to_pylist()[0]
+
+    def steps_range(self) -> tuple[int, int] | None:
+        params = _Params()
+        row = self._one(f"min({_COLUMNS['step']}) AS lo, max({_COLUMNS['step']}) AS hi",
+                        f"SpanName = {params.add(sc.SPAN_STEP)}", params)
+        return None if row["lo"] is None else (int(row["lo"]), int(row["hi"]))
+
+    def step_count(self) -> int:
+        params = _Params()
+        return int(self._one(f"uniqExact({_COLUMNS['step']}) AS n",
+                             f"SpanName = {params.add(sc.SPAN_STEP)}", params)["n"] or 0)
+
+    def ranks(self) -> list[int]:
+        params = _Params()
+        rows = self._backend.query(
+            f"SELECT DISTINCT {_COLUMNS['rank']} AS rank FROM {self._rows(params)} "
+            "ORDER BY rank", params)
+        return [int(r) for r in rows.column("rank").to_pylist() if r is not None]
+
+    def world_size(self) -> int | None:
+        params = _Params()
+        row = self._one(f"max(toInt64OrNull({_res(sc.WORLD_SIZE)})) AS ws, "
+                        f"max({_COLUMNS['rank']}) AS hi",
+                        f"SpanName = {params.add(sc.SPAN_STEP)}", params)
+        if row["ws"] is not None:
+            return int(row["ws"])
+        return None if row["hi"] is None else int(row["hi"]) + 1
+
+    def source(self) -> str | None:
+        params = _Params()
+        value = self._one(f"any(nullIf({_res(sc.JOB_SOURCE)}, '')) AS source", "", params)["source"]
+        return value or None
+
+    def rank_activity(self, names: Sequence[str]) -> Table:
+        params = _Params()
+        table = self._backend.query(
+            f"SELECT {_COLUMNS['rank']} AS rank, count() AS spans, min({_START}) AS first_start_ns, "
+            f"max({_START} + {_DURATION}) AS last_end_ns, max({_COLUMNS['step']}) AS last_step "
+            f"FROM {self._rows(params, self._names(names, params))} "
+            "GROUP BY rank HAVING rank IS NOT NULL ORDER BY rank", params)
+        return _cast(table, {"rank": "int32", "spans": "int64", "first_start_ns": "int64",
+                             "last_end_ns": "int64", "last_step": "int64"})
+
+    def rank_resources(self, names: Sequence[str]) -> Table:
+        params = _Params()
+        table = self._backend.query(
+            f"SELECT {_COLUMNS['rank']} AS rank, toJSONString(ResourceAttributes) AS resource "
+            f"FROM {self._rows(params, self._names(names, params))} GROUP BY rank, resource "
+            f"HAVING rank IS NOT NULL ORDER BY min({_START}), rank", params)
+        return _typed_json_column(_cast(table, {"rank": "int32"}), "resource")
+
+    def count(self, names: Sequence[str]) -> int:
+        params = _Params()
+        return int(self._one("count() AS n", self._names(names, params), params)["n"])
+
+
+def repr_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _cast(table: Table, types: dict[str, str]) -> Table:
+    for name, typ in types.items():
+        if name in table and table[name].type != typ:
+            table = table.append_column(name, table[name].cast(typ))
+    return table
+
+
+def _typed_json_column(table: Table, column: str) -> Table:
+    """The exporter wrote every attribute value as text; give the keys Flare knows their
+    types back (a world size is a number), so the JSON reads as the store's does."""
+    if column not in table or table.num_rows == 0:
+        return table
+    cache: dict[str, str | None] = {}
+
+    def typed(text: str | None) -> str | None:
+        if text is None:
+            return None
+        if text not in cache:
+            cache[text] = json.dumps({k: attrs.from_text(v, k) for k, v in json.loads(text).items()})
+        return cache[text]
+
+    return table.append_column(column, Column.from_values(
+        [typed(t) for t in table.column(column).to_pylist()], "string"))
+
+
+# The exporter's traces table (otelcol-contrib `clickhouse` exporter, its current
+# template), for chDB directories and tests; production tables are created by the
+# exporter itself (docs/deployment.md gives the settings Flare's queries want).
+TRACES_TABLE_SQL = """CREATE TABLE IF NOT EXISTS {table} (
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    TraceState String CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
+    SpanKind LowCardinality(String) CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion String CODEC(ZSTD(1)),
+    SpanAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    Duration UInt64 CODEC(ZSTD(1)),
+    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
+    StatusMessage String CODEC(ZSTD(1)),
+    Events Nested (Timestamp DateTime64(9), Name LowCardinality(String),
+                   Attributes Map(LowCardinality(String), String)) CODEC(ZSTD(1)),
+    Links Nested (TraceId String, SpanId String, TraceState String,
+                  Attributes Map(LowCardinality(String), String)) CODEC(ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
+    INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_res_attr_value mapValues(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_duration Duration TYPE minmax GRANULARITY 1
+) ENGINE = MergeTree
+PARTITION BY toDate(Timestamp)
+ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+
+def _as_map(json_column: str) -> str:
+    """A JSON object's members as the exporter's Map(String, String): strings without
+    their quotes, numbers, bools, lists and objects as their JSON text
+    (pcommon.Value.AsString)."""
+    kv = f"JSONExtractKeysAndValuesRaw(coalesce({json_column}, '{{}}'))"
+    return (f"CAST((arrayMap(x -> x.1, {kv}), arrayMap(x -> if(startsWith(x.2, '\"'), "
+            f"JSONExtractString(concat('[', x.2, ']'), 1), x.2), {kv})), 'Map(String, String)')")
+
+
+_KIND_NAMES = "['SPAN_KIND_UNSPECIFIED', " + ", ".join(f"'SPAN_KIND_{k}'" for k in _KINDS[1:]) + "]"
+_FROM_STORE = f"""SELECT
+    fromUnixTimestamp64Nano(start_ns) AS Timestamp, trace_id AS TraceId, span_id AS SpanId,
+    parent_span_id AS ParentSpanId, '' AS TraceState, name AS SpanName,
+    {_KIND_NAMES}[least(greatest(coalesce(kind, 0), 0), 5) + 1] AS SpanKind,
+    coalesce(service, '') AS ServiceName, {_as_map('resource')} AS ResourceAttributes,
+    '' AS ScopeName, '' AS ScopeVersion, {_as_map('attributes')} AS SpanAttributes,
+    toUInt64(greatest(duration_ns, 0)) AS Duration,
+    ['STATUS_CODE_UNSET', 'STATUS_CODE_OK', 'STATUS_CODE_ERROR'][least(greatest(coalesce(status_code, 0), 0), 2) + 1] AS StatusCode,
+    coalesce(status_message, '') AS StatusMessage,
+    arrayMap(e -> fromUnixTimestamp64Nano(JSONExtractInt(e, 'time_ns')), JSONExtractArrayRaw(coalesce(events, '[]'))) AS `Events.Timestamp`,
+    arrayMap(e -> JSONExtractString(e, 'name'), JSONExtractArrayRaw(coalesce(events, '[]'))) AS `Events.Name`,
+    arrayMap(e -> {_as_map("JSONExtractRaw(e, 'attributes')")}, JSONExtractArrayRaw(coalesce(events, '[]'))) AS `Events.Attributes`,
+    arrayMap(l -> JSONExtractString(l, 'trace_id'), JSONExtractArrayRaw(coalesce(links, '[]'))) AS `Links.TraceId`,
+    arrayMap(l -> JSONExtractString(l, 'span_id'), JSONExtractArrayRaw(coalesce(links, '[]'))) AS `Links.SpanId`,
+    arrayMap(l -> '', JSONExtractArrayRaw(coalesce(links, '[]'))) AS `Links.TraceState`,
+    arrayMap(l -> {_as_map("JSONExtractRaw(l, 'attributes')")}, JSONExtractArrayRaw(coalesce(links, '[]'))) AS `Links.Attributes`
+FROM file({{path:String}}, Parquet)"""
+
+
+def load_store(backend: ClickHouseBackend, store_path: str | os.PathLike[str], job: str | None = None) -> int:
+    """Copy a Flare store's spans (one job, or all) into a chDB directory's traces table,
+    each row as the exporter would have written it from the same OTLP: for trying the
+    backend on a store at hand, and for tests and benchmarks. Returns the rows copied."""
+    if not isinstance(backend._engine, _Chdb):
+        raise BackendError("load_store fills chDB directories only (a server is filled by the exporter)")
+    import tempfile
+
+    import duckdb
+
+    with tempfile.TemporaryDirectory() as scratch:
+        parquet = str(Path(scratch) / "spans.parquet")
+        con = duckdb.connect(str(store_path), read_only=True)
+        try:
+            where, args = ("WHERE job = ?", [job]) if job is not None else ("", [])
+            # (a store's host and pid columns came from the resource; rows imported or
+            # made without them in the resource get them back there)
+            con.execute(
+                "COPY (SELECT * REPLACE (json_merge_patch(json_merge_patch("
+                f"CASE WHEN host IS NULL THEN '{{}}' ELSE json_object('{sc.HOST_NAME}', host) END, "
+                f"CASE WHEN pid IS NULL THEN '{{}}' ELSE json_object('{sc.PROCESS_PID}', pid) END), "
+                f"coalesce(resource, '{{}}'))::VARCHAR AS resource) FROM spans {where}) "
+                f"TO '{parquet}' (FORMAT parquet)", args)
+            rows = int(con.execute(f"SELECT count(*) FROM spans {where}", args).fetchone()[0])
+        finally:
+            con.close()
+        params = _Params()
+        params.values["path"] = parquet
+        backend._engine.arrow(f"INSERT INTO {backend.table} {_FROM_STORE}", params.values)
+    return rows
+
+
+def create_chdb(path: str | os.PathLike[str], table: str = DEFAULT_TABLE) -> ClickHouseBackend:
+    """A chDB directory at `path` with an empty traces table, opened as a backend."""
+    if not _TABLE_NAME.match(table):
+        raise BackendError(f"ClickHouse table name {table!r} is not NAME or DATABASE.NAME")
+    Path(path).mkdir(parents=True, exist_ok=True)
+    engine = _Chdb(str(path))
+    database = table.rpartition(".")[0]
+    if database:
+        engine.arrow(f"CREATE DATABASE IF NOT EXISTS {database}", {})
+    try:
+        engine.arrow(TRACES_TABLE_SQL.format(table=table), {})
+        return ClickHouseBackend(f"chdb:{path}?table={table}")
+    finally:
+        engine.close()
