@@ -47,3 +47,24 @@ def test_over_many_noisy_series_early_onsets_are_rare_and_stages_still_found():
     # 21 % early and 66 % found
     assert early / trials <= 0.08, early / trials
     assert staged / trials >= 0.45, staged / trials
+
+
+def test_leave_one_out_medians_are_each_rows_peers_median():
+    """Against the definition (nanmedian of the other rows), with ties and NaNs, on 300
+    random matrices of 1-8 rows: the straggler detector's hidden-rank rule compares each
+    healthy rank with the others' median, once per rank before (53 s of a 1,024-rank
+    hour's diagnosis), from one sort now."""
+    import warnings
+
+    from flare.diagnostics.stats import leave_one_out_medians
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        rows, cols = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        values = rng.integers(0, 4, size=(rows, cols)).astype(float)
+        values[rng.random((rows, cols)) < 0.3] = np.nan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            expected = np.array([np.nanmedian(np.delete(values, i, axis=0), axis=0) if rows > 1
+                                 else np.full(cols, np.nan) for i in range(rows)])
+        assert np.allclose(leave_one_out_medians(values), expected, equal_nan=True), values

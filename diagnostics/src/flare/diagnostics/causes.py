@@ -114,17 +114,17 @@ def means(frame: StepFrame, rows: np.ndarray | list[int], cols: np.ndarray | sli
     mean keeps the erratic tail a median hides. `other_cpu` (CPU of the rank's other
     threads) rides along; NaN when the instrumentation did not report it."""
     out = {}
-    missing = np.full_like(frame.other_cpu, np.nan)
-    runqueue = frame.runqueue if frame.runqueue is not None else missing
-    thread_cpu = frame.thread_cpu if frame.thread_cpu is not None else missing
-    extra = (("other_cpu", frame.other_cpu), ("runqueue", runqueue), ("thread_cpu", thread_cpu))
+    rows = np.asarray(rows)
+    extra = (("other_cpu", frame.other_cpu), ("runqueue", frame.runqueue), ("thread_cpu", frame.thread_cpu))
     for name, matrix in (*frame.parts.items(), *extra):
-        per_step = nanmedian(matrix[np.asarray(rows)][:, cols].astype(np.float64), axis=0)
-        value = np.nanmean(per_step) if np.isfinite(per_step).any() else 0.0
-        out[name] = float(value)
-    for name, matrix in extra:
-        if not np.isfinite(matrix[np.asarray(rows)][:, cols]).any():
+        if matrix is None:  # not reported
             out[name] = math.nan
+            continue
+        block = matrix[rows][:, cols].astype(np.float64)
+        # (one rank: its own series; nanmedian of one row is ~40x slower than the row)
+        per_step = block[0] if len(rows) == 1 else nanmedian(block, axis=0)
+        finite = np.isfinite(per_step).any()
+        out[name] = float(np.nanmean(per_step)) if finite else (math.nan if name in dict(extra) else 0.0)
     return out
 
 

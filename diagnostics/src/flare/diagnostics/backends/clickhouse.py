@@ -581,6 +581,7 @@ def load_store(backend: ClickHouseBackend, store_path: str | os.PathLike[str], j
         parquet = str(Path(scratch) / "spans.parquet")
         con = duckdb.connect(str(store_path), read_only=True)
         try:
+            con.execute("SET enable_progress_bar = false")
             where, args = ("WHERE job = ?", [job]) if job is not None else ("", [])
             # (a store's host and pid columns came from the resource; rows imported or
             # made without them in the resource get them back there)
@@ -588,7 +589,8 @@ def load_store(backend: ClickHouseBackend, store_path: str | os.PathLike[str], j
                 "COPY (SELECT * REPLACE (json_merge_patch(json_merge_patch("
                 f"CASE WHEN host IS NULL THEN '{{}}' ELSE json_object('{sc.HOST_NAME}', host) END, "
                 f"CASE WHEN pid IS NULL THEN '{{}}' ELSE json_object('{sc.PROCESS_PID}', pid) END), "
-                f"coalesce(resource, '{{}}'))::VARCHAR AS resource) FROM spans {where}) "
+                f"CASE WHEN json_valid(resource) THEN resource ELSE '{{}}' END)::VARCHAR AS resource) "
+                f"FROM spans {where}) "
                 f"TO '{parquet}' (FORMAT parquet)", args)
             rows = int(con.execute(f"SELECT count(*) FROM spans {where}", args).fetchone()[0])
         finally:

@@ -38,7 +38,7 @@ from flare.diagnostics.causes import (
     work_grew,
 )
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import first_rise, nanmedian, period, runs
+from flare.diagnostics.stats import first_rise, leave_one_out_medians, nanmedian, period, runs
 
 # Members of a group must be slow over the same steps: their runs overlap this much,
 # or they begin within GROUP_ONSET_SLACK steps of each other (one episode: on a loaded
@@ -213,12 +213,16 @@ def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
     if not lasting or len(healthy) < 3:  # the candidate and two healthy peers at least
         return []
     work = frame.work.astype(np.float64)
+    # each healthy rank against the others (one sort, not one median per rank)
+    others = leave_one_out_medians(work[healthy])
     threshold = config.straggler_min_noise_units * book.noise_ms
     found = []
-    for row in healthy:
-        peers = [r for r in healthy if r != row]
-        excess = work[row] - nanmedian(work[peers], axis=0)
+    for index, row in enumerate(healthy):
+        excess = work[row] - others[index]
         mask = book.warm & (np.nan_to_num(excess, nan=-np.inf) >= threshold)
+        if mask.sum() < persist:
+            continue
+        peers = [r for r in healthy if r != row]
         spans = [(a, b) for a, b in _dense_runs(mask, persist, density)
                  if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= density]
         if not spans:
