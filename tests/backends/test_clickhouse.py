@@ -139,6 +139,13 @@ def test_a_table_that_is_not_the_exporters_is_named(stores):
     chdb_backend._engine.arrow("CREATE TABLE IF NOT EXISTS plain (x Int32) ENGINE = Memory", {})
     with pytest.raises(BackendError, match="plain is not an OpenTelemetry traces table"):
         open_backend(f"chdb:{path}?table=plain")
+    json_layout = "\n".join(
+        line for line in clickhouse.TRACES_TABLE_SQL.format(table="json_traces").replace(
+            "SpanAttributes Map(LowCardinality(String), String)", "SpanAttributes JSON").splitlines()
+        if "(SpanAttributes)" not in line)
+    chdb_backend._engine.arrow(json_layout, {})
+    with pytest.raises(BackendError, match="experimental `json: true` layout"):
+        open_backend(f"chdb:{path}?table=json_traces")
 
 
 FILL_CHDB = """

@@ -55,3 +55,25 @@ def test_loadbalancing_front_has_the_upstream_shape():
     # It is not a Flare configuration: the Flare loader says so in one line.
     with pytest.raises(ConfigError):
         config_mod.parse(doc)
+
+
+def test_clickhouse_front_has_the_upstream_shape():
+    """The otelcol-contrib front that writes ClickHouse's otel_traces and feeds the Flare
+    collectors: the settings the clickhouse exporter's README requires, the Map layout
+    Flare reads (no `json: true`), and the same loadbalancing routing as the plain front."""
+    doc = yaml.safe_load((CONFIG_DIR / "clickhouse.yaml").read_text())
+    ch = doc["exporters"]["clickhouse"]
+    assert ch["endpoint"].startswith(("tcp://", "clickhouse://", "http://", "https://"))
+    assert ch["traces_table_name"] == "otel_traces" and ch["database"]
+    assert not ch.get("json", False)
+    assert doc["exporters"]["loadbalancing"]["routing_key"] == "traceID"
+    for kind in ("receivers", "processors", "exporters"):
+        for pipeline in doc["service"]["pipelines"].values():
+            for component in pipeline.get(kind, []):
+                assert component in doc[kind], f"{component} used but not defined"
+    assert doc["service"]["pipelines"]["traces"]["exporters"] == ["clickhouse", "loadbalancing"]
+    with pytest.raises(ConfigError):
+        config_mod.parse(doc)
+    with pytest.raises(ConfigError, match="upstream otelcol-contrib"):
+        shipped.resolve("clickhouse")
+    assert shipped.resolve("clickhouse", printing=True).name == "clickhouse.yaml"

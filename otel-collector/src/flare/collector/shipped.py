@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flare.collector.errors import ConfigError
 
-NAMES = ("embedded", "secure", "jaeger", "tempo", "loadbalancing")
+NAMES = ("embedded", "secure", "jaeger", "tempo", "loadbalancing", "clickhouse")
 DASHBOARD = "flare-dashboard.json"
 
 
@@ -21,7 +21,7 @@ def folder() -> Path:
 
 
 # For the upstream OpenTelemetry Collector (otelcol-contrib), not for `flare collector`.
-UPSTREAM = ("loadbalancing",)
+UPSTREAM = ("loadbalancing", "clickhouse")
 
 
 def resolve(value: str, printing: bool = False) -> Path:

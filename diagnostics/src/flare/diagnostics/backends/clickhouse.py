@@ -289,14 +289,19 @@ class ClickHouseBackend:
         database, _, table = self.table.rpartition(".")
         params = _Params()
         where_db = f"database = {params.add(database)}" if database else "database = currentDatabase()"
-        rows = self.query(f"SELECT name FROM system.columns WHERE {where_db} "
-                          f"AND table = {params.add(table)}", params).column("name").to_pylist()
-        if not rows:
+        found = self.query(f"SELECT name, type FROM system.columns WHERE {where_db} "
+                           f"AND table = {params.add(table)}", params).to_pylist()
+        if not found:
             raise BackendError(f"{self._engine.where} has no table {self.table}")
-        missing = [c for c in REQUIRED_COLUMNS if c not in rows]
+        types = {row["name"]: row["type"] for row in found}
+        missing = [c for c in REQUIRED_COLUMNS if c not in types]
         if missing:
             raise BackendError(f"{self.table} is not an OpenTelemetry traces table as the "
                                f"clickhouse exporter writes it (no {', '.join(missing[:3])})")
+        if not types["SpanAttributes"].startswith("Map("):
+            raise BackendError(f"{self.table} keeps attributes as {types['SpanAttributes']}, the "
+                               "exporter's experimental `json: true` layout; Flare reads the default "
+                               "Map layout")
 
     def query(self, sql: str, params: _Params | None = None) -> Table:
         table = self._engine.arrow(sql, params.values if params else {})
