@@ -90,6 +90,25 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--format", choices=("text", "json"), default="text")
     jobs.set_defaults(handler=jobs_command, command_parser=jobs)
 
+    nodes = sub.add_parser(
+        "nodes", help="rank hosts by the time they cost jobs, across every job a backend holds",
+        description="Diagnose every job of a store or trace backend (those whose steps ran within "
+                    "--since) and rank hosts by the seconds jobs lost waiting on ranks they ran, "
+                    "with how many jobs each ran and was a culprit in; the hosts that were "
+                    "culprits in at least --min-jobs jobs make the exclude list (JSON: "
+                    '{"nodes": [...], "exclude": [...]}).')
+    source = nodes.add_mutually_exclusive_group()
+    source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
+    source.add_argument("--backend", metavar="SPEC",
+                        help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
+                             "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
+    nodes.add_argument("--since", metavar="AGE", help="only jobs with steps in the last AGE "
+                       "(e.g. 7d, 12h, 30m; default: every job)")
+    nodes.add_argument("--min-jobs", type=int, default=2, metavar="N",
+                       help="a host on the exclude list was a culprit in at least N jobs (default 2)")
+    nodes.add_argument("--format", choices=("text", "json"), default="text")
+    nodes.set_defaults(handler=nodes_command, command_parser=nodes)
+
     capture = sub.add_parser(
         "capture", help="ask ranks of a running job for a targeted capture (their lines of code)",
         description="Ask ranks of a running job, through the collector's OpAMP endpoint, to "
@@ -242,6 +261,30 @@ def jobs_command(args: argparse.Namespace) -> int:
         steps = "-" if r["first_step"] is None else f"{r['first_step']}-{r['last_step']}"
         print(f"{r['job']:<{width}}  {r['ranks']:>5}  {steps:<13}  {r['first_step_time'] or '-':<20}  "
               f"{r['last_step_time'] or '-'}")
+    return 0
+
+
+def nodes_command(args: argparse.Namespace) -> int:
+    from flare.diagnostics import fleet
+    from flare.diagnostics.backends import BackendError
+
+    try:
+        since_s = None if args.since is None else fleet.parse_since(args.since)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if args.min_jobs < 1:
+        raise UserError(f"--min-jobs {args.min_jobs}: at least 1")
+    backend = open_user_backend(backend_spec(args))
+    try:
+        result = fleet.fleet(backend, since_s=since_s, min_jobs=args.min_jobs)
+    except BackendError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        backend.close()
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        sys.stdout.write(fleet.format_text(result, args.min_jobs))
     return 0
 
 
