@@ -95,3 +95,50 @@ def test_flare_nodes_command(store_path):
         refused = flare_nodes(*bad)
         assert refused.returncode != 0 and refused.stderr.strip().count("\n") == 0, refused.stderr
         assert "Traceback" not in refused.stderr
+
+
+def _with_command(table: pa.Table, command: str | None) -> pa.Table:
+    resources = []
+    for text in table.column("resource").to_pylist():
+        resource = json.loads(text)
+        if command:
+            resource["process.command"] = command
+        resources.append(json.dumps(resource))
+    return table.set_column(table.column_names.index("resource"), "resource", pa.array(resources))
+
+
+def test_baseline_auto_picks_the_latest_earlier_run_of_the_same_script(tmp_path):
+    """--baseline-job auto: the most recent job that ended before this one began, with
+    the same script and world size — not a later run, not another script, not another
+    world size — named in the report; without a script recorded it says so and goes on."""
+    path = tmp_path / "store.duckdb"
+    runs = [("pretrain-1", "train.py", 4, 0, ()), ("pretrain-2", "train.py", 4, 1000, ()),
+            ("eval-1", "eval.py", 4, 1500, ()), ("pretrain-wide", "train.py", 8, 1700, ()),
+            ("pretrain-3", "train.py", 4, 2000, (Fault("communication", 0, 0),)),
+            ("pretrain-4", "train.py", 4, 3000, ()), ("no-script", None, 4, 4000, ())]
+    with flare_store.writer(path) as con:
+        for seed, (job, command, world, at_s, faults) in enumerate(runs):
+            table = job_spans(job, world, 60, faults, seed=seed, bytes_per_step=1 << 20,
+                              start_ns=1_700_000_000_000_000_000 + at_s * 10**9)
+            flare_store.insert_spans(con, _with_command(table, command))
+    picked, found = fleet.auto_baseline(open_backend(f"store:{path}"), "pretrain-3")
+    assert picked == "pretrain-2"
+    assert found == {"command": "train.py", "world_size": 4, "service": None}
+
+    def diagnose(job, fmt):
+        return subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store",
+                               str(path), "--job", job, "--baseline-job", "auto", "--format", fmt],
+                              capture_output=True, text=True, timeout=180, check=False)
+
+    done = diagnose("pretrain-3", "json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["baseline"]["job"] == "pretrain-2" and report["baseline"]["picked"] == "auto"
+    assert "regression" in [a["kind"] for a in report["anomalies"]], report["anomalies"]
+    text = diagnose("pretrain-3", "text")
+    assert ("Compared with job pretrain-2, picked as the most recent earlier job with the same "
+            "signature (script train.py, 4 ranks)") in text.stdout
+    alone = diagnose("no-script", "json")
+    assert alone.returncode == 0 and "baseline" not in json.loads(alone.stdout)
+    assert alone.stderr.strip() == ("flare: no earlier job with the same signature (no script "
+                                    "recorded): diagnosing without a baseline")

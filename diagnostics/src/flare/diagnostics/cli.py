@@ -165,7 +165,8 @@ def add_diagnose_options(parser: argparse.ArgumentParser) -> None:
                         help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
                              "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
     parser.add_argument("--job", metavar="ID", help="job to diagnose (default: the only job)")
-    parser.add_argument("--baseline-job", metavar="ID", help="compare against this earlier job")
+    parser.add_argument("--baseline-job", metavar="ID", help="compare against this earlier job; auto: "
+                        "the most recent earlier job with the same script and world size")
     parser.add_argument("--format", choices=("text", "json", "html"), default="text")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the report here, not stdout")
     parser.add_argument("--write-back", action="store_true",
@@ -346,6 +347,9 @@ def diagnose_command(args: argparse.Namespace) -> int:
         raise UserError("--interval must be positive")
     if args.baseline_job and args.baseline_job == args.job:
         raise UserError("--baseline-job is the job being diagnosed; name an earlier job")
+    if args.baseline_job == "auto" and args.follow:
+        raise UserError("--baseline-job auto picks by the finished job's spans; name the "
+                        "baseline job with --follow")
     if args.collector and not args.follow:
         raise UserError("--collector is where --follow asks captures of new labels' ranks; add --follow")
     if args.otlp_endpoint and not (args.write_back or args.follow):
@@ -359,8 +363,23 @@ def diagnose_command(args: argparse.Namespace) -> int:
             raise UserError(f"--write-back into {backend.name} needs --otlp-endpoint URL (a "
                             "trace backend is written through its OTLP receiver)")
         config = DiagnosisConfig()
-        if args.baseline_job:
+        baseline = None
+        if args.baseline_job == "auto" and not args.follow:
+            from flare.diagnostics import fleet
+
+            try:
+                name, found = fleet.auto_baseline(backend, pick_job(backend, args.job))
+            except BackendError as exc:
+                raise UserError(str(exc)) from None
+            if name is None:
+                print(f"flare: no earlier job with the same signature ({fleet.describe_signature(found)}): "
+                      "diagnosing without a baseline", file=sys.stderr)
+            else:
+                config.baseline = backend.job_data(name)
+                baseline = {"job": name, "picked": "auto", "signature": found}
+        elif args.baseline_job:
             config.baseline = backend.job_data(pick_job(backend, args.baseline_job, "baseline job"))
+            baseline = {"job": config.baseline.job, "picked": "given"}
         if args.follow:  # the service waits for the job (or the only job) to appear
             from flare.diagnostics import follow
 
@@ -376,6 +395,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
             diagnosis = pipeline.diagnose(job_data, config)
         except BackendError as exc:
             raise UserError(str(exc)) from None
+        diagnosis.baseline = baseline
         emit(diagnosis, job_data, config, args.format, args.output)
         if args.write_back:
             from flare.diagnostics import writeback  # OTLP protos: only when writing back

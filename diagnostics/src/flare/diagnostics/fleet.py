@@ -109,3 +109,56 @@ def format_text(result: dict[str, Any], min_jobs: int) -> str:
     lines.append(f"exclude (culprit in ≥ {min_jobs} of {result['jobs']} jobs): "
                  + (", ".join(result["exclude"]) or "none"))
     return "\n".join(lines) + "\n"
+
+
+def signature(job: JobData) -> dict[str, Any] | None:
+    """What makes two jobs the same training: the script the ranks run, the world size,
+    and the service name where the user set one (else it is the job id). None without a
+    script (spans of an older Flare, or not run from a file)."""
+    import json
+
+    from flare.diagnostics.model import rank_resources
+
+    for _, text in rank_resources(job, [sc.SPAN_STEP]):
+        try:
+            resource = json.loads(text) if text else {}
+        except ValueError:
+            continue
+        command = resource.get(sc.PROCESS_COMMAND)
+        if command:
+            service = resource.get(sc.SERVICE_NAME)
+            return {"command": str(command), "world_size": resource.get(sc.WORLD_SIZE),
+                    "service": None if service in (None, "", job.job) else str(service)}
+    return None
+
+
+def auto_baseline(backend: Any, job: str) -> tuple[str | None, dict[str, Any] | None]:
+    """The most recent job that ended before `job` began, with the same signature:
+    (its name or None, `job`'s signature or None)."""
+    target = backend.job_data(job)
+    wanted = signature(target)
+    starts = [r["first_start_ns"] for r in target.rank_activity([sc.SPAN_STEP]).to_pylist()
+              if r.get("first_start_ns") is not None]
+    if wanted is None or not starts:
+        return None, wanted
+    best, best_end = None, None
+    for other in backend.jobs():
+        if other == job:
+            continue
+        data = backend.job_data(other)
+        ends = [r["last_end_ns"] for r in data.rank_activity([sc.SPAN_STEP]).to_pylist()
+                if r.get("last_end_ns") is not None]
+        if not ends or max(ends) >= min(starts) or (best_end is not None and max(ends) <= best_end):
+            continue
+        if signature(data) == wanted:
+            best, best_end = other, max(ends)
+    return best, wanted
+
+
+def describe_signature(found: dict[str, Any] | None) -> str:
+    if not found:
+        return "no script recorded"
+    parts = [f"script {found['command']}", f"{found['world_size']} ranks"]
+    if found.get("service"):
+        parts.append(f"service {found['service']}")
+    return ", ".join(parts)

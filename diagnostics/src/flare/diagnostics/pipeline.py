@@ -125,6 +125,8 @@ class Diagnosis:
     # Ranks that trained and ended no step Flare could see (their optimizer is not one it
     # times): the whole step is unaccounted for; said once (see _steps_unseen).
     steps_unseen: dict | None = None
+    # The job compared with (--baseline-job): {"job", "picked": "given"|"auto", "signature"}.
+    baseline: dict | None = None
 
     def to_json(self) -> dict:
         out = {
@@ -133,6 +135,8 @@ class Diagnosis:
             "steps": None if self.steps is None else {"first": self.steps[0], "last": self.steps[1]},
             "anomalies": [a.to_json() for a in self.anomalies],
         }
+        if self.baseline:
+            out["baseline"] = dict(self.baseline)
         if self.time_lost:
             out["time_lost"] = list(self.time_lost)
         if self.withdrawn:

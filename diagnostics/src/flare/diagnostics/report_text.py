@@ -31,6 +31,13 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     head = (f"Flare diagnosis of job {diagnosis.job} ({diagnosis.backend}), "
             + (f"steps {steps[0]}-{steps[1]}" if steps else "no steps recorded"))
     lines = [head]
+    if diagnosis.baseline:
+        from flare.diagnostics.fleet import describe_signature
+
+        picked = diagnosis.baseline
+        lines.append(f"Compared with job {picked['job']}" + (
+            f", picked as the most recent earlier job with the same signature "
+            f"({describe_signature(picked.get('signature'))})" if picked.get("picked") == "auto" else "") + ".")
     unseen = diagnosis.steps_unseen
     if unseen:
         lines.append(f"Steps unseen: ranks {_ranks(unseen['ranks'])} trained for "

@@ -223,6 +223,7 @@ class ProcessIdentity:
     pid: int
     gpu_index: int | None
     gpu_uuid: str | None
+    command: str = ""
 
     def resource_attributes(self) -> dict:
         attributes = {
@@ -235,6 +236,8 @@ class ProcessIdentity:
             semconv.HOST_NAME: self.host_name,
             semconv.PROCESS_PID: self.pid,
         }
+        if self.command:
+            attributes[semconv.PROCESS_COMMAND] = self.command
         if self.gpu_index is not None:
             attributes[semconv.GPU_INDEX] = self.gpu_index
         if self.gpu_uuid:
@@ -284,4 +287,13 @@ def current_identity() -> ProcessIdentity:
         pid=os.getpid(),
         gpu_index=gpu_index,
         gpu_uuid=_gpu_uuid(gpu_index),
+        command=_command(),
     )
+
+
+def _command() -> str:
+    """The script's file name (`train.py`; `-m pkg.mod` runs give the module's file):
+    what `flare diagnose --baseline-job auto` matches earlier jobs by, with the world
+    size. No path and no arguments: those change from run to run."""
+    argv = getattr(sys, "argv", None) or [""]
+    return os.path.basename(str(argv[0])) if argv[0] not in ("", "-c", "-") else ""

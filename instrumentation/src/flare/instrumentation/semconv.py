@@ -20,6 +20,7 @@ NODE_RANK = "flare.node_rank"
 RESTART_COUNT = "flare.restart_count"
 HOST_NAME = "host.name"
 PROCESS_PID = "process.pid"
+PROCESS_COMMAND = "process.command"  # the script a rank runs (its file name): a job's signature
 GPU_INDEX = "flare.gpu.index"
 GPU_UUID = "flare.gpu.uuid"
 GPU_MODEL = "flare.gpu.model"
