@@ -25,6 +25,7 @@ class RecordedServer:
         self.routes: dict[str, Route] = {}
         self.requests: list[tuple[str, dict[str, list[str]], dict[str, str]]] = []
         self.delay_s = 0.0
+        self.bytes_sent = 0  # response bodies, for what a backend pulls
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -39,6 +40,7 @@ class RecordedServer:
                 route = server.routes.get(url.path)
                 status, body = route(query) if route else (404, b"404 page not found\n")
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                server.bytes_sent += len(data)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))

@@ -198,6 +198,34 @@ def test_diagnosis_input_through_simulated_tempo_matches_the_table(recorded_serv
     assert len(recorded_server.requests) - before <= 4
 
 
+def test_what_a_diagnosis_pulls_from_tempo(recorded_server):
+    """The Tempo path's cost, stated in docs/backends.md: a whole diagnosis of a 4-rank,
+    20-step job through the simulated Tempo (a search, then every step's whole trace as
+    OTLP JSON), in bytes received per span the job stored."""
+    from flare.diagnostics.model import DiagnosisConfig
+    from flare.diagnostics.pipeline import diagnose
+
+    start = time.time_ns() - 3600 * 10**9
+    table = job_spans("jobB", world=4, steps=20, start_ns=start, bytes_per_step=1 << 20,
+                      faults=(Fault("compute", rank=3, from_step=6),))
+    shift = [r["step"] * 1_500_000_000 for r in table.to_pylist()]
+    for column in ("start_ns", "end_ns"):
+        table = table.set_column(table.schema.get_field_index(column), column, pa.array(
+            [s + d for s, d in zip(table[column].to_pylist(), shift, strict=True)]))
+    tempo = SimulatedTempo(table)
+    recorded_server.routes["/api/search"] = tempo.search
+    for trace_id in set(table.column("trace_id").to_pylist()):
+        recorded_server.routes[f"/api/v2/traces/{trace_id}"] = lambda _q, t=trace_id: tempo.trace(t)
+    found = diagnose(TempoBackend(recorded_server.url).job_data("jobB"), DiagnosisConfig(),
+                     warn=lambda _: None).anomalies
+    assert [(a.kind, a.ranks, a.cause) for a in found] == [("straggler", [3], "compute")]
+    per_span = recorded_server.bytes_sent / table.num_rows
+    traces = sum(1 for p in recorded_server.paths() if p.startswith("/api/v2/traces/"))
+    print(f"\nTEMPO pulled {recorded_server.bytes_sent:,} bytes for {table.num_rows} spans "
+          f"({per_span:,.0f} bytes per span; {traces} trace fetches)")
+    assert traces >= 20 and per_span > 500  # every step's whole trace, as OTLP JSON
+
+
 def test_more_traces_per_second_than_the_limit_raises_the_limit(recorded_server):
     start = time.time_ns() - 600 * 10**9
     table = job_spans("jobF", world=2, steps=30, start_ns=start)  # 30 steps in ~2 s
