@@ -40,12 +40,20 @@ REQUIRED_COLUMNS = ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "SpanName"
 _TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 
 
-def _res(key: str) -> str:  # keys are Flare's own constants, never user text
-    return f"ResourceAttributes['{key}']"
+def _key(key: str) -> str:
+    """An attribute key as a SQL literal. Keys are Flare's own names, never user text;
+    one that could leave the literal is refused rather than escaped."""
+    if "'" in key or "\\" in key:
+        raise ValueError(f"attribute key {key!r} cannot be a ClickHouse map key literal")
+    return f"'{key}'"
+
+
+def _res(key: str) -> str:
+    return f"ResourceAttributes[{_key(key)}]"
 
 
 def _attr(key: str) -> str:
-    return f"SpanAttributes['{key}']"
+    return f"SpanAttributes[{_key(key)}]"
 
 
 _JOB = f"if({_res(sc.JOB_ID)} = '', toString(ServiceName), {_res(sc.JOB_ID)})"
@@ -95,7 +103,7 @@ _LIST_SQL = {"int64": "Int64", "double": "Float64", "string": "String", "bool": 
 def _typed_attribute(key: str, column: str = "SpanAttributes") -> str:
     """`key`'s value from the map, cast in SQL to the type Flare gives it (NULL where
     absent or not of that type); lists were written as JSON text by the exporter."""
-    value = f"{column}['{key}']"
+    value = f"{column}[{_key(key)}]"
     name = attrs.type_name(key)
     if name == "double":
         return f"toFloat64OrNull({value})"
@@ -105,8 +113,8 @@ def _typed_attribute(key: str, column: str = "SpanAttributes") -> str:
         return f"multiIf({value} = 'true', true, {value} = 'false', false, NULL)"
     if attrs.is_list(key):
         inner = _LIST_SQL.get(list_value_type(name), "String")
-        return f"if(mapContains({column}, '{key}'), JSONExtract({value}, 'Array({inner})'), NULL)"
-    return f"if(mapContains({column}, '{key}'), {value}, NULL)"
+        return f"if(mapContains({column}, {_key(key)}), JSONExtract({value}, 'Array({inner})'), NULL)"
+    return f"if(mapContains({column}, {_key(key)}), {value}, NULL)"
 
 
 class _Params:
@@ -375,11 +383,11 @@ class ClickHouseJobData:
             raise ValueError(f"no span column {unknown[0]!r}")
         needed = set(cols) | {"start_ns", "step", "rank"} | ({"status_code"} if status_code is not None else set())
         inner = ", ".join(f"{_COLUMNS[c]} AS {c}" for c in _COLUMNS if c in needed)
-        inner += "".join(f', {_typed_attribute(a)} AS "{a}"' for a in attributes)
+        inner += "".join(f", {_typed_attribute(a)} AS {_quoted(a)}" for a in attributes)
         where = self._range(first_step, last_step, ranks)
         if status_code is not None:
             where += f" AND status_code = {int(status_code)}"
-        sql = (f"SELECT {', '.join(cols + [repr_ident(a) for a in attributes])} FROM "
+        sql = (f"SELECT {', '.join(cols + [_quoted(a) for a in attributes])} FROM "
                f"(SELECT {inner} FROM {self._rows(params, self._names(names, params))}) "
                f"WHERE {where} ORDER BY start_ns" + (f" LIMIT {int(limit)}" if limit is not None else ""))
         table = self._backend.query(sql, params)
@@ -404,8 +412,8 @@ class ClickHouseJobData:
             f", to{'Int64' if a in attrs.BITMASK_ATTRIBUTES else 'Float64'}OrNull({_attr(a)}) AS v{i}"
             for i, a in enumerate(attributes))
         means = "".join(
-            f', toFloat32(groupBitOr(v{i})) AS "{a}"' if a in attrs.BITMASK_ATTRIBUTES
-            else f', toFloat32(avg(v{i})) AS "{a}"' for i, a in enumerate(attributes))
+            f", toFloat32(groupBitOr(v{i})) AS {_quoted(a)}" if a in attrs.BITMASK_ATTRIBUTES
+            else f", toFloat32(avg(v{i})) AS {_quoted(a)}" for i, a in enumerate(attributes))
         where = self._range(first_step, last_step, None, step="s")
         sql = (
             f"SELECT r AS rank, intDiv(s, {bucket}) * {bucket} AS step, count() AS steps, "
@@ -479,7 +487,7 @@ class ClickHouseJobData:
         return int(self._one("count() AS n", self._names(names, params), params)["n"])
 
 
-def repr_ident(name: str) -> str:
+def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
