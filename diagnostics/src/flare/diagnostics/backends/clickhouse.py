@@ -291,7 +291,11 @@ class ClickHouseBackend:
                 raise BackendError(f"ClickHouse database name {database!r} is not a NAME")
             self._engine = _Http(urllib.parse.urlunsplit(parsed._replace(path="")), database)
             self.name = f"clickhouse+{parsed.scheme}://{parsed.hostname}:{parsed.port or ''}/{database}"
-        self._check_table()
+        try:
+            self._check_table()
+        except BaseException:
+            self._engine.close()  # a refused table must not keep the directory (or server) open
+            raise
 
     def _check_table(self) -> None:
         database, _, table = self.table.rpartition(".")
