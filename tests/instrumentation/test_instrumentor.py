@@ -1148,7 +1148,9 @@ def test_framework_phases_leave_compute_for_their_own_step_figures(rank_env, tmp
     assert [c > 0 for c, _ in figures] == [False, True, True, False, False], figures
     assert [e > 0 for _, e in figures] == [False, False, False, True, False], figures
     save, evaluation = steps[1].attributes, steps[3].attributes
-    assert save[semconv.STEP_CHECKPOINT_MS] >= 300.0
+    # (a collection inside the save stays GC time, taken out of the phase: 296.7 ms of
+    # checkpoint beside the GC of a loaded fresh-clone run)
+    assert save[semconv.STEP_CHECKPOINT_MS] + save[semconv.STEP_GC_MS] >= 300.0
     # not compute: the step's own compute is a few ms quiet, tens of ms on a loaded host
     assert save[semconv.STEP_COMPUTE_MS] < save[semconv.STEP_CHECKPOINT_MS] / 2
     assert evaluation[semconv.STEP_EVALUATION_MS] >= 4 * 8.0
