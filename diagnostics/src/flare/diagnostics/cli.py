@@ -82,11 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         "jobs", help="list the jobs a store or trace backend holds, with their first and last steps",
         description="List the jobs a Flare store, Jaeger or Tempo holds (the names --job takes), "
                     "with their ranks and first and last step times.")
-    source = jobs.add_mutually_exclusive_group()
-    source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
-    source.add_argument("--backend", metavar="SPEC",
-                        help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
-                             "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
+    add_source_options(jobs)
     jobs.add_argument("--format", choices=("text", "json"), default="text")
     jobs.set_defaults(handler=jobs_command, command_parser=jobs)
 
@@ -97,11 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                     "with how many jobs each ran and was a culprit in; the hosts that were "
                     "culprits in at least --min-jobs jobs make the exclude list (JSON: "
                     '{"nodes": [...], "exclude": [...]}).')
-    source = nodes.add_mutually_exclusive_group()
-    source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
-    source.add_argument("--backend", metavar="SPEC",
-                        help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
-                             "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
+    add_source_options(nodes)
     nodes.add_argument("--since", metavar="AGE", help="only jobs with steps in the last AGE "
                        "(e.g. 7d, 12h, 30m; default: every job)")
     nodes.add_argument("--min-jobs", type=int, default=2, metavar="N",
@@ -181,6 +173,15 @@ def add_diagnose_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collector", metavar="URL",
                         help="with --follow: ask this Flare collector (its OTLP/HTTP endpoint) to "
                              "capture the ranks of each new label and a healthy peer, over OpAMP")
+
+
+def add_source_options(parser: argparse.ArgumentParser) -> None:
+    """--store PATH or --backend SPEC: where a command reads jobs from."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--store", metavar="PATH", help=f"DuckDB store (default {DEFAULT_STORE})")
+    source.add_argument("--backend", metavar="SPEC",
+                        help="store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
+                             "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
 
 
 def backend_spec(args: argparse.Namespace) -> str:
