@@ -493,6 +493,9 @@ def test_a_job_wide_slowdown_just_before_a_rank_fails_is_that_failures_echo():
     echo = Anomaly("fail_slow", [], "communication", 16, 20, 0.2, 0.8, "the job slowed down")
     assert [a.kind for a in merge([error, echo])] == ["error"]
     assert error.evidence["also"] == ["the job slowed down"]
+    hang = Anomaly("hang", [2], "software", 20, None, 1.0, 0.99, "rank 2 hung")
+    approach = Anomaly("fail_slow", [], "communication", 13, 19, 0.11, 0.7, "the job slowed down")
+    assert [a.kind for a in merge([hang, approach])] == ["hang"]
     early = Anomaly("fail_slow", [], "communication", 5, 20, 0.2, 0.8, "the fabric slowed")
     assert [a.kind for a in merge([Anomaly("error", [1], "software", 20, 20, 0.1, 0.99, "…"), early])] == [
         "error", "fail_slow"]

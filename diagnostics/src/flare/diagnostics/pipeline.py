@@ -460,8 +460,11 @@ def withdrawn(alerted: Sequence[Anomaly], final: list[Anomaly], job: JobData | N
 
 # A job-wide slowdown that begins this few steps before a rank fails (an error, a hang,
 # a rank gone) is the failure's approach or echo (the others waiting on the failing rank
-# in its last steps), not a second problem.
-FAILURE_LEAD_STEPS = 5
+# in its last steps), not a second problem. Twice the steps a slowdown must last
+# (min_persist_steps): a stretch that short right before a failure is all the evidence
+# there is of it (rank 2 hung at step 20 of a quiet run: `fail_slow [] communication`
+# over steps 13-19 beside the hang, once in a fresh-clone run).
+FAILURE_LEAD_STEPS = 10
 _FAILURES = ("error", "hang", "rank_missing")
 
 
