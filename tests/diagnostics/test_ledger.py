@@ -380,10 +380,13 @@ def test_a_ranks_stalls_inside_its_own_slowdown_of_the_same_cause_are_its_eviden
     assert slow.evidence["stalls"] == {"pattern": "periodic", "period_steps": 2, "stall_ms": 80.0,
                                        "cause": "input"}
     assert slow.summary.endswith("it stalls every 2 steps")
-    # a short stretch of the same cause inside a long pattern is not its owner: both stay
+    # a short stretch of the same cause inside a long pattern is not its owner: it is the
+    # pattern's later evidence, and the one label spans both
     burst = label("compute", 48, 58)
     checkpoint = label("compute", 8, 56, pattern="periodic", period_steps=8, stall_ms=80.0)
-    assert merge([burst, checkpoint]) == [burst, checkpoint]
+    assert merge([burst, checkpoint]) == [checkpoint]
+    assert (checkpoint.first_step, checkpoint.last_step) == (8, 58)
+    assert checkpoint.evidence["later"]["first_step"] == 48
 
 
 def test_a_hangs_time_is_named_in_where_the_time_went():
@@ -591,3 +594,23 @@ def test_a_members_stalls_inside_its_groups_label_are_its_evidence():
     found = [a for a in diagnose(_job(job_spans("j", 4, 50, faults, groups=groups))).anomalies
              if a.kind == "straggler"]
     assert [a.ranks for a in found] == [[2, 3]], [(a.ranks, a.first_step, a.evidence.get("pattern")) for a in found]
+
+
+@pytest.mark.parametrize("extra_ms", [8.0, 30.0])
+def test_a_rank_that_stalls_periodically_then_slows_on_every_step_is_one_label(extra_ms):
+    """Rank 0 stalls every 8 steps from step 8, and from step 47 its compute is slower on
+    every step too (seen on a loaded host as `straggler [0] compute @8` beside a second
+    `straggler [0] compute @47`): one rank, one cause, one label from the first stall,
+    the later stretch its evidence; where the time went credits both, once."""
+    table = job_spans("j", 4, 64, (Fault("compute", 0, 8, 80.0, every=8), Fault("compute", 0, 47, extra_ms)))
+    diagnosis = diagnose(_job(table))
+    assert [(a.kind, a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies] == [
+        ("straggler", [0], "compute", 8)], diagnosis.anomalies
+    label = diagnosis.anomalies[0]
+    assert label.evidence["period_steps"] == 8 and label.last_step == 63
+    assert abs(label.evidence["later"]["first_step"] - 47) <= 1, label.evidence["later"]
+    assert "slower on every step too" in label.summary, label.summary
+    stall_steps = set(range(8, 64, 8)) | set(range(47, 64))
+    row = next(r for r in diagnosis.time_lost if r["kind"] == "straggler")
+    assert row["share"] == pytest.approx(_measured_share(table, stall_steps), rel=0.25), diagnosis.time_lost
+    assert sum(r["share"] for r in diagnosis.time_lost) <= 1.0

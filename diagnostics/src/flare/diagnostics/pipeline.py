@@ -375,6 +375,11 @@ def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) 
             if period:  # (the evidence lists the first 50)
                 stalls = range(int(stalls[0]), int(anomaly.last_step) + 1, int(period))
             cols = np.unique([frame.column(step) for step in stalls])
+            later = anomaly.evidence.get("later")
+            if later and later.get("pattern") == "lasting" and later.get("first_step") is not None:
+                # (one label over its stalls and the later stretch it is slower on every step)
+                cols = np.union1d(cols, np.flatnonzero(
+                    (frame.steps >= later["first_step"]) & (frame.steps <= anomaly.last_step)))
         else:
             cols = np.flatnonzero((frame.steps >= frame.steps[frame.column(anomaly.first_step)])
                                   & (frame.steps <= anomaly.last_step))
@@ -548,7 +553,38 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             kept.append(anomaly)
         else:
             owner.evidence.setdefault("also", []).append(anomaly.summary)
-    return kept
+    return _one_per_stretch(kept)
+
+
+def _one_per_stretch(anomalies: list[Anomaly]) -> list[Anomaly]:
+    """One label per rank set and cause over any stretch of steps: a straggler that
+    begins inside an earlier one of the same ranks and cause (a rank's periodic stalls,
+    then from some step slower on every step as well, seen on a loaded host:
+    `straggler [0] compute` every 8 steps from step 8 and again from step 47) is that
+    label's later evidence, not a second finding; the label spans both."""
+    kept: list[Anomaly] = []
+    for anomaly in sorted(anomalies, key=lambda a: (a.first_step is None, a.first_step or 0)):
+        owner = next((s for s in kept if anomaly.kind == "straggler" and s.kind == "straggler"
+                      and sorted(s.ranks) == sorted(anomaly.ranks) and s.cause == anomaly.cause
+                      and _overlap(s, anomaly)), None)
+        if owner is None:
+            kept.append(anomaly)
+            continue
+        if owner.last_step is not None:
+            owner.last_step = None if anomaly.last_step is None else max(owner.last_step, anomaly.last_step)
+        owner.impact = max(owner.impact, anomaly.impact)  # (their losses share steps: not a sum)
+        owner.confidence = max(owner.confidence, anomaly.confidence)
+        owner.evidence["later"] = {"first_step": anomaly.first_step, "last_step": anomaly.last_step,
+                                   "pattern": anomaly.evidence.get("pattern", "lasting"),
+                                   "impact": round(anomaly.impact, 4)}
+        owner.evidence.setdefault("also", []).append(anomaly.summary)
+        period = anomaly.evidence.get("period_steps")
+        owner.summary += (f"; from step {anomaly.first_step} it also stalls every {period} steps" if period
+                          else f"; from step {anomaly.first_step} it is slower on every step too"
+                          if "pattern" not in anomaly.evidence
+                          else f"; from step {anomaly.first_step} it also stalls now and then")
+    order_of = {id(a): i for i, a in enumerate(anomalies)}
+    return sorted(kept, key=lambda a: order_of[id(a)])
 
 
 def _stragglers_behind(fail_slow: Anomaly, stragglers: list[Anomaly]) -> list[Anomaly]:
