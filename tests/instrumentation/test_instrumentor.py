@@ -743,11 +743,37 @@ def test_gradient_accumulation_with_forward_broadcasts_counts_each_sync_once(pro
         optimizer.step()
     steps = finished(process_group, semconv.SPAN_STEP)
     gradient_bytes = (16 * 32 + 32 + 32 + 32) * 4  # Linear, then BatchNorm's weight and bias
+    # and the buffers DDP broadcasts (running mean and variance, the batch count) in the
+    # first forward after a synchronised one: steps 1-3 (step 0 opened after its forward)
+    buffer_bytes = (32 + 32) * 4 + 8
     assert [s.attributes[semconv.STEP_COLLECTIVE_BYTES] for s in steps] == \
-        [gradient_bytes] * 3 + [0, 0]
+        [gradient_bytes, gradient_bytes + buffer_bytes, gradient_bytes + buffer_bytes, buffer_bytes, 0]
     # step 3's forward broadcast the buffers under no_sync(): its group advanced, and
     # still no gradient bytes were counted for it
     assert steps[3].attributes[semconv.STEP_PG_COUNTS][0] >= 1
+
+
+def test_ddps_buffer_broadcast_before_a_forward_is_a_timed_collective(process_group):
+    """DDP broadcasts a module's buffers (BatchNorm's statistics) from C++ through
+    `torch.distributed._broadcast_coalesced` before a forward; every rank waits there for
+    the slowest (transformers 4.46's GPT-2: 0.4 s for rank 0's checkpoint, read as compute
+    while untimed). It is a `broadcast` of the wrapper's group: its time is the step's
+    collective wait, its bytes the buffers', its span on detail steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(16, 32),
+                                                        torch.nn.BatchNorm1d(32)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(4):
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    broadcasts = finished(process_group, semconv.collective_span_name("broadcast"))
+    assert broadcasts, [s.name for s in process_group.get_finished_spans()]
+    assert {s.attributes[semconv.COLL_BYTES] for s in broadcasts} == {(32 + 32) * 4 + 8}
+    assert all(s.attributes[semconv.COLL_WAIT_MS] >= 0 for s in broadcasts)
+    assert all(s.attributes[semconv.STEP_COLLECTIVE_WAIT_MS] > 0
+               for s in finished(process_group, semconv.SPAN_STEP)[1:])
 
 
 def test_a_failing_collective_bookkeeping_never_fails_the_backward(process_group, monkeypatch,
