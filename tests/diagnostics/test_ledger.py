@@ -614,3 +614,27 @@ def test_a_rank_that_stalls_periodically_then_slows_on_every_step_is_one_label(e
     row = next(r for r in diagnosis.time_lost if r["kind"] == "straggler")
     assert row["share"] == pytest.approx(_measured_share(table, stall_steps), rel=0.25), diagnosis.time_lost
     assert sum(r["share"] for r in diagnosis.time_lost) <= 1.0
+
+
+def test_a_group_whose_members_slow_unequally_is_one_label_not_one_hidden_behind_the_other():
+    """A slowed pipeline stage on a loaded host: rank 2 of stage 1 +62 ms/step, rank 3
+    +44 ms/step, from step 20 (seen). The job waits for rank 2 first, so rank 3 is never
+    a culprit and was named `hidden behind rank 2` — but both members of the group began
+    together, for the same cause: the stage is slow, one label of the group."""
+    faults = (Fault("compute", 2, 20, 62.0), Fault("compute", 3, 21, 44.0))
+    groups = {"stage1": (2, 3), "stage0": (0, 1)}
+    found = straggler.detect(_job(job_spans("j", 4, 50, faults, groups=groups)), DiagnosisConfig())
+    assert [(a.ranks, a.cause) for a in found] == [([2, 3], "compute")], [
+        (a.ranks, a.first_step, a.evidence.get("hidden_behind")) for a in found]
+    assert abs(found[0].first_step - 20) <= 1 and found[0].impact > 0.3
+    assert "stage1" in found[0].summary, found[0].summary
+
+
+def test_two_causes_in_one_group_stay_two_labels_one_hidden():
+    """Rank 1's compute +40 ms/step behind rank 2's slower input: one node, two faults —
+    the hidden one keeps its own label and cause."""
+    faults = (Fault("input", 2, 20, 70.0), Fault("compute", 3, 20, 40.0))
+    groups = {"stage1": (2, 3), "stage0": (0, 1)}
+    found = straggler.detect(_job(job_spans("j", 4, 50, faults, groups=groups)), DiagnosisConfig())
+    assert sorted((a.ranks, a.cause) for a in found) == [([2], "input"), ([3], "compute")], [
+        (a.ranks, a.cause, a.first_step) for a in found]

@@ -156,6 +156,8 @@ class FlareRun:
             self.process.kill()
             raise
         self._reader.join(timeout=10)
+        # beside its report: what flare run said (live alerts, lines), to read a failure later
+        self.report_path.with_suffix(".stderr").write_text("".join(self.stderr))
         assert self.report_path.exists(), "".join(self.stderr[-30:])
         ours = flare_tracebacks(self.stderr)
         assert not ours, "\n\n".join(ours)

@@ -137,7 +137,10 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         runs_of[row] = (mask, spans, cols)
 
     slow = set(runs_of)
+    if topology is not None:
+        topology = functools.cache(topology)
     anomalies = []
+    made: dict[int, tuple[list[int], np.ndarray, np.ndarray]] = {}  # id(label): rows, mask, cols
     for rows, group in _grouped(frame, runs_of, topology):
         mask = np.logical_or.reduce([runs_of[r][0] for r in rows])
         spans = sorted(s for r in rows for s in runs_of[r][1])
@@ -189,15 +192,58 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
                 anomaly = _label(frame, config, book, rows, peers, cols, mask, group)
         anomaly.evidence["job_noise_ms"] = round(book.noise_ms, 3)
         anomalies.append(anomaly)
-    anomalies.extend(_hidden(frame, config, book, deviation, set(runs_of), anomalies, persist,
-                             density, first_warm))
+        made[id(anomaly)] = (rows, mask, cols)
+    hidden = _hidden(frame, config, book, deviation, set(runs_of), anomalies, persist,
+                     density, first_warm)
+    if hidden and topology is not None:
+        anomalies, hidden = _whole_groups(frame, config, book, topology(), slow, anomalies, made, hidden)
+    anomalies.extend(a for a, _, _, _ in hidden)
     anomalies.extend(_stalls(frame, config, book, anomalies))
     return anomalies
 
 
+def _whole_groups(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
+                  topology: topologies.Topology, slow: set[int], anomalies: list[Anomaly],
+                  made: dict, hidden: list) -> tuple[list[Anomaly], list]:
+    """A straggler and the ranks hidden behind it that together make up a group of the
+    topology, slowed from the same step (within GROUP_ONSET_SLACK) for the same cause,
+    are one label of the group: a pipeline stage whose members slowed unequally on a
+    loaded host (rank 2 +62 ms/step, rank 3 +44 ms/step, from step 20, seen) has the job
+    wait for the slower member only, and the other was named `hidden behind rank 2`.
+    Hidden ranks of another cause or onset keep their own labels (two faults at once)."""
+    present = set(frame.ranks.tolist())
+    sets = sorted({members for members in topology.groups.values()}, key=len)
+    out, used = [], set()
+    for anomaly in anomalies:
+        if id(anomaly) not in made or anomaly.evidence.get("pattern"):
+            out.append(anomaly)
+            continue
+        mine = set(anomaly.ranks)
+        alike = {int(frame.ranks[row]): (h, row, mask, cols) for h, row, mask, cols in hidden
+                 if id(h) not in used and h.cause == anomaly.cause
+                 and mine <= set(h.evidence["hidden_behind"])
+                 and abs(h.first_step - anomaly.first_step) <= GROUP_ONSET_SLACK}
+        members = next((m for m in sets if mine < set(m) <= mine | set(alike) and set(m) <= present), None)
+        if members is None:
+            out.append(anomaly)
+            continue
+        rows, mask, cols = made[id(anomaly)]
+        joined = [alike[r] for r in members if r not in mine]
+        rows = sorted([*rows, *(row for _, row, _, _ in joined)])
+        mask = np.logical_or.reduce([mask, *(m for _, _, m, _ in joined)])
+        cols = np.unique(np.concatenate([cols, *(c for _, _, _, c in joined)]))
+        peers = [r for r in range(len(frame.ranks)) if r not in slow and r not in rows] or \
+            [r for r in range(len(frame.ranks)) if r not in rows]
+        merged = _label(frame, config, book, rows, peers, cols, mask, topology.describe(members))
+        merged.evidence["job_noise_ms"] = round(book.noise_ms, 3)
+        out.append(merged)
+        used |= {id(h) for h, _, _, _ in joined}
+    return out, [entry for entry in hidden if id(entry[0]) not in used]
+
+
 def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
             deviation: np.ndarray, slow: set[int], labelled: list[Anomaly], persist: int,
-            density: float, first_warm: int) -> list[Anomaly]:
+            density: float, first_warm: int) -> list[tuple[Anomaly, int, np.ndarray, np.ndarray]]:
     """Ranks whose own time exceeds their healthy peers' over a lasting stretch in which
     a slower rank's label already stands: the job waits for the slower one first, so
     the ledger gives them no loss and no culprit step — but fixing the slower rank
@@ -206,7 +252,8 @@ def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
     3 of 4 runs. It must have become slower than its own past as well (the peers of a
     pipeline's ranks do other work by design). Each such rank is a straggler of its own, over the healthy peers,
     with `hidden_behind` the ranks it hides behind and impact 0 (it has cost nothing
-    yet); `would_cost` is the share of the run its excess would take."""
+    yet); `would_cost` is the share of the run its excess would take. Each with its row,
+    its mask of steps in excess and its columns."""
     lasting = [a for a in labelled if not a.evidence.get("pattern") and not a.evidence.get("host_starved")
                and a.first_step is not None and a.last_step is not None]
     healthy = [r for r in range(len(frame.ranks)) if r not in slow]
@@ -255,7 +302,7 @@ def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
             f"{last}: {cause} (+{ev['excess_ms_per_step']:.1f} ms/step), hidden behind {them}, "
             f"whom the job waits for first; with {them} fixed it would cost ~{would:.0%} of the "
             "run's time")
-        found.append(anomaly)
+        found.append((anomaly, row, mask, cols))
     return found
 
 
