@@ -90,3 +90,22 @@ def test_a_line_read_before_the_culprits_workers_capture_is_in_is_pending():
     assert not hotspots._workers_pending(rows, {0})
     rows.append({**_capture(2, 44, {}), sc.CAPTURE_WINDOW_STEPS: 4.5})  # arrived, even without a line
     assert not hotspots._workers_pending(rows, {2})
+
+
+def test_a_workers_recording_that_ends_after_a_live_labels_last_step_is_its_line():
+    """A live label ends at the last step every rank has sent (248); the culprit's
+    workers' recording ended in its step 250, over the 15 steps before: it is the
+    label's, and its line leads — not the training thread's wait for its batches (the
+    live line on a loaded host, seen, while the final report named the worker)."""
+    wait = "waiting in train.py:352 in main"
+    collate = "[DataLoader worker] train.py:183 in __call__"
+    rows = [{**_capture(2, step, {wait: 5.0}), sc.CAPTURE_WORKERS: 1} for step in range(231, 251)]
+    rows += [{**_capture(0, step, {"train.py:371 in main": 5.0}), sc.CAPTURE_WORKERS: 1}
+             for step in range(230, 250)]
+    rows.append({**_capture(2, 250, {collate: 91}), sc.CAPTURE_WINDOW_STEPS: 14.97})
+    rows.append({**_capture(0, 249, {}), sc.CAPTURE_WINDOW_STEPS: 14.22})
+    assert not hotspots._workers_pending(rows, {2})
+    found = hotspots._compare(rows, {2}, 40, 248)
+    assert found[0]["frame"] == collate, found
+    # a recording that ended before the label began is not its line
+    assert [h["frame"] for h in hotspots._compare(rows, {2}, 251, None)] == []

@@ -18,6 +18,8 @@ flame graph.
 
 from __future__ import annotations
 
+import math
+
 from flare.diagnostics.model import Anomaly, JobData
 from flare.instrumentation import semconv as sc
 
@@ -83,8 +85,7 @@ def name_phases(job: JobData, anomalies: list[Anomaly]) -> None:
 
 
 def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int | None) -> list[dict]:
-    rows = [r for r in rows if r.get("step") is None or not (
-        (first is not None and r["step"] < first) or (last is not None and r["step"] > last))]
+    rows = [r for r in rows if _within(r, first, last)]
     windows = [r for r in rows if _window(r)]  # the workers' recordings: per step of their own
     rows = [r for r in rows if not _window(r)]
     # Like against like: where culprit and peer were both captured over some of the same
@@ -130,6 +131,20 @@ def _compare(rows: list[dict], culprits: set[int], first: int | None, last: int 
 
     out.sort(key=order)
     return out[:TOP]
+
+
+def _within(row: dict, first: int | None, last: int | None) -> bool:
+    """Whether a capture falls in the label's steps. A workers' recording is dated by the
+    step it ended in and spans `window_steps` before it: it counts where that span meets
+    the label's steps. (A live label ends at the last step every rank has sent, which
+    can be before the step the culprit's recording ended in: read as outside, its worker
+    line was left out while its arrival said the capture was complete, and the live line
+    was the training thread's wait for its batches, seen on a loaded host.)"""
+    step = row.get("step")
+    if step is None:
+        return True
+    start = step - math.ceil(_window(row))
+    return (first is None or step >= first) and (last is None or start <= last)
 
 
 def _workers_pending(rows: list[dict], culprits: set[int]) -> bool:
