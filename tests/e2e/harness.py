@@ -59,7 +59,17 @@ def run_plain(command: list[str], cwd: Path, timeout_s: float = 240) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "FLARE_"))}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0 or _gloo_exit_abort(done.stderr), done.stderr[-3000:]
+
+
+def _gloo_exit_abort(stderr: str) -> bool:
+    """torch 2.13's gloo can abort a rank at interpreter exit, after its group is
+    destroyed ("terminate called without an active exception", SIGABRT; also without
+    Flare, pytorch/pytorch#179291): a plain run whose ranks failed only so has done its
+    work — what it wrote is checked by its test."""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)
+    return ("terminate called without an active exception" in stderr and bool(codes)
+            and all(code == "-6" for code in codes))
 
 
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
