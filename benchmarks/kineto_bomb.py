@@ -29,7 +29,7 @@ from pathlib import Path
 
 from child_measure import run_measured_status
 
-from flare.exporters.kineto import format_size, parse_size
+from flare.importers.kineto import format_size, parse_size
 
 _BLOCK = 1 << 20
 _GOOD = b'{"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 10, "dur": 1, "pid": 1, "tid": 1}'

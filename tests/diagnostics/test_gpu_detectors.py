@@ -20,7 +20,8 @@ from flare.diagnostics.detectors import (
     rank_missing,
 )
 from flare.diagnostics.model import DiagnosisConfig
-from flare.exporters import kineto, store
+from flare.exporters import store
+from flare.importers import kineto
 from flare.instrumentation import semconv as sc
 
 T0 = 1_700_000_000_000_000_000

@@ -16,7 +16,8 @@ import pytest
 
 from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.backends.store import StoreBackend
-from flare.exporters import kineto
+from flare.importers import kineto
+from flare.importers.kineto import json_stream, load
 from flare.instrumentation import semconv as sc
 
 DATA = Path(os.environ.get("FLARE_KINETO_DATA", Path(__file__).resolve().parents[3] / "shared/data/kineto"))
@@ -245,13 +246,13 @@ def test_legacy_array_format(tmp_path):
 
 def test_streaming_parser_handles_chunk_boundaries(tmp_path, monkeypatch):
     """Events split across read chunks decode exactly as json.load sees them."""
-    monkeypatch.setattr(kineto, "_CHUNK", 7)
+    monkeypatch.setattr(json_stream, "_CHUNK", 7)
     path = tmp_path / "t_rank0.json"
     _profile_cpu(path, steps=2)
     with open(path) as f:
         expected = json.load(f)
     with open(path) as f:
-        trace = kineto._StreamingTrace(f, str(path))
+        trace = json_stream.StreamingTrace(f, str(path))
         events = list(trace.events())
     assert events == expected["traceEvents"]
     assert trace.meta.get("schemaVersion") == expected.get("schemaVersion")
@@ -260,7 +261,7 @@ def test_streaming_parser_handles_chunk_boundaries(tmp_path, monkeypatch):
 def _events_of(text: str, name: str = "t.json") -> list:
     import io
 
-    return list(kineto._StreamingTrace(io.StringIO(text), name).events())
+    return list(json_stream.StreamingTrace(io.StringIO(text), name).events())
 
 
 @pytest.mark.parametrize("chunk", [64, 300, 4096, 1 << 20])
@@ -268,7 +269,7 @@ def test_chunk_batches_decode_like_json_load(tmp_path, monkeypatch, chunk):
     """Whole elements of a chunk decode in one call; the result is still json.load's,
     including where `}, {` appears inside a string or a nested object (a wrong guess at
     the last element's end) and in both compact and indented layouts."""
-    monkeypatch.setattr(kineto, "_CHUNK", chunk)
+    monkeypatch.setattr(json_stream, "_CHUNK", chunk)
     path = tmp_path / "t_rank0.json"
     _profile_cpu(path, steps=2)
     expected = json.loads(path.read_text())
@@ -281,7 +282,7 @@ def test_chunk_batches_decode_like_json_load(tmp_path, monkeypatch, chunk):
 
 
 def test_corrupt_element_inside_a_batch_names_its_offset(monkeypatch):
-    monkeypatch.setattr(kineto, "_CHUNK", 1 << 20)
+    monkeypatch.setattr(json_stream, "_CHUNK", 1 << 20)
     events = [{"ph": "X", "name": f"op{i}", "ts": i, "dur": 1} for i in range(2000)]
     text = json.dumps({"traceEvents": events})
     broken = text.replace('"name": "op1000"', '"name": "op1000" "oops"', 1)
@@ -294,7 +295,7 @@ def test_corrupt_element_inside_a_batch_names_its_offset(monkeypatch):
 
 @pytest.mark.parametrize("chunk", [1 << 12, 1 << 18, 1 << 20])
 def test_corrupt_element_offset_is_the_files_whatever_the_chunk(monkeypatch, chunk):
-    monkeypatch.setattr(kineto, "_CHUNK", chunk)
+    monkeypatch.setattr(json_stream, "_CHUNK", chunk)
     events = [{"ph": "X", "name": f"op{i}", "ts": i, "dur": 1} for i in range(20000)]
     text = json.dumps({"traceEvents": events})
     broken = text.replace('"name": "op15000"', '"name": "op15000" "oops"', 1)
@@ -374,7 +375,7 @@ def test_long_and_multibyte_rows_reach_the_store(tmp_path):
 
     from flare.exporters import store
 
-    names = [name for name, *_ in kineto._SPAN_SQL_COLUMNS]
+    names = [name for name, *_ in load.SPAN_SQL_COLUMNS]
     huge = json.dumps({"flare.kernel.name": "k" * 300_000, "note": "𝔣" * 50_000}, ensure_ascii=False)
     row = {name: None for name in names} | {
         "job": "j", "service": "j", "trace_id": "0" * 32, "span_id": "1" * 16,
@@ -382,7 +383,7 @@ def test_long_and_multibyte_rows_reach_the_store(tmp_path):
         "duration_ns": 1, "status_code": 0, "status_message": "", "rank": 0,
         "attributes": huge, "resource": "{}", "events": "[]", "links": "[]"}
     columns = {name: [row[name], row[name]] for name in names}
-    rows = kineto._RowFile(columns)
+    rows = load.RowFile(columns)
     try:
         with store.writer(tmp_path / "s.duckdb") as con:
             assert rows.insert_into(con) == 2

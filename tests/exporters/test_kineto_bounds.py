@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from flare.diagnostics.backends.store import StoreBackend
-from flare.exporters import kineto
+from flare.importers import kineto
+from flare.importers.kineto import json_stream, load
 from flare.instrumentation import semconv as sc
 
 FLARE = str(Path(sys.executable).parent / "flare")
@@ -76,7 +77,7 @@ def _event_with_name(size: int) -> tuple[bytes, bytes]:
 
 
 def _events_of(text: str, limits: kineto.Limits | None = None) -> list:
-    return list(kineto._StreamingTrace(io.StringIO(text), "t.json", limits).events())
+    return list(json_stream.StreamingTrace(io.StringIO(text), "t.json", limits).events())
 
 
 # ---------------------------------------------------------------- one bad file of several
@@ -150,7 +151,7 @@ def test_values_the_store_refuses_skip_only_that_file(tmp_path, monkeypatch):
     traces.mkdir()
     for rank in (0, 1):
         _write(traces / f"t_rank{rank}.json", _trace(rank=rank))
-    insert, calls = kineto._RowFile.insert_into, []
+    insert, calls = load.RowFile.insert_into, []
 
     def refuse_first(self, con):
         calls.append(1)
@@ -159,7 +160,7 @@ def test_values_the_store_refuses_skip_only_that_file(tmp_path, monkeypatch):
             raise duckdb.ConversionException("Conversion Error: out of range")
         return insert(self, con)
 
-    monkeypatch.setattr(kineto._RowFile, "insert_into", refuse_first)
+    monkeypatch.setattr(load.RowFile, "insert_into", refuse_first)
     store_path = tmp_path / "store.duckdb"
     result = kineto.import_directory(traces, store_path, job="refused")
     assert result.errors == [f"{traces / 't_rank0.json'}: the store refused its spans "
@@ -253,7 +254,7 @@ def test_a_string_past_the_cap_skips_its_event_in_bounded_memory(tmp_path):
     limits = kineto.Limits(max_string=64 << 10)
     spans = kineto.read_trace(path, "j", limits)
     assert spans.kernels == 1 and spans.skipped == {"with a string over 64 KiB (--max-string)": 1}
-    child = ("import resource, sys; from flare.exporters import kineto; "
+    child = ("import resource, sys; from flare.importers import kineto; "
              "kineto.read_trace(sys.argv[1], 'j', kineto.Limits(max_string=64 << 10)); "
              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     peak = {p: int(subprocess.run([sys.executable, "-c", child, str(p)], capture_output=True, text=True,
@@ -378,7 +379,7 @@ def test_long_strings_take_linear_time(tmp_path, max_string):
 def test_values_across_chunk_boundaries_decode_like_json_load(monkeypatch, chunk):
     """Every character a chunk boundary: escapes, brackets in strings, numbers, nested
     values, top-level values and keys, all read by the scan of values spanning chunks."""
-    monkeypatch.setattr(kineto, "_CHUNK", chunk)
+    monkeypatch.setattr(json_stream, "_CHUNK", chunk)
     events = [
         {"ph": "X", "name": 'q"uo\\te\\"}]{[,', "args": {"s": "\u00e9\ud83d\ude00\\u0041", "n": [[1, 2], [], {}]}},
         {"ph": "X", "ts": 1234567890.125, "dur": -0.5e-3, "ok": True, "none": None, "deep": [[[[["x"]]]]]},
@@ -388,7 +389,7 @@ def test_values_across_chunk_boundaries_decode_like_json_load(monkeypatch, chunk
              "traceEvents": events, "baseTimeNanoseconds": 1700000000000000000}
     for text in (json.dumps(trace), json.dumps(trace, indent=3), json.dumps(trace, ensure_ascii=False)):
         expected = json.loads(text)
-        stream = kineto._StreamingTrace(io.StringIO(text), "t.json")
+        stream = json_stream.StreamingTrace(io.StringIO(text), "t.json")
         assert list(stream.events()) == expected.pop("traceEvents")
         assert stream.meta == expected
 
@@ -396,13 +397,13 @@ def test_values_across_chunk_boundaries_decode_like_json_load(monkeypatch, chunk
 @pytest.mark.parametrize("text", ['{"traceEvents": [{"a": 1}, {"b": "x', '{"traceEvents": [{"a": "\\',
                                   '{"traceEvents": [{"a": [1, 2', '{"schemaVersion": 12'])
 def test_truncated_inside_a_value_spanning_chunks(monkeypatch, text):
-    monkeypatch.setattr(kineto, "_CHUNK", 3)
+    monkeypatch.setattr(json_stream, "_CHUNK", 3)
     with pytest.raises(kineto.TraceError, match=r"t\.json: truncated"):
         _events_of(text)
 
 
 def test_corrupt_value_spanning_chunks_names_its_offset(monkeypatch):
-    monkeypatch.setattr(kineto, "_CHUNK", 5)
+    monkeypatch.setattr(json_stream, "_CHUNK", 5)
     text = '{"traceEvents": [{"ph": "X"}, {"ph": "X" "name": "y"}]}'
     with pytest.raises(kineto.TraceError, match=r"t\.json: corrupt JSON at offset (\d+): Expecting ',' "
                        r"delimiter") as caught:

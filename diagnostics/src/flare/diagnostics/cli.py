@@ -422,7 +422,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
 
 
 def import_kineto_command(args: argparse.Namespace) -> int:
-    from flare.exporters import kineto
+    from flare.importers import kineto
 
     try:
         limits = kineto.Limits(max_bytes=kineto.parse_size(args.max_file_size),
