@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from flare.exporters import store
 from flare.instrumentation import semconv
-from flare.processors.otlp_values import plain
+from flare.processors.otlp_values import as_int, plain
 
 try:  # the C decoder built with the wire module; the Python code below is its reference
     from flare.instrumentation import _otlp_wire
@@ -76,16 +76,6 @@ def to_json(value: Any) -> str:
         return _encode_json(value)
     except ValueError:
         return _encode_json(_finite(value))
-
-
-def _as_int(value: Any) -> int | None:
-    """An attribute that should be an integer, tolerating senders that typed it badly."""
-    if value is None or type(value) is int:
-        return value
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
 
 
 def _events_json(events: Any) -> str:
@@ -142,7 +132,7 @@ def resource_identity(resource_attrs: dict[str, Any]) -> tuple[str, str, int | N
     service = "" if service is None else str(service)
     job = resource_attrs.get(semconv.JOB_ID)
     job = service if job in (None, "") else str(job)
-    return job, service, _as_int(resource_attrs.get(semconv.RANK))
+    return job, service, as_int(resource_attrs.get(semconv.RANK))
 
 
 # The span columns that vary per span (the rest are per resource, see SpanColumns).
@@ -292,7 +282,7 @@ class SpanColumns:
         key = (job, service, None if host is None else str(host), to_json(resource_attrs))
         index = self._resource_index.setdefault(key, len(self._resource_index))
         self._resource_of_span.extend([index] * count)
-        pid = _as_int(resource_attrs.get(semconv.PROCESS_PID))
+        pid = as_int(resource_attrs.get(semconv.PROCESS_PID))
         if pid is not None and not -(1 << 31) <= pid < 1 << 31:
             pid = None  # not a process id; an INTEGER column cannot hold it
         self.pid.extend([pid] * count)
@@ -341,9 +331,9 @@ class SpanColumns:
                     status_code.append(status.code)
                     status_message.append(status.message)
                     step = attrs.get(step_key)
-                    step_col.append(step if step is None or type(step) is int else _as_int(step))
+                    step_col.append(step if step is None or type(step) is int else as_int(step))
                     rank = attrs.get(rank_key)
-                    rank_col.append(resource_rank if rank is None else _as_int(rank))
+                    rank_col.append(resource_rank if rank is None else as_int(rank))
                     try:
                         attrs_col.append(_encode_json(attrs) if attrs else _EMPTY_OBJECT_JSON)
                     except ValueError:
@@ -409,7 +399,7 @@ class MetricColumns:
         attrs = dict(resource_attrs)
         attrs.update(attributes_dict(point.attributes))
         attrs.update(extra)
-        point_rank = _as_int(attrs.get(semconv.RANK))
+        point_rank = as_int(attrs.get(semconv.RANK))
         self.job.append(job)
         self.rank.append(rank if point_rank is None else point_rank)
         self.name.append(name)

@@ -39,6 +39,7 @@ def pick(attributes: Any, wanted: frozenset[str]) -> dict[str, Any]:
 
 
 def as_int(value: Any) -> int | None:
+    """An attribute that should be an integer, tolerating senders that typed it badly."""
     if value is None or type(value) is int:
         return value
     try:
