@@ -307,8 +307,11 @@ class FollowMetrics:
                 "flare_follow_window_spans": Family("gauge", [({}, self.window_rows)]),
                 "flare_follow_fetched_spans_total": Family("counter", [({}, self.fetched_rows)]),
                 "flare_follow_pending_anomalies": Family("gauge", [({}, self.pending)]),
-                "flare_follow_anomalies_total": Family(
-                    "counter", [({"kind": kind}, count) for kind, count in sorted(self.anomalies.items())]),
+                # every kind from zero: a counter's series exists before its first
+                # increment, so the dashboard's panel reads 0, not "no data"
+                "flare_follow_anomalies_total": Family("counter", [
+                    ({"kind": kind}, self.anomalies.get(kind, 0))
+                    for kind in sorted({*sc.ANOMALY_KINDS, *self.anomalies})]),
             }
             samples = list(self.rank_gauges) + [
                 ("flare_anomalies", {"flare_job": job, "kind": kind, "rank": rank}, float(count))
@@ -611,7 +614,7 @@ def main(
 def control_headers() -> dict[str, str]:
     """The control channel's credentials from the environment: the job's token
     (FLARE_JOB_TOKEN: that job only) and the operator's (FLARE_OPERATOR_TOKEN: any job)."""
-    from flare.diagnostics.backends.jaeger import header_token
+    from flare.diagnostics.backends.http_json import header_token
 
     headers = {}
     for env, header in ((sc.ENV_JOB_TOKEN, sc.HEADER_JOB_TOKEN),
@@ -627,9 +630,9 @@ def collector_asker(url: str):
     /flare/v1/capture (token and TLS from the FLARE_BACKEND_* settings, as for the
     backends, and the control channel's from `control_headers`); transport and HTTP
     failures are BackendErrors."""
-    from flare.diagnostics.backends.jaeger import HttpClient
+    from flare.diagnostics.backends.http_json import JsonClient
 
-    client = HttpClient(url, "the collector")
+    client = JsonClient(url, "the collector")
     headers = control_headers()
 
     def ask(job_id: str | None, ranks: list[int], steps: int, stacks: bool = True) -> dict:
