@@ -9,7 +9,8 @@ import time
 import pytest
 
 from flare.diagnostics.backends import BackendError, open_backend
-from flare.diagnostics.backends.jaeger import JaegerBackend, SpanRows, add_otlp_json, hex_id
+from flare.diagnostics.backends.jaeger import JaegerBackend
+from flare.diagnostics.backends.json_rows import SpanRows, add_otlp_json, hex_id
 
 
 def test_services_and_operations_from_api_v3(recorded_server, jaeger_fixture):

@@ -25,14 +25,9 @@ from typing import Any
 import pyarrow as pa
 
 from flare.diagnostics.backends.base import BackendError
-from flare.diagnostics.backends.jaeger import (
-    HttpClient,
-    SpanRows,
-    StepClock,
-    add_otlp_json,
-    hex_id,
-    split_window,
-)
+from flare.diagnostics.backends.http_json import JsonClient
+from flare.diagnostics.backends.json_rows import SpanRows, add_otlp_json, hex_id
+from flare.diagnostics.backends.time_windows import StepClock, split_window
 from flare.instrumentation import semconv as sc
 
 _MIN_WINDOW_NS = 2_000_000_000  # Tempo's search window is in whole seconds
@@ -132,7 +127,7 @@ class TempoBackend:
         **_ignored: Any,
     ) -> None:
         self.name = f"tempo+{url.rstrip('/')}"
-        self.http = HttpClient(
+        self.http = JsonClient(
             url, "Tempo", timeout_s=timeout_s, ca_file=ca_file, cert_file=cert_file,
             key_file=key_file, bearer_token=bearer_token,
         )
