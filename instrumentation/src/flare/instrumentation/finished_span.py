@@ -31,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
+from flare.instrumentation import sdk_adapter as sdk
 from flare.instrumentation.otlp_encoding import EncodedSpan, Unsupported, encode_finished
 
 _log = logging.getLogger(__name__)
@@ -48,8 +49,7 @@ def _noop_processor_hooks():
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
     starts = {SpanProcessor.on_start, BatchSpanProcessor.on_start, SimpleSpanProcessor.on_start}
-    endings = {getattr(cls, "_on_ending", None)
-               for cls in (SpanProcessor, BatchSpanProcessor, SimpleSpanProcessor)}
+    endings = {sdk.on_ending(cls) for cls in (SpanProcessor, BatchSpanProcessor, SimpleSpanProcessor)}
     return starts, endings - {None}
 
 
@@ -128,23 +128,13 @@ class DrainOnFlush:
 def _writes_otlp(processor) -> bool:
     """A batch processor whose exporter writes its requests with otlp_encoding (and so
     takes EncodedSpan): Flare's OTLP exporters, where their writer matches the SDK."""
-    inner = getattr(processor, "_batch_processor", None)  # SDK >= 1.33
-    exporter = getattr(inner, "_exporter", None) if inner is not None else getattr(
-        processor, "span_exporter", None)
-    return getattr(exporter, "writes_otlp_encoding", False) is True
+    return getattr(sdk.span_exporter(processor), "writes_otlp_encoding", False) is True
 
 
 def _keeps_sampled_remote(sampler):
     """`sampler` when it is the SDK's ParentBased with ALWAYS_ON for sampled remote
     parents (the default sampler, `parentbased_always_on`), else None."""
-    try:
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-    except ImportError:
-        return None
-    if type(sampler) is ParentBased and getattr(sampler, "_remote_parent_sampled",
-                                                None) is ALWAYS_ON:
-        return sampler
-    return None
+    return sampler if sdk.keeps_sampled_remote(sampler) else None
 
 
 class FinishedSpans:
@@ -156,6 +146,7 @@ class FinishedSpans:
         self._readable = ReadableSpan
         self._tracer = tracer
         self._processor = tracer.span_processor
+        self._scope = sdk.instrumentation_scope(tracer)
         self._checked: tuple | None = None
         self._held: dict = {}  # batch processor -> its own schedule delay, while held
         self._asynchronous = False
@@ -175,9 +166,7 @@ class FinishedSpans:
             return None
         if type(tracer) is not SdkTracer:
             return None
-        from flare.instrumentation.sdk_gate import internals_ok
-
-        if not internals_ok():  # an SDK Flare was not tested with: Tracer.start_span
+        if not sdk.internals_ok():  # an SDK Flare was not tested with: Tracer.start_span
             return None
         emitter = cls(tracer)
         return emitter if emitter.usable() else None
@@ -185,7 +174,7 @@ class FinishedSpans:
     def usable(self) -> bool:
         """True while the SDK path would do nothing more than this one (re-checked
         cheaply per span: processors can be added to a provider at any time)."""
-        processors = getattr(self._processor, "_span_processors", None)
+        processors = sdk.span_processors(self._processor)
         if processors is None:
             return False
         if processors is self._checked:
@@ -195,12 +184,11 @@ class FinishedSpans:
                 continue
             kind = type(processor)
             if (kind.on_start not in self._starts
-                    or getattr(kind, "_on_ending", None) not in self._endings | {None}):
+                    or sdk.on_ending(kind) not in self._endings | {None}):
                 _log.debug("flare: span processor %r has its own on_start; step spans "
                            "take the SDK path", processor)
                 return False
-        enabled = getattr(self._tracer, "_is_enabled", None)
-        if enabled is not None and not enabled():
+        if not sdk.tracer_enabled(self._tracer):
             return False
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -214,8 +202,12 @@ class FinishedSpans:
     def _batch_processors(self) -> list:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        return [p for p in getattr(self._processor, "_span_processors", ())
+        return [p for p in sdk.span_processors(self._processor) or ()
                 if isinstance(p, BatchSpanProcessor)]
+
+    def unchanged(self) -> bool:
+        """Whether the provider's processors are the ones `usable()` last checked."""
+        return sdk.span_processors(self._processor) is self._checked
 
     def batch_delay_s(self) -> float | None:
         """The shortest schedule delay of the provider's batch processors, in seconds
@@ -224,11 +216,7 @@ class FinishedSpans:
 
         delays = []
         for processor in self._batch_processors():
-            inner = getattr(processor, "_batch_processor", None)  # SDK >= 1.33
-            delay = getattr(inner, "_schedule_delay", None)
-            if delay is None:  # older SDKs keep it on the processor, in milliseconds
-                millis = getattr(processor, "schedule_delay_millis", None)
-                delay = millis / 1e3 if isinstance(millis, (int, float)) else None
+            delay = sdk.batch_schedule_s(processor)
             if delay is None:
                 try:
                     delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "5000")) / 1e3
@@ -258,24 +246,19 @@ class FinishedSpans:
                 self._hold_schedule(processor, period_s)
 
     def _hold_schedule(self, processor, period_s: float) -> None:
-        inner = getattr(processor, "_batch_processor", None)  # SDK >= 1.33
-        if inner is None or inner in self._held:
-            return
-        delay = getattr(inner, "_schedule_delay", None)
-        if isinstance(delay, (int, float)) and 0 < delay <= period_s:
-            self._held[inner] = delay
-            inner._schedule_delay = _HELD_FACTOR * period_s
+        # (a worker already held waits longer than period_s: not held twice)
+        held = sdk.hold_batch_schedule(processor, _HELD_FACTOR * period_s, period_s)
+        if held is not None:
+            worker, delay = held
+            self._held[worker] = delay
 
     def release_batch_schedules(self) -> None:
         """The batch processors' own schedules, as they were before `flush_batches`."""
         if not self._held:
             return
         held, self._held = self._held, {}
-        for inner, delay in held.items():
-            inner._schedule_delay = delay
-            awaken = getattr(inner, "_worker_awaken", None)
-            if awaken is not None:  # its wait in progress is the long one: restart it
-                awaken.set()
+        for worker, delay in held.items():
+            sdk.release_batch_schedule(worker, delay)
 
     def asynchronous(self) -> bool:
         """Usable, and every processor exports in batches from its own thread: handing
@@ -291,14 +274,8 @@ class FinishedSpans:
             return
         hook = DrainOnFlush(drain)
         processor = self._processor
-        hook._provider_processors = lambda: getattr(processor, "_span_processors", ())
-        lock = getattr(processor, "_lock", None)
-        if lock is not None and isinstance(getattr(processor, "_span_processors", None), tuple):
-            with lock:  # how the SDK's add_span_processor updates the tuple
-                processor._span_processors = (hook, *processor._span_processors)
-        elif getattr(provider, "add_span_processor", None) is not None:
-            provider.add_span_processor(hook)
-        else:
+        hook._provider_processors = lambda: sdk.span_processors(processor) or ()
+        if not sdk.prepend_span_processor(provider, processor, hook):
             return
         provider._flare_drain_on_flush = hook
         self._checked = None  # the processor tuple changed
@@ -342,11 +319,11 @@ class FinishedSpans:
                 otlp = None  # the exporter's own path decides, as for any span
             if otlp is not None:
                 processor.on_end(EncodedSpan(name, context, parent, tracer.resource,
-                                             tracer._instrumentation_scope, attributes,
+                                             self._scope, attributes,
                                              start_ns, end_ns, otlp))
                 return
         span = self._readable(name, context=context, parent=parent,
                               resource=tracer.resource, attributes=attributes,
                               kind=SpanKind.INTERNAL, start_time=start_ns, end_time=end_ns,
-                              instrumentation_scope=tracer._instrumentation_scope)
+                              instrumentation_scope=self._scope)
         processor.on_end(span)

@@ -19,12 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 
+from flare.instrumentation import sdk_adapter as sdk
+
 _log = logging.getLogger(__name__)
-
-
-# Where the SDK's batch workers log an export that raised ("Exception while exporting ...").
-_EXPORT_LOGGERS = ("opentelemetry.sdk._shared_internal", "opentelemetry.sdk.trace.export",
-                   "opentelemetry.sdk.metrics._internal.export")
 
 
 def _drop_export_errors(record: logging.LogRecord) -> bool:
@@ -34,26 +31,14 @@ def _drop_export_errors(record: logging.LogRecord) -> bool:
 def _span_exporters(tracer_provider) -> list:
     """The exporters behind a TracerProvider's processors (SDK internals, version-gated;
     [] if unknown)."""
-    from flare.instrumentation.sdk_gate import internals_ok
-
-    if not internals_ok():
+    if not sdk.internals_ok():
         return []
-    processors = getattr(getattr(tracer_provider, "_active_span_processor", None),
-                         "_span_processors", ())
-    exporters = []
-    for processor in processors:
-        exporter = getattr(processor, "span_exporter", None)
-        if exporter is None:
-            exporter = getattr(getattr(processor, "_batch_processor", None), "_exporter", None)
-        if exporter is not None:
-            exporters.append(exporter)
-    return exporters
+    exporters = [sdk.span_exporter(p) for p in sdk.provider_span_processors(tracer_provider)]
+    return [exporter for exporter in exporters if exporter is not None]
 
 
 def _metric_exporters(meter_provider) -> list:
-    config = getattr(meter_provider, "_sdk_config", None)
-    readers = getattr(config, "metric_readers", ()) or ()
-    return [r._exporter for r in readers if getattr(r, "_exporter", None) is not None]
+    return sdk.metric_exporters(meter_provider)
 
 
 class FlushDeadline:
@@ -113,7 +98,7 @@ class FlushDeadline:
         # Closing the channel under a call in flight can make that export raise (e.g. a
         # retry that starts on the closed channel); the batch worker would log it with a
         # traceback. It is the stop just announced, not news.
-        for name in _EXPORT_LOGGERS:
+        for name in sdk.EXPORT_LOGGERS:
             logging.getLogger(name).addFilter(_drop_export_errors)
         for exporter in exporters:
             try:

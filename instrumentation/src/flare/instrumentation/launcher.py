@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from flare.instrumentation.sdk_gate import major_minor
+from flare.instrumentation.sdk_adapter import major_minor
 
 _log = logging.getLogger(__name__)
 

@@ -87,8 +87,9 @@ def start(identity, capture) -> CaptureAgent | None:
 
 class CaptureAgent:
     def __init__(self, endpoint: str, identity, capture, interval_s: float) -> None:
-        from opentelemetry._opamp import OpAMPClient
         from opentelemetry.util.re import parse_env_headers
+
+        from flare.instrumentation.sdk_adapter import opamp
 
         headers = parse_env_headers(_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") or "",
                                     liberal=True)
@@ -109,7 +110,7 @@ class CaptureAgent:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flare-opamp", daemon=True)
         verify, client_certificate, client_key = http_client.otlp_tls_from_env()
-        self.client = OpAMPClient(
+        self.client = opamp().OpAMPClient(
             endpoint=endpoint,
             headers=headers,
             agent_identifying_attributes={
@@ -175,8 +176,9 @@ class CaptureAgent:
             delay = 0.0 if self._full_state else self.interval_s
 
     def _on_reply(self, reply) -> None:
-        from opentelemetry._opamp.proto import opamp_pb2
+        from flare.instrumentation.sdk_adapter import opamp_protocol
 
+        opamp_pb2 = opamp_protocol()
         if reply.HasField("error_response"):
             _log.warning("flare: rank %d: the collector's OpAMP endpoint answered an error: %s",
                          self.identity.rank, reply.error_response.error_message)
@@ -188,8 +190,9 @@ class CaptureAgent:
 
     # ------------------------------------------------------------ what the collector asks
     def _on_remote_config(self, remote) -> None:
-        from opentelemetry._opamp.proto import opamp_pb2
+        from flare.instrumentation.sdk_adapter import opamp_protocol
 
+        opamp_pb2 = opamp_protocol()
         status, error = opamp_pb2.RemoteConfigStatuses_APPLIED, ""
         try:
             for name, config in self.client.decode_remote_config(remote):
@@ -262,12 +265,12 @@ class CaptureAgent:
 def _transport():
     """The OpAMP client's transport on Flare's HTTP client (one kept-alive connection)."""
 
-    from opentelemetry._opamp import messages
-    from opentelemetry._opamp.transport.base import HttpTransport
-    from opentelemetry._opamp.transport.exceptions import OpAMPException
+    from flare.instrumentation.sdk_adapter import opamp
 
+    client = opamp()
+    messages, OpAMPException = client.messages, client.OpAMPException
 
-    class FlareTransport(HttpTransport):
+    class FlareTransport(client.HttpTransport):
         def __init__(self) -> None:
             self._client: http_client.HttpClient | None = None
 

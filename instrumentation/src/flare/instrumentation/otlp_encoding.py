@@ -319,11 +319,9 @@ def encode_request(spans: Sequence, fast: bool = True) -> bytes:
     """The serialized `ExportTraceServiceRequest` for `spans`, equal to the SDK's
     `encode_spans(spans)` once parsed. `fast=False` encodes every span with the SDK,
     except those handed over already written (`EncodedSpan`), taken as they are."""
-    from opentelemetry.exporter.otlp.proto.common._internal import (
-        _encode_instrumentation_scope,
-        _encode_resource,
-    )
-    from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import _encode_span
+    from flare.instrumentation.sdk_adapter import sdk_span_encoders
+
+    encode_resource, encode_scope, sdk_encode_span = sdk_span_encoders()
 
     groups = _Groups()
     for span in spans:
@@ -336,13 +334,13 @@ def encode_request(spans: Sequence, fast: bool = True) -> bytes:
             except (Unsupported, UnicodeEncodeError, AttributeError, TypeError, OverflowError):
                 encoded = None
         if encoded is None:
-            encoded = _encode_span(span).SerializeToString()
+            encoded = sdk_encode_span(span).SerializeToString()
         groups.spans_of(span.resource, span.instrumentation_scope or None).append(encoded)
     out = []
     for resource, scopes in groups.resources:
-        body = [_field(b"\x0a", _resources.get(resource, _encode_resource))]
+        body = [_field(b"\x0a", _resources.get(resource, encode_resource))]
         for scope, encoded_spans in scopes:
-            scope_body = [_field(b"\x0a", _scopes.get(scope, _encode_instrumentation_scope))]
+            scope_body = [_field(b"\x0a", _scopes.get(scope, encode_scope))]
             scope_body.extend([_field(b"\x12", encoded) for encoded in encoded_spans])
             if scope is not None and scope.schema_url:
                 scope_body.append(_field(b"\x1a", scope.schema_url.encode()))
@@ -402,7 +400,7 @@ def matches_sdk(spans: Sequence) -> bool:
 def writer_matches_sdk() -> bool:
     """Whether the installed SDK encodes the probe spans byte for byte as this writer
     does (checked once per process); both exporters use the SDK's encoder if not."""
-    from flare.instrumentation.sdk_gate import internals_ok
+    from flare.instrumentation.sdk_adapter import internals_ok
 
     if not internals_ok():  # the probe reads the SDK's internal encoder
         return False

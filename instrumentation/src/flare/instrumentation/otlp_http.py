@@ -16,7 +16,7 @@ headers, compression, timeout, retries with backoff and Retry-After, the size li
 the environment variables it reads). The transport is `http_client` behind the SDK's
 transport interface, with the same TLS settings (`certificate_file`, client certificate
 and key): where the SDK takes a transport (its private `_transport` argument) and is a
-version `sdk_gate` knows; elsewhere the SDK's own (requests) is kept. Not the SDK's own
+version `sdk_adapter` knows; elsewhere the SDK's own (requests) is kept. Not the SDK's own
 urllib3 transport, because stopping the exporter must end a request in flight
 (`http_client.HttpClient.close`); per request they cost about the same CPU, half of
 requests' (`benchmarks/http_transport_cost.py`).
@@ -24,7 +24,6 @@ requests' (`benchmarks/http_transport_cost.py`).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import ssl
 import threading
@@ -37,24 +36,19 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
 )
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from flare.instrumentation import http_client, otlp_encoding, sdk_gate
+from flare.instrumentation import http_client, otlp_encoding
+from flare.instrumentation import sdk_adapter as sdk
 from flare.instrumentation.http_client import HttpClient, Reply, TransportError
 
 _log = logging.getLogger(__name__)
 
-try:  # the SDK's pluggable transport (private API, opentelemetry-exporter-otlp >= 1.4x)
-    from opentelemetry.exporter.http.transport._base import BaseHTTPResult, BaseHTTPTransport
-except ImportError:  # an older SDK: its requests-based transport is kept
-    BaseHTTPResult = BaseHTTPTransport = None
+# the SDK's pluggable transport; on an older SDK its requests-based transport is kept
+BaseHTTPResult, BaseHTTPTransport = sdk.http_transport_classes()
 
 
 def _accepts_transport() -> bool:
-    if BaseHTTPTransport is None or not sdk_gate.internals_ok():
-        return False
-    try:
-        return "_transport" in inspect.signature(_SdkHttpSpanExporter.__init__).parameters
-    except (TypeError, ValueError):
-        return False
+    return (BaseHTTPTransport is not None and sdk.internals_ok()
+            and sdk.accepts_transport(_SdkHttpSpanExporter))
 
 
 def _ssl_context(verify: bool | str, cert: str | tuple | None) -> ssl.SSLContext:

@@ -10,7 +10,7 @@ from opentelemetry.sdk.resources import Resource, ResourceDetector
 
 from flare.instrumentation import semconv
 from flare.instrumentation.identity import current_identity, in_training_rank
-from flare.instrumentation.sdk_gate import torch_supported
+from flare.instrumentation.sdk_adapter import torch_supported
 
 
 class FlareResourceDetector(ResourceDetector):

@@ -328,9 +328,7 @@ class Runtime:
         if finished is None:
             return False
         # finished.asynchronous(), with its usual answer read inline (this runs cold)
-        return ((finished._asynchronous
-                 and finished._processor._span_processors is finished._checked)
-                or finished.asynchronous())
+        return (finished._asynchronous and finished.unchanged()) or finished.asynchronous()
 
     def _defer_span(self) -> PendingStepSpan | None:
         """The stand-in the step-end listeners see for a deferred step span (its
@@ -361,8 +359,7 @@ class Runtime:
             return
         finished = self._finished
         if (self._on_end_ordinary or finished is None or self.step_detail or self._children
-                or not finished._asynchronous
-                or finished._processor._span_processors is not finished._checked):
+                or not finished._asynchronous or not finished.unchanged()):
             self._boundary_general(now_ns)
             return
         # The usual case: no listener wants the ending step (so no stand-in span), its

@@ -104,15 +104,15 @@ def _adopt_flare_resource(provider, identity) -> None:
     step's trace id from it. Flare's attributes are merged into the SDK provider's
     resource, which its tracers take when created (there is no public setter); tracers
     made before keep the old one. The spans keep their own rank attributes too."""
-    from flare.instrumentation.sdk_gate import internals_ok
+    from flare.instrumentation import sdk_adapter as sdk
 
-    current = getattr(provider, "_resource", None)
-    if not isinstance(current, Resource) or not internals_ok():
+    current = sdk.provider_resource(provider)
+    if not isinstance(current, Resource) or not sdk.internals_ok():
         return  # the spans carry Flare's attributes themselves (span_fallback_attributes)
     attributes = identity.resource_attributes()
     if str(current.attributes.get(semconv.SERVICE_NAME, "")).startswith("unknown_service"):
         attributes[semconv.SERVICE_NAME] = identity.service_name  # the job, not the SDK's default
-    provider._resource = current.merge(Resource(attributes))
+    sdk.set_provider_resource(provider, current.merge(Resource(attributes)))
     _log.info("flare: 'flare' is not in OTEL_EXPERIMENTAL_RESOURCE_DETECTORS; Flare's "
               "resource attributes were added to the tracer provider's resource")
 

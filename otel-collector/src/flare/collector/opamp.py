@@ -61,10 +61,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
-from opentelemetry._opamp.proto import opamp_pb2
 
 from flare.collector.config import OpampConfig
 from flare.collector.telemetry import Counters, Refusals
+from flare.instrumentation.sdk_adapter import opamp_protocol
+
+opamp_pb2 = opamp_protocol()
 
 log = logging.getLogger(__name__)
 

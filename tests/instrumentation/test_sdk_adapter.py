@@ -4,20 +4,22 @@ step spans. Torch older than the floor: one warning where the instrumentor canno
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 from test_instrumentor import finished, make_provider, rank_env, train  # noqa: F401
 
-from flare.instrumentation import finished_span, flush_deadline, sdk_gate, semconv
+from flare.instrumentation import finished_span, flush_deadline, sdk_adapter, semconv
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
 
 
 @pytest.fixture
 def untested_sdk(monkeypatch):
-    sdk_gate.internals_ok.cache_clear()
-    monkeypatch.setattr(sdk_gate, "sdk_version", lambda: (1, 99))
+    sdk_adapter.internals_ok.cache_clear()
+    monkeypatch.setattr(sdk_adapter, "sdk_version", lambda: (1, 99))
     yield
-    sdk_gate.internals_ok.cache_clear()
+    sdk_adapter.internals_ok.cache_clear()
 
 
 def test_the_tested_range_is_the_compat_checks():
@@ -29,16 +31,16 @@ def test_the_tested_range_is_the_compat_checks():
     check_versions = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check_versions)
     floor = tuple(int(p) for p in check_versions.FLOORS["opentelemetry-sdk"].split(".")[:2])
-    assert sdk_gate.TESTED[0] == floor
+    assert sdk_adapter.TESTED[0] == floor
     # The dev set-up takes the newest SDK: a newer one than the gate knows wants
-    # `tests/compat/check_versions.py newest` run and sdk_gate.TESTED raised.
-    assert sdk_gate.TESTED[0] <= sdk_gate.sdk_version() <= sdk_gate.TESTED[1]
+    # `tests/compat/check_versions.py newest` run and sdk_adapter.TESTED raised.
+    assert sdk_adapter.TESTED[0] <= sdk_adapter.sdk_version() <= sdk_adapter.TESTED[1]
 
 
 def test_an_untested_sdk_takes_the_public_path_and_says_so_once(rank_env, untested_sdk, caplog):  # noqa: F811
     provider, exporter = make_provider()
     instrumentor = TorchTrainingInstrumentor()
-    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_gate"):
+    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_adapter"):
         instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
         try:
             assert finished_span.FinishedSpans.for_tracer(
@@ -56,9 +58,31 @@ def test_an_untested_sdk_takes_the_public_path_and_says_so_once(rank_env, untest
 def test_torch_older_than_the_floor_is_said(monkeypatch, caplog):
     import importlib.metadata
 
-    sdk_gate.torch_supported.cache_clear()
+    sdk_adapter.torch_supported.cache_clear()
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0.1")
-    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_gate"):
-        assert sdk_gate.torch_supported() is False
-    sdk_gate.torch_supported.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_adapter"):
+        assert sdk_adapter.torch_supported() is False
+    sdk_adapter.torch_supported.cache_clear()
     assert any("torch 2.0 is older than 2.1" in r.getMessage() for r in caplog.records)
+
+
+# The SDK's (and its exporters') non-public names Flare uses: sdk_adapter.py is the one
+# module that may spell them.
+_PRIVATE = re.compile(
+    r"""(\.|getattr\([^,]+,\s*["'])(_span_processors|_active_span_processor|_batch_processor"""
+    r"""|_schedule_delay|_worker_awaken|_instrumentation_scope|_is_enabled|_on_ending"""
+    r"""|_remote_parent_sampled|_sdk_config|_exporter|_resource)\b"""
+    r"""|opentelemetry\._opamp|opentelemetry\.exporter\.\S*\._internal|transport\._base""")
+
+
+def test_no_module_but_the_adapter_spells_an_sdk_private_name():
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted(root.glob("*/src/flare/**/*.py")):
+        if path.name == "sdk_adapter.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _PRIVATE.search(code) and not code.lstrip().startswith("def "):
+                found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
