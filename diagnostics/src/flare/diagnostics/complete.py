@@ -12,9 +12,10 @@ errors and failed steps, heartbeats, which rank went quiet) is passed through wh
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-from flare.diagnostics.model import JobData
+from flare.diagnostics.model import JobData, SpanQuery, SpanReader
 from flare.instrumentation import semconv as sc
 
 
@@ -23,7 +24,7 @@ def _step_aligned(names: Sequence[str]) -> bool:
         name == sc.SPAN_STEP or name.startswith(sc.SPAN_COLLECTIVE_PREFIX) for name in names)
 
 
-class CompleteSteps:
+class CompleteSteps(SpanReader):
     """A JobData view that ends at `last_step` for step-aligned spans."""
 
     def __init__(self, inner: JobData, last_step: int) -> None:
@@ -46,14 +47,10 @@ class CompleteSteps:
     def _cap(self, last_step: int | None) -> int:
         return self.last_step if last_step is None else min(last_step, self.last_step)
 
-    def spans(self, names: Sequence[str], attributes: Sequence[str] = (),
-              first_step: int | None = None, last_step: int | None = None,
-              ranks: Sequence[int] | None = None, columns: Sequence[str] | None = None,
-              limit: int | None = None, status_code: int | None = None):
-        if _step_aligned(names) and status_code is None:  # failures are read whole
-            last_step = self._cap(last_step)
-        return self._inner.spans(names, attributes, first_step, last_step, ranks, columns,
-                                 limit, status_code)
+    def query(self, q: SpanQuery):
+        if _step_aligned(q.names) and q.status_code is None:  # failures are read whole
+            q = dataclasses.replace(q, last_step=self._cap(q.last_step))
+        return self._inner.query(q)
 
     def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
                      first_step: int | None = None, last_step: int | None = None):

@@ -43,7 +43,7 @@ from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.columns import Table
 from flare.diagnostics.complete import CompleteSteps
-from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
+from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, SpanQuery, SpanReader
 from flare.exporters.store import spans_table
 from flare.instrumentation import semconv as sc
 
@@ -58,7 +58,7 @@ SAME_ONSET_STEPS = 25
 # ---------------------------------------------------------------- incremental data
 
 
-class IncrementalJobData:
+class IncrementalJobData(SpanReader):
     """A JobData whose step spans come from a local window refreshed incrementally.
 
     `refresh()` fetches the steps after the last complete one and keeps the last
@@ -125,20 +125,8 @@ class IncrementalJobData:
 
     # -- JobData
 
-    def spans(
-        self,
-        names: Sequence[str],
-        attributes: Sequence[str] = (),
-        first_step: int | None = None,
-        last_step: int | None = None,
-        ranks: Sequence[int] | None = None,
-        columns: Sequence[str] | None = None,
-        limit: int | None = None,
-        status_code: int | None = None,
-    ) -> Table:
-        source = self._local if list(names) == [sc.SPAN_STEP] else self.inner
-        return source.spans(names, attributes, first_step, last_step, ranks, columns, limit,
-                            status_code)
+    def query(self, q: SpanQuery) -> Table:
+        return (self._local if q.names == (sc.SPAN_STEP,) else self.inner).query(q)
 
     def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
                      first_step: int | None = None, last_step: int | None = None) -> Table:

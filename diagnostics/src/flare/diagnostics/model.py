@@ -72,6 +72,41 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpanQuery:
+    """What `JobData.spans` is asked, as one value: span names (a name ending in `*` is
+    a prefix), typed attribute columns to add, a step range, ranks, a subset of the
+    span columns, the first `limit` spans by start time, an OTLP status (2 = error).
+    Sequences are kept as tuples, so a query is hashable (a cache keys on it) and
+    `dataclasses.replace` narrows it (a wrapper capping the last step)."""
+
+    names: tuple[str, ...]
+    attributes: tuple[str, ...] = ()
+    first_step: int | None = None
+    last_step: int | None = None
+    ranks: tuple[int, ...] | None = None
+    columns: tuple[str, ...] | None = None
+    limit: int | None = None
+    status_code: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("names", "attributes", "ranks", "columns"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not tuple:
+                object.__setattr__(self, name, tuple(value))
+
+
+class SpanReader:
+    """`spans(...)` as JobData spells it, for a backend that answers a SpanQuery
+    (`query`): the arguments are written once, in SpanQuery."""
+
+    def spans(self, *args, **kwargs) -> Table:
+        return self.query(SpanQuery(*args, **kwargs))
+
+    def query(self, q: SpanQuery) -> Table:
+        raise NotImplementedError
+
+
 class JobData(Protocol):
     """Columnar access to one job's spans, whatever backend holds them.
 
@@ -84,17 +119,12 @@ class JobData(Protocol):
     job: str
     backend: str  # e.g. "store:/path/to/store.duckdb", "jaeger+http://host:16686"
 
-    def spans(
-        self,
-        names: Sequence[str],
-        attributes: Sequence[str] = (),
-        first_step: int | None = None,
-        last_step: int | None = None,
-        ranks: Sequence[int] | None = None,
-        columns: Sequence[str] | None = None,  # added: a subset of the span columns
-        limit: int | None = None,  # added: first N spans by start time
-        status_code: int | None = None,  # added: only spans with this OTLP status (2 = error)
-    ) -> Table: ...
+    def spans(self, *args, **kwargs) -> Table:
+        """The spans a `SpanQuery(*args, **kwargs)` asks for (SpanReader gives it from
+        `query`)."""
+        ...
+
+    def query(self, q: SpanQuery) -> Table: ...
 
     def world_size(self) -> int | None: ...
 

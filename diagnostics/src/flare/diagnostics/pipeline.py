@@ -13,7 +13,14 @@ from collections.abc import Callable, Sequence
 
 from flare.diagnostics import registry
 from flare.diagnostics.columns import Table
-from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, job_source
+from flare.diagnostics.model import (
+    Anomaly,
+    DiagnosisConfig,
+    JobData,
+    SpanQuery,
+    SpanReader,
+    job_source,
+)
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
@@ -24,7 +31,7 @@ _KIND_ORDER = {k: i for i, k in enumerate(
      "dataloader_stall", "gc_pause", "gpu_throttle", "kernel_slow", "launch_bound", "gpu_idle"))}
 
 
-class CachedJobData:
+class CachedJobData(SpanReader):
     """A JobData that remembers answers (keyed by the call's arguments)."""
 
     def __init__(self, inner: JobData) -> None:
@@ -39,13 +46,8 @@ class CachedJobData:
             self._cache[key] = getattr(self._inner, name)(*args)
         return self._cache[key]
 
-    def spans(self, names: Sequence[str], attributes: Sequence[str] = (),
-              first_step: int | None = None, last_step: int | None = None,
-              ranks: Sequence[int] | None = None, columns: Sequence[str] | None = None,
-              limit: int | None = None, status_code: int | None = None) -> Table:
-        return self._cached("spans", tuple(names), tuple(attributes), first_step, last_step,
-                            None if ranks is None else tuple(ranks),
-                            None if columns is None else tuple(columns), limit, status_code)
+    def query(self, q: SpanQuery) -> Table:
+        return self._cached("query", q)
 
     def step_summary(self, attributes: Sequence[str] = (), step_bucket: int = 1,
                      first_step: int | None = None, last_step: int | None = None) -> Table:

@@ -18,43 +18,25 @@ import pyarrow.compute as pc
 
 from flare.diagnostics.backends.attributes import BITMASK_ATTRIBUTES, python_values
 from flare.diagnostics.columns import Table
+from flare.diagnostics.model import SpanQuery, SpanReader
 from flare.exporters.store import SPAN_SCHEMA
 from flare.instrumentation import semconv as sc
 
 Fetch = Callable[[Sequence[str], "int | None", "int | None", "Sequence[int] | None"], pa.Table]
 
 
-class ArrowJobData:
+class ArrowJobData(SpanReader):
     def __init__(self, job: str, backend_name: str, fetch: Fetch) -> None:
         self.job = job
         self.backend = backend_name
         self._fetch = fetch
 
-    def spans(
-        self,
-        names: Sequence[str],
-        attributes: Sequence[str] = (),
-        first_step: int | None = None,
-        last_step: int | None = None,
-        ranks: Sequence[int] | None = None,
-        columns: Sequence[str] | None = None,
-        limit: int | None = None,
-        status_code: int | None = None,
-    ) -> Table:
-        return Table.from_arrow(self._spans(names, attributes, first_step, last_step, ranks,
-                                            columns, limit, status_code))
+    def query(self, q: SpanQuery) -> Table:
+        return Table.from_arrow(self._arrow(q))
 
-    def _spans(
-        self,
-        names: Sequence[str],
-        attributes: Sequence[str] = (),
-        first_step: int | None = None,
-        last_step: int | None = None,
-        ranks: Sequence[int] | None = None,
-        columns: Sequence[str] | None = None,
-        limit: int | None = None,
-        status_code: int | None = None,
-    ) -> pa.Table:
+    def _arrow(self, q: SpanQuery) -> pa.Table:
+        names, attributes, first_step, last_step = q.names, q.attributes, q.first_step, q.last_step
+        ranks, columns, limit, status_code = q.ranks, q.columns, q.limit, q.status_code
         table = self._fetch(list(names), first_step, last_step, ranks)
         if isinstance(table, Table):  # e.g. spans read from the store
             table = table.to_arrow()
@@ -85,7 +67,7 @@ class ArrowJobData:
         first_step: int | None = None,
         last_step: int | None = None,
     ) -> Table:
-        steps = self._spans([sc.SPAN_STEP], attributes, first_step, last_step)
+        steps = self._arrow(SpanQuery([sc.SPAN_STEP], attributes, first_step, last_step))
         steps = steps.filter(pc.and_(pc.is_valid(steps["rank"]), pc.is_valid(steps["step"])))
         bucket = max(1, int(step_bucket))
         duration_ms = pc.divide(pc.cast(steps["duration_ns"], pa.float64()), 1e6)
@@ -124,18 +106,18 @@ class ArrowJobData:
         return Table.from_arrow(table.sort_by([("step", "ascending"), ("rank", "ascending")]))
 
     def steps_range(self) -> tuple[int, int] | None:
-        steps = self._spans([sc.SPAN_STEP], columns=["step"])
+        steps = self._arrow(SpanQuery([sc.SPAN_STEP], columns=["step"]))
         if steps.num_rows == 0 or steps["step"].null_count == steps.num_rows:
             return None
         lo, hi = pc.min_max(steps["step"]).values()
         return int(lo.as_py()), int(hi.as_py())
 
     def ranks(self) -> list[int]:
-        steps = self._spans([sc.SPAN_STEP], columns=["rank"])
+        steps = self._arrow(SpanQuery([sc.SPAN_STEP], columns=["rank"]))
         return sorted(int(r) for r in pc.unique(steps["rank"]).to_pylist() if r is not None)
 
     def world_size(self) -> int | None:
-        steps = self._spans([sc.SPAN_STEP], columns=["rank", "resource"], limit=10000)
+        steps = self._arrow(SpanQuery([sc.SPAN_STEP], columns=["rank", "resource"], limit=10000))
         sizes = [
             json.loads(text).get(sc.WORLD_SIZE) for text in steps["resource"].to_pylist() if text
         ]
@@ -146,12 +128,12 @@ class ArrowJobData:
         return max(ranks) + 1 if ranks else None
 
     def source(self) -> str | None:
-        steps = self._spans([sc.SPAN_STEP, sc.SPAN_KERNEL], columns=["resource"], limit=1)
+        steps = self._arrow(SpanQuery([sc.SPAN_STEP, sc.SPAN_KERNEL], columns=["resource"], limit=1))
         texts = [t for t in steps["resource"].to_pylist() if t]
         return json.loads(texts[0]).get(sc.JOB_SOURCE) if texts else None
 
     def rank_activity(self, names: Sequence[str]) -> Table:
-        spans = self._spans(names, columns=["rank", "start_ns", "end_ns", "step"])
+        spans = self._arrow(SpanQuery(names, columns=["rank", "start_ns", "end_ns", "step"]))
         spans = spans.filter(pc.is_valid(spans["rank"]))
         out = spans.group_by("rank").aggregate(
             [("rank", "count"), ("start_ns", "min"), ("end_ns", "max"), ("step", "max")])
@@ -162,7 +144,7 @@ class ArrowJobData:
         }).sort_by("rank"))
 
     def count(self, names: Sequence[str]) -> int:
-        return self._spans(names, columns=["span_id"]).num_rows
+        return self._arrow(SpanQuery(names, columns=["span_id"])).num_rows
 
 
 def _conform(table: pa.Table) -> pa.Table:

@@ -29,6 +29,7 @@ from typing import Any
 from flare.diagnostics.backends import attributes as attrs
 from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.columns import Column, Table, list_value_type
+from flare.diagnostics.model import SpanQuery, SpanReader
 from flare.instrumentation import semconv as sc
 
 DEFAULT_TABLE = "otel_traces"
@@ -337,7 +338,7 @@ class ClickHouseBackend:
         self._engine.close()
 
 
-class ClickHouseJobData:
+class ClickHouseJobData(SpanReader):
     """`JobData` over one job of the traces table."""
 
     def __init__(self, backend: ClickHouseBackend, job: str) -> None:
@@ -369,17 +370,9 @@ class ClickHouseJobData:
             parts.append(f"rank IN ({', '.join(str(int(r)) for r in ranks)})" if ranks else "false")
         return " AND ".join(parts) or "true"
 
-    def spans(
-        self,
-        names: Sequence[str],
-        attributes: Sequence[str] = (),
-        first_step: int | None = None,
-        last_step: int | None = None,
-        ranks: Sequence[int] | None = None,
-        columns: Sequence[str] | None = None,
-        limit: int | None = None,
-        status_code: int | None = None,
-    ) -> Table:
+    def query(self, q: SpanQuery) -> Table:
+        names, attributes, first_step, last_step = q.names, q.attributes, q.first_step, q.last_step
+        ranks, columns, limit, status_code = q.ranks, q.columns, q.limit, q.status_code
         params = _Params()
         cols = list(columns) if columns is not None else list(_COLUMNS)
         unknown = [c for c in cols if c not in _COLUMNS]

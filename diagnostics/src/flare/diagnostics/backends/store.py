@@ -31,6 +31,7 @@ from flare.diagnostics.backends.attributes import (
 )
 from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.columns import Table
+from flare.diagnostics.model import SpanQuery, SpanReader
 from flare.exporters import store as flare_store
 from flare.instrumentation import semconv as sc
 
@@ -196,7 +197,7 @@ def _range_filter(
     return " AND ".join(parts or ["TRUE"]), params
 
 
-class StoreJobData:
+class StoreJobData(SpanReader):
     """`JobData` over one job in the store."""
 
     def __init__(self, backend: StoreBackend, job: str) -> None:
@@ -204,17 +205,9 @@ class StoreJobData:
         self.job = job
         self.backend = backend.name
 
-    def spans(
-        self,
-        names: Sequence[str],
-        attributes: Sequence[str] = (),
-        first_step: int | None = None,
-        last_step: int | None = None,
-        ranks: Sequence[int] | None = None,
-        columns: Sequence[str] | None = None,
-        limit: int | None = None,
-        status_code: int | None = None,
-    ) -> Table:
+    def query(self, q: SpanQuery) -> Table:
+        names, attributes, first_step, last_step = q.names, q.attributes, q.first_step, q.last_step
+        ranks, columns, limit, status_code = q.ranks, q.columns, q.limit, q.status_code
         name_sql, params = _name_filter(names)
         range_sql, range_params = _range_filter(first_step, last_step, ranks)
         if status_code is not None:
