@@ -129,7 +129,7 @@ def _link_rounds(seed: int, count: int) -> int:
     """Random per-rank windows through the C link writer, read back by protobuf."""
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-    from flare.processors import rank_correlation
+    from flare.processors import correlation_output
     from flare.processors.correlation_windows import RankArrival
 
     rng = random.Random(seed)
@@ -138,7 +138,7 @@ def _link_rounds(seed: int, count: int) -> int:
             rng.randbytes(rng.choice([0, 8, 3])), rng.randbytes(rng.choice([0, 16, 40])), 0, 0)
             for _ in range(rng.randint(0, 300))}
         span = Span()
-        rank_correlation._add_rank_links(span, ranks)
+        correlation_output._add_rank_links(span, ranks)
         Span.FromString(span.SerializeToString())
     return count
 
@@ -152,11 +152,11 @@ def main() -> None:
     from flare.collector import validate
     from flare.exporters import otlp_columns
     from flare.instrumentation import otlp_encoding
-    from flare.processors import rank_correlation, span_select
+    from flare.processors import correlation_output, span_select
 
     sanitized = sys.modules["flare.instrumentation._otlp_wire"]
     assert otlp_columns._otlp_wire is span_select._otlp_wire is otlp_encoding._otlp_wire is sanitized
-    assert rank_correlation._otlp_wire is sanitized
+    assert correlation_output._otlp_wire is sanitized
     assert validate._check_traces_strict is sanitized.check_traces_strict
     with tempfile.TemporaryDirectory() as tmp:
         stats = otlp_mutations.check_in_process(seed, count, Path(tmp) / "wal")

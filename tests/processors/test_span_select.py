@@ -18,7 +18,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from flare.instrumentation import otlp_encoding
 from flare.instrumentation import semconv as sc
-from flare.processors import rank_correlation, span_select
+from flare.processors import correlation_output, rank_correlation, span_select
 
 SOURCE = Path(sc.__file__).with_name("_otlp_wire.c")
 SELECTION = rank_correlation._SELECTION
@@ -84,7 +84,7 @@ def request() -> ExportTraceServiceRequest:
         ResourceSpans(resource={"attributes": kvs({sc.SERVICE_NAME: "s", sc.JOB_ID: "j", sc.RANK: 3,
                                                    sc.WORLD_SIZE: 8, "host.name": "h"})},
                       scope_spans=[ScopeSpans(spans=spans),
-                                   ScopeSpans(scope={"name": rank_correlation.SCOPE_NAME}, spans=spans),
+                                   ScopeSpans(scope={"name": correlation_output.SCOPE_NAME}, spans=spans),
                                    ScopeSpans(spans=[dup])]),
         ResourceSpans(scope_spans=[ScopeSpans(spans=spans[:2])]),
         ResourceSpans(),
@@ -152,12 +152,12 @@ def test_rank_links_give_the_message_the_protobuf_calls_give(fast, monkeypatch):
     ranks[0] = RankStep(b"", b"", 0, 0, None)  # empty ids are left out, rank 0 is still set
     ranks[-3] = RankArrival(b"\x01" * 8, b"\x02" * 16, 0, 0)
     ranks[2**62] = RankArrival(b"\x03" * 8, b"\x04" * 16, 0, 0)
-    monkeypatch.setattr(rank_correlation, "_otlp_wire", fast)
+    monkeypatch.setattr(correlation_output, "_otlp_wire", fast)
     merged = Span(name="x")
-    rank_correlation._add_rank_links(merged, ranks)
-    monkeypatch.setattr(rank_correlation, "_otlp_wire", None)
+    correlation_output._add_rank_links(merged, ranks)
+    monkeypatch.setattr(correlation_output, "_otlp_wire", None)
     called = Span(name="x")
-    rank_correlation._add_rank_links(called, ranks)
+    correlation_output._add_rank_links(called, ranks)
     assert merged.SerializeToString() == called.SerializeToString()
     assert [link.attributes[0].value.int_value for link in merged.links] == sorted(ranks)
     # An id that is not bytes is refused by both, as protobuf refuses it.
@@ -165,7 +165,7 @@ def test_rank_links_give_the_message_the_protobuf_calls_give(fast, monkeypatch):
     with pytest.raises(TypeError):
         fast.rank_links(odd, sc.RANK)
     with pytest.raises(TypeError):
-        rank_correlation._add_rank_links(Span(name="y"), odd)
+        correlation_output._add_rank_links(Span(name="y"), odd)
 
 
 def _random_value(rng: random.Random, depth: int = 0) -> object:
@@ -195,12 +195,12 @@ def test_the_correlators_attribute_bytes_give_the_message_key_values_gives(fast,
     the correlator takes protobuf's path, where the writer leaves a value to protobuf."""
     from flare.processors.otlp_values import key_values
 
-    monkeypatch.setattr(rank_correlation, "_otlp_wire", fast)
+    monkeypatch.setattr(correlation_output, "_otlp_wire", fast)
     rng = random.Random(5)
     written = refused = 0
     for _ in range(3000):
         attrs = {rng.choice(["", "k", "flare.x"]) + str(i): _random_value(rng) for i in range(rng.randrange(7))}
-        wire = rank_correlation._wire(attrs)
+        wire = correlation_output._wire(attrs)
         if wire is None:
             refused += 1
             continue
@@ -211,10 +211,10 @@ def test_the_correlators_attribute_bytes_give_the_message_key_values_gives(fast,
     assert written > 2000 and refused > 50
     # What protobuf refuses, the writer refuses (the correlator then takes protobuf's path).
     for bad in ({"x": 2**64}, {"x": "\ud800"}, {"\ud800": 1}, {1: 2}):
-        assert rank_correlation._wire(bad) is None
+        assert correlation_output._wire(bad) is None
         with pytest.raises((OverflowError, ValueError, TypeError)):
             Span(attributes=key_values(bad)).SerializeToString()
-    assert rank_correlation._wire({"x": 1, "n": None}) == otlp_encoding.write_attributes({"x": 1}, 0x4A)
+    assert correlation_output._wire({"x": 1, "n": None}) == otlp_encoding.write_attributes({"x": 1}, 0x4A)
 
 
 # ------------------------------------------------------------------ compact step records

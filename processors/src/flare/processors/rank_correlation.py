@@ -35,7 +35,6 @@ root of the step's trace.
 
 from __future__ import annotations
 
-import operator
 import threading
 import time
 from collections import OrderedDict
@@ -44,31 +43,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 
 from flare.instrumentation import semconv as sc
-from flare.instrumentation.otlp_encoding import Unsupported, write_attributes
+from flare.processors import correlation_output as output
 from flare.processors import options
 from flare.processors.base import Processor
+from flare.processors.correlation_output import SCOPE_NAME
 from flare.processors.correlation_windows import (
     ARRIVAL_ENTRY_BYTES,
     PG_ENTRY_BYTES,
     STEP_ENTRY_BYTES,
     CollectiveWindow,
-    PgSummary,
     RankArrival,
     RankStep,
     StepWindow,
     Window,
-    collective_attributes,
-    pg_summaries,
-    step_attributes,
-    summary_collective_attributes,
 )
-from flare.processors.otlp_values import as_float, as_int, derived_span_id, key_values
-from flare.processors.span_select import Selection, SpanRecord, _otlp_wire
-
-SCOPE_NAME = "flare.processors.rank_correlation"
+from flare.processors.otlp_values import as_float, as_int
+from flare.processors.span_select import COMPACT_STEP_FIELDS, Selection, SpanRecord
 
 # What the correlator reads; everything else passes through untouched (and unparsed).
 _SELECTION = Selection(
@@ -124,9 +116,6 @@ class JobState:
 
 
 _STR_ONLY, _FLOAT_ONLY, _INT_ONLY = {str}, {float}, {int}
-_START_NS, _END_NS, _TRACE_ID = (
-    operator.attrgetter("start_ns"), operator.attrgetter("end_ns"), operator.attrgetter("trace_id")
-)
 
 
 def _pg_summary(
@@ -177,63 +166,6 @@ def _absent_hang_elsewhere(job: JobState, win: CollectiveWindow) -> bool:
 
 def _ranks(values: Iterable[object]) -> tuple[int, ...]:
     return tuple(r for r in (as_int(v) for v in values) if r is not None)
-
-
-def _step_root(job: str, step: int) -> bytes:
-    return sc.step_root_span_id(job, step).to_bytes(8, "big")
-
-
-_SPAN_ATTRIBUTES = 0x4A  # the tag of Span.attributes (field 9, length-delimited)
-
-
-def _add_span(into, fields: dict, attrs: dict, ranks) -> Span:
-    """Add one emitted span to `into`: its attributes and per-rank links written as wire
-    bytes when possible, else through protobuf."""
-    wire = _wire(attrs, ranks)
-    if wire is not None:
-        span: Span = into.add(**fields)
-        span.MergeFromString(wire)
-    else:
-        span = into.add(**fields, attributes=key_values(attrs))
-        _add_rank_links(span, ranks)
-    return span
-
-
-def _wire(attrs: dict[str, Any], ranks: dict[int, Any] | None = None) -> bytes | None:
-    """A span's attributes (and, given `ranks`, its per-rank links) as wire bytes to
-    merge into it: Flare's OTLP attribute writer and the links in C, instead of a
-    KeyValue and an AnyValue object per attribute. None where the C module is missing
-    or a value is one the writer leaves to protobuf (a kind it does not write, an int
-    beyond int64, text that is not UTF-8): the caller builds them with protobuf then,
-    which gives the same message or the same error. None values are left out, as
-    `key_values` leaves them out."""
-    if _otlp_wire is None:
-        return None
-    try:
-        wire = write_attributes({k: v for k, v in attrs.items() if v is not None}, _SPAN_ATTRIBUTES)
-        if ranks is not None:
-            wire += _otlp_wire.rank_links(ranks, sc.RANK)
-    except (Unsupported, TypeError, ValueError, OverflowError):
-        return None
-    return wire
-
-
-def _add_rank_links(span: Span, ranks: dict[int, Any]) -> None:
-    """One link per rank of a window, in rank order, to the rank's span, carrying
-    `flare.rank`. The C picker writes them as wire bytes merged in one call (three
-    protobuf calls per link were the emission's largest cost at many ranks)."""
-    if _otlp_wire is not None:
-        try:
-            span.MergeFromString(_otlp_wire.rank_links(ranks, sc.RANK))
-            return
-        except (TypeError, ValueError, OverflowError):
-            pass  # not the ints and bytes the picker gives: the reference below
-    links = span.links
-    for rank in sorted(ranks):
-        entry = ranks[rank]
-        link = links.add(trace_id=entry.trace_id, span_id=entry.span_id)
-        kv = link.attributes.add(key=sc.RANK)
-        kv.value.int_value = rank
 
 
 def _bitmap(ranks: Iterable[int]) -> bytearray:
@@ -465,7 +397,7 @@ class RankCorrelation(Processor):
         # of their types; anything else comes as an attribute dict and is converted.
         counters = self._counters
         counters["step_spans"] += 1
-        if len(record) == 11:
+        if len(record) == COMPACT_STEP_FIELDS:  # the C picker's compact step record
             _, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits, seqs = record
             if rank is None:
                 rank = resource_rank
@@ -707,100 +639,18 @@ class RankCorrelation(Processor):
             self._state_bytes -= win.cost
             spans = by_job.get(job.job)
             if spans is None:
-                spans = by_job[job.job] = self._job_scope_spans(job, into)
+                spans = by_job[job.job] = output.job_scope_spans(job, into)
+            counters = self._counters
             if isinstance(win, StepWindow):
                 job.closed_steps[win.key] = (now, _bitmap(win.ranks))
-                self._step_spans(job, win, closed_by, spans)
+                counters["steps_emitted"] += 1
+                counters[f"steps_{closed_by}"] += 1
+                counters["collectives_emitted"] += output.step_spans(
+                    job, win, closed_by, self._expected(job), self.max_pg_detail, spans)
             else:
                 job.closed_collectives[win.key] = (now, _bitmap(win.ranks))
-                self._collective_span(job, win, closed_by, spans)
+                counters["collectives_emitted"] += 1
+                if closed_by == "budget":
+                    counters["collectives_budget"] += 1
+                output.collective_span(job, win, closed_by, spans)
             self._forget_closed(job, now)
-
-    @staticmethod
-    def _job_scope_spans(job: JobState, into: Any) -> Any:
-        resource_spans: ResourceSpans = into.add()
-        resource_spans.resource.attributes.extend(key_values({
-            sc.SERVICE_NAME: job.service or job.job,
-            sc.JOB_ID: job.job,
-            sc.WORLD_SIZE: job.world_size,
-        }))
-        scope_spans = resource_spans.scope_spans.add()
-        scope_spans.scope.name = SCOPE_NAME
-        return scope_spans.spans
-
-    def _step_spans(self, job: JobState, win: StepWindow, closed_by: str, into: Any) -> None:
-        step = win.key
-        assert isinstance(step, int)
-        self._counters["steps_emitted"] += 1
-        self._counters[f"steps_{closed_by}"] += 1
-        pgs = pg_summaries(win.ranks, job.pg_members)
-        hanging = {rank: h.hang for rank, h in job.ranks.items() if h.hang}
-        attrs = step_attributes(
-            win, step, self._expected(job), closed_by, pgs, self.max_pg_detail, hanging
-        )
-        trace_id = self._step_trace_id(job, win)
-        # The id every rank's train.step names as its parent: this span becomes the
-        # root of the step's trace in Jaeger/Tempo.
-        step_span_id = _step_root(job.job, step)
-        fields = {
-            "trace_id": trace_id, "span_id": step_span_id, "name": sc.SPAN_STEP_RANKS,
-            "kind": Span.SPAN_KIND_INTERNAL,
-            "start_time_unix_nano": min(map(_START_NS, win.ranks.values())),
-            "end_time_unix_nano": max(map(_END_NS, win.ranks.values())),
-        }
-        span = _add_span(into, fields, attrs, win.ranks)
-        for pg in pgs:
-            if pg.missing:
-                self._summary_collective_span(job, step, trace_id, step_span_id, pg, closed_by, span, into)
-
-    def _step_trace_id(self, job: JobState, win: StepWindow) -> bytes:
-        # The ranks' own trace id when they agree (it is derived from job and step);
-        # otherwise the derivation, so the span still lands in the step's trace.
-        trace_ids = set(map(_TRACE_ID, win.ranks.values()))
-        if len(trace_ids) == 1:
-            return next(iter(trace_ids))
-        return sc.step_trace_id(job.job, int(win.key)).to_bytes(16, "big")  # type: ignore[arg-type]
-
-    def _summary_collective_span(
-        self, job: JobState, step: int, trace_id: bytes, parent: bytes, pg: PgSummary,
-        closed_by: str, step_span: Span, into: Any,
-    ) -> None:
-        self._counters["collectives_emitted"] += 1
-        fields = {
-            "trace_id": trace_id, "parent_span_id": parent,
-            "span_id": derived_span_id(
-                job.job, pg.name, pg.last_seq, sc.SPAN_COLLECTIVE_RANKS, "step_summary"
-            ),
-            "name": sc.SPAN_COLLECTIVE_RANKS, "kind": Span.SPAN_KIND_INTERNAL,
-            "start_time_unix_nano": step_span.start_time_unix_nano,
-            "end_time_unix_nano": step_span.end_time_unix_nano,
-        }
-        attrs = summary_collective_attributes(pg, step, closed_by)
-        wire = _wire(attrs)
-        if wire is not None:
-            into.add(**fields).MergeFromString(wire)
-        else:
-            into.add(**fields, attributes=key_values(attrs))
-
-    def _collective_span(self, job: JobState, win: CollectiveWindow, closed_by: str, into: Any) -> None:
-        pg, seq = win.key  # type: ignore[misc]
-        self._counters["collectives_emitted"] += 1
-        if closed_by == "budget":
-            self._counters["collectives_budget"] += 1
-        arrivals = win.ranks.values()
-        trace_ids = {a.trace_id for a in arrivals}
-        if win.step is not None:
-            trace_id = sc.step_trace_id(job.job, win.step).to_bytes(16, "big")
-            parent = _step_root(job.job, win.step)
-        else:
-            trace_id = next(iter(trace_ids))
-            parent = b""
-        fields = {
-            "trace_id": trace_id, "parent_span_id": parent,
-            "span_id": derived_span_id(job.job, pg, seq, sc.SPAN_COLLECTIVE_RANKS),
-            "name": sc.SPAN_COLLECTIVE_RANKS, "kind": Span.SPAN_KIND_INTERNAL,
-            "start_time_unix_nano": min(a.start_ns for a in arrivals),
-            "end_time_unix_nano": max(a.end_ns for a in arrivals),
-        }
-        attrs = collective_attributes(win, pg, seq, closed_by, job.pg_members.get(pg, set()))
-        _add_span(into, fields, attrs, win.ranks)

@@ -32,6 +32,10 @@ except ImportError:  # built without a C compiler: same records, slower
 
 SpanRecord = tuple[str, bytes, bytes, int, int, dict[str, Any]]
 
+# The C picker's compact step record, told from a dict-form record (6 fields) by its
+# length: (name, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits, seqs).
+COMPACT_STEP_FIELDS = 11
+
 # A step span reads: (span name, rank, step, wait, PG names, PG waits, PG sequence keys).
 StepKeys = tuple[str, str, str, str, str, str, str]
 
