@@ -516,9 +516,9 @@ def test_a_stuck_step_is_reported_at_the_operation_it_waits_in_not_yet_past_the_
     try:
         with flare_instrumentation.step():
             started = runtime.step_start_ns
-            op = runtime.push_op(OP_BACKWARD, started + int(0.2e9), {})
+            op = runtime.operations.push(OP_BACKWARD, started + int(0.2e9), {})
             instrumentor._watchdog.check_hangs(started + int(30.1e9))
-            runtime.pop_op(op)
+            runtime.operations.pop(op)
     finally:
         instrumentor.uninstrument()
     hangs = finished(exporter, semconv.SPAN_HANG)

@@ -376,14 +376,14 @@ class CollectiveTracker:
             if seq_before is not None and spec.op not in P2P:
                 in_flight[semconv.COLL_SEQ] = seq_before + 1
             device_token = tracker._device_begin(data)
-            op = runtime.push_op(span_name, start, in_flight, site)
+            op = runtime.operations.push(span_name, start, in_flight, site)
             local.depth = 1
             try:
                 result = original(*args, **kwargs)
             finally:
                 local.depth = 0
                 end = time.time_ns()
-                runtime.pop_op(op)
+                runtime.operations.pop(op)
             is_async = spec.op in ALWAYS_ASYNC or bool(
                 spec.argument(args, kwargs, "async_op", spec.async_index))
             nbytes, dtype = _nbytes(data)
@@ -415,7 +415,7 @@ class CollectiveTracker:
                 return original_wait(work, *args, **kwargs)
             record = pending[1]
             start = time.time_ns()
-            op = runtime.push_op(semconv.collective_span_name(record.op), start, {
+            op = runtime.operations.push(semconv.collective_span_name(record.op), start, {
                 semconv.COLL_OP: record.op, semconv.COLL_PG: record.pg_name,
                 **({semconv.COLL_SEQ: record.seq} if record.seq is not None else {})},
                 record.site)
@@ -423,7 +423,7 @@ class CollectiveTracker:
                 return original_wait(work, *args, **kwargs)
             finally:
                 end = time.time_ns()
-                runtime.pop_op(op)
+                runtime.operations.pop(op)
                 tracker._waited(record, start, end)
 
         wait.__wrapped__ = original_wait

@@ -8,8 +8,9 @@ import time
 from types import MappingProxyType
 
 from flare.instrumentation import semconv
+from flare.instrumentation.operations import Operation
 from flare.instrumentation.patching import Patches
-from flare.instrumentation.runtime import SLOW_CHILD_NS, Operation, Runtime
+from flare.instrumentation.runtime import SLOW_CHILD_NS, Runtime
 
 _NO_ATTRIBUTES = MappingProxyType({})  # a fetch in flight has none
 
@@ -48,9 +49,9 @@ class DataLoaderHook:
             if op.start_ns:  # in use: an iterator fetching inside another's fetch
                 op = Operation(semconv.SPAN_DATALOADER, 0, _NO_ATTRIBUTES)
             if owner != get_ident():
-                stack = state[1] = runtime.thread_operations()
+                stack = state[1] = runtime.operations.thread_stack()
                 state[2] = get_ident()
-            # Runtime.push_op, inline (the watchdog reads the thread's stack)
+            # Operations.push, inline (the watchdog reads the thread's stack)
             start = op.start_ns = time_ns()
             op.reported = False
             stack.append(op)
@@ -61,7 +62,7 @@ class DataLoaderHook:
                 if stack and stack[-1] is op:
                     stack.pop()
                 else:
-                    runtime.pop_op(op)
+                    runtime.operations.pop(op)
                 op.start_ns = 0
                 totals = runtime.totals
                 totals.dataloader_ns += end - start

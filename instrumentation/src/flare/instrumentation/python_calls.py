@@ -145,13 +145,13 @@ class PythonCallHook:
                 return original(*args, **kwargs)
             start = time.time_ns()
             site = caller_site()
-            op = runtime.push_op(semconv.SPAN_PYTHON_CALL, start,
+            op = runtime.operations.push(semconv.SPAN_PYTHON_CALL, start,
                                  {semconv.CODE_FUNCTION: name}, site)
             try:
                 return original(*args, **kwargs)
             finally:
                 end = time.time_ns()
-                runtime.pop_op(op)
+                runtime.operations.pop(op)
                 totals = runtime.totals
                 totals.pycall_ns += end - start
                 totals.pycall_count += 1
@@ -177,13 +177,13 @@ class PythonCallHook:
             runtime.phase = phase
             totals = runtime.totals
             inner = _inner_ns(totals)
-            op = runtime.push_op(semconv.SPAN_PYTHON_CALL, start,
+            op = runtime.operations.push(semconv.SPAN_PYTHON_CALL, start,
                                  {semconv.CODE_FUNCTION: name, semconv.PHASE: phase}, site)
             try:
                 return original(*args, **kwargs)
             finally:
                 end = time.time_ns()
-                runtime.pop_op(op)
+                runtime.operations.pop(op)
                 runtime.phase = None
                 now = runtime.totals
                 own = end - start

@@ -1,5 +1,6 @@
 """The per-process state of Flare's instrumentation: the step in progress, its
-always-on totals, the operations in flight (for the hang watchdog) and the listeners.
+always-on totals and the listeners; the operations in flight (for the hang watchdog)
+are `operations.Operations`.
 
 One `Runtime` exists per instrumented rank. Every hook (optimizer, dataloader, gc,
 collectives, hot functions) reports into it; it alone creates `train.step` spans.
@@ -16,6 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -25,6 +27,7 @@ from flare.instrumentation import semconv
 from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
 from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity
+from flare.instrumentation.operations import Operations
 from flare.instrumentation.thread_clock import ProcessClock, ThreadClock
 
 _log = logging.getLogger(__name__)
@@ -90,15 +93,17 @@ class StepTotals:
         return totals
 
 
-@dataclass(slots=True)
-class Operation:
-    """Something a thread is blocked in; what the watchdog reports when it is stuck."""
+class StepRecord(NamedTuple):
+    """What the training thread captures of a step at its end, for the span built then
+    or later by the finisher."""
 
-    name: str
+    step: int
     start_ns: int
-    attributes: dict
-    frame: object = None  # the caller's frame, formatted into a call site only if needed
-    reported: bool = False
+    end_ns: int
+    totals: StepTotals
+    cpu_start: tuple  # process and thread CPU clocks at the step's start
+    cpu_end: tuple  # ... and at its end
+    detail: bool
 
 
 class Runtime:
@@ -150,7 +155,7 @@ class Runtime:
         # Children wait here until their step ends, so a step that never completes (the
         # one open when the process exits) leaves no orphans behind.
         self._children: list[tuple[str, int, int, dict]] = []
-        self._ops: dict[int, list[Operation]] = {}
+        self.operations = Operations()  # what each thread is blocked in (the watchdog reads it)
         self._lock = threading.Lock()
         # Step spans created when the step is over skip the SDK's span machinery
         # (finished_span.py); None when the tracer is not one this is safe for.
@@ -299,7 +304,7 @@ class Runtime:
             self._step_context = trace.set_span_in_context(span)
         return self._step_context
 
-    def end_step(self, end_ns: int | None = None, record: tuple | None = None) -> None:
+    def end_step(self, end_ns: int | None = None, record: StepRecord | None = None) -> None:
         if not self.step_open:
             return
         end_ns = end_ns or time.time_ns()
@@ -374,7 +379,7 @@ class Runtime:
             totals.seq_end = reader()
         start_ns = self.step_start_ns
         step = self.step_number
-        record = (step, start_ns, now_ns, totals, self.step_start_cpu_ns, cpu, False)
+        record = StepRecord(step, start_ns, now_ns, totals, self.step_start_cpu_ns, cpu, False)
         queue = self._deferred
         with self._lock:
             deferred = self._step_span is None
@@ -450,7 +455,7 @@ class Runtime:
         self._step_span = None
         self._step_context = None
 
-    def _capture(self, end_ns: int, cpu: tuple | None = None) -> tuple:
+    def _capture(self, end_ns: int, cpu: tuple | None = None) -> StepRecord:
         """What the step span needs from the training thread at the step's end (`cpu`:
         the process and thread CPU clocks read at `end_ns`, when already read)."""
         if cpu is None:
@@ -459,10 +464,10 @@ class Runtime:
         reader = self.sequence_reader
         if reader is not None:
             totals.seq_end = reader()
-        return (self.step_number, self.step_start_ns, end_ns, totals,
-                self.step_start_cpu_ns, cpu, self.step_detail)
+        return StepRecord(self.step_number, self.step_start_ns, end_ns, totals,
+                          self.step_start_cpu_ns, cpu, self.step_detail)
 
-    def _queue_deferred(self, record: tuple, pending: PendingStepSpan | None,
+    def _queue_deferred(self, record: StepRecord, pending: PendingStepSpan | None,
                         children: list) -> None:
         if len(self._deferred) >= DEFERRED_WAKE:
             self._deferred_full()
@@ -481,8 +486,8 @@ class Runtime:
         self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
                      self.step_number, self.step_detail)
 
-    def _build_summary(self, record: tuple) -> dict:
-        totals = record[3]
+    def _build_summary(self, record: StepRecord) -> dict:
+        totals = record.totals
         for function, args in totals.pending:
             function(totals, *args)
         totals.pending = []
@@ -491,7 +496,7 @@ class Runtime:
             add(summary, totals)
         return summary
 
-    def _finish_now(self, record: tuple, end_ns: int) -> None:
+    def _finish_now(self, record: StepRecord, end_ns: int) -> None:
         summary = self._build_summary(record)
         finished = self._finished
         with self._lock:
@@ -602,9 +607,9 @@ class Runtime:
             thread.join(timeout=2)
         self.drain()
 
-    def _emit_deferred(self, record: tuple, pending: PendingStepSpan | None,
+    def _emit_deferred(self, record: StepRecord, pending: PendingStepSpan | None,
                        children: list) -> None:
-        step, start_ns, end_ns = record[0], record[1], record[2]
+        step, start_ns, end_ns = record.step, record.start_ns, record.end_ns
         summary = self._build_summary(record)
         self._label_step(summary, step)
         job = self.identity.job_id
@@ -676,7 +681,7 @@ class Runtime:
             span.end()
 
     @staticmethod
-    def _summary(record: tuple) -> dict:
+    def _summary(record: StepRecord) -> dict:
         _, start_ns, end_ns, totals, cpu_start, cpu_end, detail = record
         wall_ms = (end_ns - start_ns) / 1e6
         dataloader_ms = totals.dataloader_ns / 1e6
@@ -738,32 +743,3 @@ class Runtime:
         if not keep_start:
             start_ns = inside
         self._children.append((name, start_ns, max(start_ns, end_ns), attributes))
-
-    # ------------------------------------------------------------ operations in flight
-    def push_op(self, name: str, start_ns: int, attributes: dict, frame=None) -> Operation:
-        op = Operation(name, start_ns, attributes, frame)
-        self.thread_operations().append(op)
-        return op
-
-    def thread_operations(self) -> list:
-        """The calling thread's stack of operations in flight, for a hook that pushes
-        and pops its own (append an Operation; pop it if it is still last, else pop_op)."""
-        ident = threading.get_ident()
-        stack = self._ops.get(ident)
-        if stack is None:
-            with self._lock:
-                stack = self._ops.setdefault(ident, [])
-        return stack
-
-    def pop_op(self, op: Operation) -> None:
-        stack = self._ops.get(threading.get_ident())
-        if stack and stack[-1] is op:
-            stack.pop()
-        elif stack and op in stack:
-            stack.remove(op)
-
-    def operations_in_flight(self) -> list[tuple[int, Operation]]:
-        """(thread id, innermost operation) for every thread blocked in something."""
-        with self._lock:
-            items = list(self._ops.items())
-        return [(ident, stack[-1]) for ident, stack in items if stack]

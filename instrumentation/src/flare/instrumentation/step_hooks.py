@@ -17,8 +17,9 @@ import time
 import weakref
 from types import MappingProxyType
 
+from flare.instrumentation.operations import Operation
 from flare.instrumentation.patching import Patches
-from flare.instrumentation.runtime import Operation, Runtime
+from flare.instrumentation.runtime import Runtime
 
 _log = logging.getLogger(__name__)
 
@@ -118,10 +119,10 @@ class StepHooks:
             seq_start = totals.seq_start
             several = seq_start is not None and len(seq_start) > 1
             seqs_before = collectives.sequences_before_backward(totals) if several else None
-            # Runtime.push_op, inline (the watchdog reads the thread's stack)
+            # Operations.push, inline (the watchdog reads the thread's stack)
             stack = m.stack
             if m.stack_owner != get_ident():
-                stack = m.stack = runtime.thread_operations()
+                stack = m.stack = runtime.operations.thread_stack()
                 m.stack_owner = get_ident()
             op = m.op
             start = op.start_ns = time_ns()
@@ -134,7 +135,7 @@ class StepHooks:
                 if stack and stack[-1] is op:
                     stack.pop()
                 else:
-                    runtime.pop_op(op)
+                    runtime.operations.pop(op)
                 op.start_ns = 0  # free for the next backward
                 m.active = False
                 done_ns = m.done_ns
@@ -187,12 +188,12 @@ class StepHooks:
         seqs_before = (collectives.sequences_before_backward(totals)
                        if collectives is not None else None)
         start = time.time_ns()
-        op = runtime.push_op(OP_BACKWARD, start, _NO_ATTRIBUTES)
+        op = runtime.operations.push(OP_BACKWARD, start, _NO_ATTRIBUTES)
         try:
             return original(tensors, *args, **kwargs)
         finally:
             end = time.time_ns()
-            runtime.pop_op(op)
+            runtime.operations.pop(op)
             if nested:
                 marker.active = True
             # A graph that is not retained is freed with its hooks: removing ours

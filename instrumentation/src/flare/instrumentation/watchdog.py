@@ -23,7 +23,8 @@ from opentelemetry.trace import Status, StatusCode
 from flare.instrumentation import identity, launcher, loader_workers, native_stacks, semconv
 from flare.instrumentation.callsite import all_thread_stacks, format_site, frame_site
 from flare.instrumentation.config import HANG_STEP_MULTIPLE, HANG_TIMEOUT_FLOOR_S
-from flare.instrumentation.runtime import Operation, Runtime
+from flare.instrumentation.operations import Operation
+from flare.instrumentation.runtime import Runtime
 from flare.instrumentation.step_hooks import OP_BACKWARD
 
 _log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class Watchdog:
         runtime = self.runtime
         if not runtime.recent_step_s:
             self._first_step_progress(now_ns)
-        in_flight = runtime.operations_in_flight()
+        in_flight = runtime.operations.in_flight()
         # Nearly every tick nothing is anywhere near the limit, which is at least the
         # configured timeout or the floor: return before the median of recent steps
         # (a sort, every second, on a cold thread) is taken.
