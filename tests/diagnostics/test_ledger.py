@@ -327,6 +327,23 @@ def test_a_job_wide_slowdown_without_more_work_is_the_host_not_compute():
     assert [(a.kind, a.cause) for a in worked.anomalies] == [("fail_slow", "compute")]
 
 
+
+def test_job_wide_compute_that_burnt_no_more_cpu_is_the_host_even_asleep():
+    """A CPU-only job whose every rank's compute grew while its training threads burnt no
+    more CPU and the run queue shows only a part of it (the rest asleep: the GIL of a
+    descheduled thread, page faults; a healthy 2-rank job on a busy CI host): the host,
+    not `fail_slow [] compute`. The same growth with more CPU burnt stays the job's."""
+    faults = tuple(f for r in range(2) for f in (Fault("host", r, 10, 3.0), Fault("asleep", r, 10, 5.0)))
+    diagnosis = diagnose(_job(job_spans("j", 2, 20, faults, base_ms=10.0)))
+    assert diagnosis.anomalies == []
+    [row] = diagnosis.host_contention
+    assert (row["ranks"], row["first_step"]) == ([], 10)
+    assert 2.0 < row["runqueue_delta_ms"] < 3.5 and 4.0 < row["asleep_delta_ms"] < 6.5, row
+    assert "ms/step asleep" in render(diagnosis)
+    burnt = diagnose(_job(job_spans("j", 2, 20, tuple(Fault("compute", r, 10, 8.0) for r in range(2)),
+                                    base_ms=10.0)))
+    assert [(a.kind, a.cause, a.first_step) for a in burnt.anomalies] == [("fail_slow", "compute", 10)]
+
 def test_a_rank_slow_and_stalling_is_counted_once_in_where_the_time_went():
     """Rank 1 computes 30 ms more every step and pauses 100 ms in GC every 5th: two
     labels (two causes), but each lost second is credited once, split by what each adds
@@ -638,3 +655,16 @@ def test_two_causes_in_one_group_stay_two_labels_one_hidden():
     found = straggler.detect(_job(job_spans("j", 4, 50, faults, groups=groups)), DiagnosisConfig())
     assert sorted((a.ranks, a.cause) for a in found) == [([2], "input"), ([3], "compute")], [
         (a.ranks, a.cause, a.first_step) for a in found]
+
+
+def test_compute_burnt_as_cpu_is_dated_by_the_cpu_not_by_the_sleep_before_it():
+    """A slow node (ranks 2 and 3, +40 ms of CPU-burning compute from step 20) whose
+    ranks slept 12 ms more per step from step 8 (the GIL of a thread a busy host
+    descheduled): its compute rose at 8, its training threads' CPU at 20. The fault is
+    dated by the CPU it burns (CI: this label was dated @6 and @10)."""
+    faults = tuple(f for r in (2, 3) for f in (Fault("asleep", r, 8, 12.0, to_step=20),
+                                               Fault("compute", r, 20, 40.0)))
+    for seed in range(3):
+        diagnosis = diagnose(_job(job_spans("j", 4, 60, faults, base_ms=15.0, seed=seed, node_size=2)))
+        assert [(a.kind, a.ranks, a.cause, a.first_step, a.evidence.get("group"))
+                for a in diagnosis.anomalies] == [("straggler", [2, 3], "compute", 20, "node 1")]

@@ -136,6 +136,8 @@ def test_a_rank_killed_without_a_word_is_named_not_its_victims(store, host):
     named = [(a["kind"], a["ranks"]) for a in report["anomalies"]
              if a["kind"] in ("error", "rank_missing")]
     assert named == [("rank_missing", [1])], json.dumps(report, indent=1)
+    # nothing else: the steps before the kill were healthy (a fail-slow there is false)
+    assert len(report["anomalies"]) == 1, harness.describe(report)
     label = next(a for a in report["anomalies"] if a["kind"] == "rank_missing")
     assert "died without an error" in label["summary"]
     assert label["first_step"] == ONSET, label

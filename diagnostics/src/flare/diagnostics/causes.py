@@ -169,6 +169,23 @@ def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float
     return not (work_grew(subject_mean, reference_mean, excess_ms) if grew is None else grew)
 
 
+
+def cpu_only_idle(frame: StepFrame, now: dict[str, float], past: dict[str, float],
+                  slowdown_ms: float) -> bool:
+    """Whether every rank's compute grew by `slowdown_ms` per step on a CPU-only job
+    without its CPU doing more work: the training threads burnt no more CPU (measured),
+    so the time went to waiting — for a CPU (run queue), or asleep (the GIL held by a
+    thread the busy host descheduled, page faults from a busy disk). That is the host's,
+    however little of it the run queue shows (a healthy 2-rank job on a busy CI host:
+    steps 8 -> 14 ms, thread CPU flat at 5 ms, run queue under half of it: "fail_slow []
+    compute"). Not on a GPU job (an SM clock reported): a GPU's slower kernels burn no
+    CPU of the rank either, and they are the job's."""
+    if frame.thread_cpu is None or not np.isfinite(frame.thread_cpu).any():
+        return False
+    if np.isfinite(frame.sm_clock_mhz).any():
+        return False
+    return slowdown_ms > 0 and not work_grew(now, past, slowdown_ms)
+
 # Slower collectives are the host's when the ranks waited for a CPU at least this share
 # of the slowdown per step (`host_busy`).
 HOST_BUSY_SHARE = 0.5

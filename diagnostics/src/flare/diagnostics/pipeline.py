@@ -347,6 +347,7 @@ def _host_row(anomaly: Anomaly) -> dict:
     ev = anomaly.evidence
     return {"ranks": sorted(anomaly.ranks), "first_step": anomaly.first_step,
             "last_step": anomaly.last_step, "runqueue_delta_ms": ev.get("runqueue_delta_ms"),
+            "asleep_delta_ms": ev.get("asleep_delta_ms"),
             "excess_ms_per_step": ev.get("excess_ms_per_step"), "seconds": ev.get("lost_s"),
             "share": round(anomaly.impact, 4), "summary": anomaly.summary}
 

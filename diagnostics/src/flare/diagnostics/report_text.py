@@ -111,7 +111,8 @@ def _host(rows: list[dict]) -> list[str]:
         who = f"ranks {_ranks(row['ranks'])}" if row["ranks"] else "all ranks"
         out.append(f"    {who} steps {_steps(row['first_step'], row['last_step'])}: "
                    f"+{row['runqueue_delta_ms'] or 0:.1f} ms/step waiting for a CPU, "
-                   f"{row['share']:.0%} of the run's time")
+                   + (f"+{row['asleep_delta_ms']:.1f} ms/step asleep, " if row.get("asleep_delta_ms") else "")
+                   + f"{row['share']:.0%} of the run's time")
     return out
 
 

@@ -21,7 +21,7 @@ from flare.instrumentation import semconv as sc
 
 @dataclasses.dataclass
 class Fault:
-    # compute | input | gc | cpu | busy_thread | busy_thread_loaded | gil_between_steps | host |
+    # compute | input | gc | cpu | busy_thread | busy_thread_loaded | gil_between_steps | host | asleep |
     # communication | hang | error | silent | checkpoint | evaluation (a framework phase's
     # time: rank -1 runs it on every rank)
     kind: str
@@ -112,6 +112,12 @@ def job_spans(
                     # thread is runnable but waits for a CPU (run-queue time).
                     part["compute"] += f.extra_ms
                     runqueue += 0.9 * f.extra_ms
+                    idle += f.extra_ms
+                elif f.kind == "asleep":
+                    # The training thread's compute sleeps longer, neither burning CPU nor
+                    # waiting for one: the GIL held by a thread the busy host descheduled,
+                    # page faults served from a busy disk.
+                    part["compute"] += f.extra_ms
                     idle += f.extra_ms
                 elif f.kind == "busy_compute":
                     # More compute on a busy host: the extra work waits for CPU slices

@@ -15,7 +15,15 @@ import math
 import numpy as np
 
 from flare.diagnostics import frame as frames
-from flare.diagnostics.causes import attribute, host_busy, host_starved, means, medians, work_grew
+from flare.diagnostics.causes import (
+    attribute,
+    cpu_only_idle,
+    host_busy,
+    host_starved,
+    means,
+    medians,
+    work_grew,
+)
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import ChangePoint, change_point, first_rise, mad, nanmedian
 
@@ -73,6 +81,11 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     # (other processes on it), never compute or communication.
     starved = host_starved(mean_now, mean_past, (now_work - past_work) if ranks else point.after - point.before)
     why = attribute(now, past, config.cause_min_share, now_work, past_work, mean_now, mean_past)
+    # Compute that grew on every rank while no rank's CPU did more is no compute of the
+    # job's: the host's, though the run queue shows only a part of it (causes.cpu_only_idle).
+    asleep = (not ranks and not starved and why.cause in ("compute", "cpu")
+              and cpu_only_idle(frame, mean_now, mean_past, point.after - point.before))
+    starved = starved or asleep
     if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
         # Without byte counts a longer least wait may be a slower fabric or a busier
         # host (descheduled ranks): not enough to name communication.
@@ -94,11 +107,13 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         + (f": {grew} time grew by {why.deltas_ms[grew]:.1f} ms/step" if why.cause != "unknown" else "")
         + _starved_text(why.cause, mean_now, mean_past)
     )
+    runqueue_delta = mean_now["runqueue"] - mean_past["runqueue"]
     if starved:
         summary = (f"the job slowed down by {point.shift:.0%} from step {first} "
                    f"({point.before:.1f} → {point.after:.1f} ms/step): {who} waited "
-                   f"+{mean_now['runqueue'] - mean_past['runqueue']:.1f} ms/step for a CPU "
-                   "without doing more work (the host is busy with other work)")
+                   f"+{runqueue_delta:.1f} ms/step for a CPU "
+                   + ("and slept the rest " if asleep else "")
+                   + "without doing more work (the host is busy with other work)")
     # Impact: what the slower steps cost over the whole run (seconds lost / seconds run).
     step_ms = nanmedian(frame.duration.astype(np.float64), axis=0)
     counts = np.ones(len(frame.steps)) * frame.bucket if frame.step_counts is None else frame.step_counts
@@ -113,9 +128,10 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         summary=summary,
         evidence={
             "onset_step": first, "lost_s": round(lost_ms / 1e3, 3),
-            **({"host_starved": True,
-                "runqueue_delta_ms": round(mean_now["runqueue"] - mean_past["runqueue"], 3)}
+            **({"host_starved": True, "runqueue_delta_ms": round(runqueue_delta, 3)}
                if starved else {}),
+            **({"asleep_delta_ms": round(point.after - point.before - max(runqueue_delta, 0.0), 3)}
+               if asleep else {}),
             "step_ms_before": round(point.before, 3), "step_ms_after": round(point.after, 3),
             "shift": round(point.shift, 4), "noise_units": round(point.score, 2),
             "consistency": round(point.consistency, 3),
