@@ -30,6 +30,17 @@ def pytest_generate_tests(metafunc):
                                       for h in metafunc.config.flare_hosts], indirect=True)
 
 
+@pytest.fixture(autouse=True)
+def _no_job_left_running():
+    """A test that fails while its `flare run` runs must not leave the job (and its hold on
+    the module's store) to the tests after it."""
+    import harness
+
+    yield
+    while harness.RUNNING:
+        harness.RUNNING.pop().stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _verdict_folder(pytestconfig):
     import harness

@@ -116,6 +116,31 @@ def flare_tracebacks(lines: list[str]) -> list[str]:
     return ours
 
 
+# The FlareRuns started by the test now running: stopped at its teardown (conftest), so a
+# test that fails while its job runs leaves nothing behind. A job left running held the
+# store's write-ahead log, and every later scenario of the module failed on it ("in use
+# by another collector"; 7 failures from one, on a host under 1.5 busy processes per core).
+RUNNING: list[FlareRun] = []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (the job runs in a process group of its own, which a
+    SIGKILL of `flare run` does not reach)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
 class FlareRun:
     """One `flare run --format json -o JOB.json` of `command` (what follows `--`), with
     its live alerts timestamped on arrival."""
@@ -138,6 +163,25 @@ class FlareRun:
                                         env={**os.environ, **(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        RUNNING.append(self)
+
+    def stop(self) -> None:
+        """End `flare run` and its job if still running: Ctrl-C (flare run stops the job
+        and drains), then SIGKILL of both."""
+        if self.process.poll() is not None:
+            return
+        family = _descendants(self.process.pid)
+        self.interrupt()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        for pid in family:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _read(self) -> None:
         for line in self.process.stderr:
@@ -163,7 +207,13 @@ class FlareRun:
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            family = _descendants(self.process.pid)
             self.process.kill()
+            for pid in family:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             raise
         self._reader.join(timeout=10)
         # beside its report: what flare run said (live alerts, lines), to read a failure later
@@ -177,7 +227,9 @@ class FlareRun:
         self.process.send_signal(signal.SIGINT)
 
     def query(self, sql: str, params: list) -> list[tuple]:
-        con = flare_store.open_reader(self.store)
+        # (the job's collector writes meanwhile; on a busy host a flush can hold the
+        # store longer than a user's 10 s)
+        con = flare_store.open_reader(self.store, timeout_s=60)
         try:
             return con.execute(sql, params).fetchall()
         finally:
