@@ -84,7 +84,7 @@ class _HttpHandler(http.server.BaseHTTPRequestHandler):
             with self.sink._lock:
                 self.sink.metric_requests.append(request)
         elif self.path.rstrip("/").endswith("/v1/opamp"):  # the collector's own OpAMP server
-            status, answer = self.sink.opamp.handle(body)
+            status, answer = self.sink.opamp.handle(body, self.headers)
             self.send_response(status)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(answer)))
