@@ -40,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Threads that are the job's own, not the instrumentation's.
-JOB_THREADS = ("MainThread", "gloo_tcp_loop", "pt_gloo_runloop")
+# (tqdm_monitor: the progress bar of the HF Trainer and Lightning, the job's own)
+JOB_THREADS = ("MainThread", "gloo_tcp_loop", "pt_gloo_runloop", "tqdm_monitor")
 
 FIRST_STEP = 100
 
