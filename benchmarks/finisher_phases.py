@@ -2,7 +2,7 @@
 
 Wraps the finisher's phases with the thread CPU clock, counting only what runs on the
 finisher thread, from the 100th optimizer step to exit: building the deferred step
-spans (`Runtime._emit_deferred`; of it the summary attributes, `_build_summary`, and the
+spans (`StepFinisher.drain` calling `Runtime._emit_deferred`; of it the summary attributes, `_build_summary`, and the
 hand-over to the span processors, `FinishedSpans.emit`), the flight-recorder dump after
 detail steps (`FlightRecorder.entries`), the batch processors' flush
 (`FinishedSpans.flush_batches`; of it the request encoding, `otlp_encoding.encode_request`,
@@ -57,12 +57,18 @@ def _finisher_ns() -> int | None:
 
 
 def main() -> None:
-    from flare.instrumentation import finished_span, flight_recorder, otlp_encoding, otlp_http
+    from flare.instrumentation import (
+        finished_span,
+        flight_recorder,
+        otlp_encoding,
+        otlp_http,
+        step_finisher,
+    )
     from flare.instrumentation import runtime as runtime_module
 
     totals: dict[str, int] = collections.defaultdict(int)
     for owner, name, key in (
-            (runtime_module.Runtime, "drain", "drain"),
+            (step_finisher.StepFinisher, "drain", "drain"),
             (runtime_module.Runtime, "_emit_deferred", "emit_deferred"),
             (runtime_module.Runtime, "_build_summary", "build_summary"),
             (finished_span.FinishedSpans, "emit", "emit"),

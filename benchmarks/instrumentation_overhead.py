@@ -369,7 +369,7 @@ def micro() -> dict:
         for _ in range(500):
             optimizer.step()
         start = time.perf_counter()
-        built = len(runtime._deferred)
+        built = len(runtime.finisher.deferred)
         runtime.drain()
         if built:
             best = min(best, (time.perf_counter() - start) / built)

@@ -143,7 +143,7 @@ def test_deferred_step_spans_match_and_leave_on_the_providers_flush(rank_env):  
     try:
         assert runtime._finished.asynchronous()
         train(5)
-        assert len(runtime._deferred) + len(finished(exporter, semconv.SPAN_STEP)) <= 5
+        assert len(runtime.finisher.deferred) + len(finished(exporter, semconv.SPAN_STEP)) <= 5
         provider.force_flush()  # the user's own flush: deferred spans first
         spans = finished(exporter, semconv.SPAN_STEP)
     finally:
@@ -254,7 +254,7 @@ def test_uninstrument_hands_over_what_is_deferred(rank_env):  # noqa: F811
     provider, exporter, instrumentor, runtime = run_batched()
     train(3)
     instrumentor.uninstrument()
-    assert not runtime._deferred
+    assert not runtime.finisher.deferred
     provider.force_flush()
     assert [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)
             ] == [0, 1, 2]
@@ -262,19 +262,19 @@ def test_uninstrument_hands_over_what_is_deferred(rank_env):  # noqa: F811
 
 def test_a_step_span_that_cannot_be_built_costs_only_itself(rank_env, caplog):  # noqa: F811
     provider, exporter, instrumentor, runtime = run_batched()
-    original = runtime._emit_deferred
+    original = runtime.finisher.emit
 
     def emit(record, pending, children):
         if record[0] == 1:
             raise ValueError("boom")
         original(record, pending, children)
 
-    runtime._emit_deferred = emit
+    runtime.finisher.emit = emit
     try:
         train(5)
         instrumentor.uninstrument()  # drains
     finally:
-        runtime._emit_deferred = original
+        runtime.finisher.emit = original
     provider.force_flush()
     steps = [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)]
     assert steps == [0, 2, 3, 4]
@@ -289,7 +289,7 @@ def test_an_explicit_provider_shutdown_still_exports_deferred_steps(rank_env,  #
     provider, exporter, instrumentor, runtime = run_batched()
     try:
         train(4)
-        assert len(runtime._deferred) == 4  # every step waits for the finisher's period
+        assert len(runtime.finisher.deferred) == 4  # every step waits for the finisher's period
         provider.shutdown()  # the user's own shutdown, mid-process
         steps = [s.attributes[semconv.STEP] for s in finished(exporter, semconv.SPAN_STEP)]
     finally:
@@ -392,7 +392,7 @@ def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa
                 appended.append(item)
                 super().append(item)
 
-        runtime._deferred = Recording()
+        runtime.finisher.deferred = Recording()
         train(5)
         # ordinary steps (1, 3) without a stand-in or children; detail steps (0, 2, 4)
         # deferred too, with the stand-in their step-end listeners saw
@@ -456,10 +456,10 @@ def test_a_stuck_export_bounds_the_deferred_steps_and_training_goes_on(rank_env,
     import threading
     import time
 
-    from flare.instrumentation import runtime as runtime_module
+    from flare.instrumentation import step_finisher
 
-    monkeypatch.setattr(runtime_module, "DEFERRED_MAX", 8)
-    monkeypatch.setattr(runtime_module, "DEFERRED_WAKE", 4)
+    monkeypatch.setattr(step_finisher, "DEFERRED_MAX", 8)
+    monkeypatch.setattr(step_finisher, "DEFERRED_WAKE", 4)
     # no detail steps: each hands the deferred ones over on the training thread
     monkeypatch.setenv("FLARE_DETAIL_EVERY", "0")
     release = threading.Event()
@@ -477,9 +477,9 @@ def test_a_stuck_export_bounds_the_deferred_steps_and_training_goes_on(rank_env,
         started = time.monotonic()
         train(60)  # one optimizer: the step clock
         assert time.monotonic() - started < 20
-        assert len(runtime._deferred) == 8
-        assert runtime.deferred_dropped > 0
-        with caplog.at_level(logging.WARNING, logger="flare.instrumentation.runtime"):
+        assert len(runtime.finisher.deferred) == 8
+        assert runtime.finisher.dropped > 0
+        with caplog.at_level(logging.WARNING, logger="flare.instrumentation.step_finisher"):
             release.set()
             instrumentor.uninstrument()
     finally:
@@ -555,10 +555,10 @@ def test_the_boundary_takes_step_totals_the_finisher_made(rank_env):  # noqa: F8
     try:
         train(4)
         provider.force_flush()  # drains: the finisher's part, here on this thread
-        spare = list(runtime._spare_totals)
+        spare = list(runtime.finisher.spare_totals)
         assert len(spare) >= 3 and all(t.seq_start is None and not t.pending for t in spare)
         train(3)  # three boundaries: the last three made, newest first
-        assert runtime._spare_totals == spare[:-3]
+        assert runtime.finisher.spare_totals == spare[:-3]
         assert runtime.totals is spare[-3]
         provider.force_flush()
     finally:

@@ -16,8 +16,6 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -28,82 +26,13 @@ from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
 from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity
 from flare.instrumentation.operations import Operations
+from flare.instrumentation.step_finisher import StepFinisher
+from flare.instrumentation.step_records import StepRecord, StepTotals
 from flare.instrumentation.thread_clock import ProcessClock, ThreadClock
 
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
-# How often the finisher thread builds deferred step spans and hands them to the batch
-# processors, which it then flushes: the batch processor's own delay, and not less than
-# this (each wake-up runs cold: ~250 µs in situ before the first span, ~45 µs for each
-# next one, then the export request). Flushing right after, the step spans leave within
-# one period: with `flare run`'s batch delay (the SDK's 5 s), within 5 s.
-_FINISH_MIN_PERIOD_S = 2.0
-DEFERRED_MAX = 4096  # step records waiting for the finisher (~2 min of 30 ms steps)
-DEFERRED_WAKE = 512  # that many wake it before its period is over (a batch processor's batch)
-SPARE_TOTALS_MAX = 1024  # ready-made StepTotals kept for the next steps (~250 B each)
-
-
-@dataclass(slots=True)
-class PgTotals:
-    wait_ns: int = 0
-    python_count: int = 0
-    bytes: int = 0
-    device_ns: int = 0  # CUDA only: device time of collectives that completed this step
-    # Sequence numbers covered by calls Flare timed (a wrapped call may advance it more
-    # than once), and whether C++-issued ones were accounted (DDP's reducer: its wait is
-    # the tail of backward): what is left of the group's advance was not seen at all.
-    covered: int = 0
-    p2p_count: int = 0
-    cpp_accounted: bool = False
-
-
-@dataclass(slots=True)
-class StepTotals:
-    """Always-on counters of one step; cheap to update from any hook."""
-
-    dataloader_ns: int = 0
-    dataloader_count: int = 0
-    gc_ns: int = 0
-    gc_count: int = 0
-    pycall_ns: int = 0
-    pycall_count: int = 0
-    # the framework's phases (python_calls.PHASES): their own time, outside compute
-    checkpoint_ns: int = 0
-    evaluation_ns: int = 0
-    backward_ns: int = 0
-    pg: dict[str, PgTotals] = field(default_factory=dict)
-    # (function, args): bookkeeping a hook left for when the step's span is built, off
-    # the training thread where possible; each runs as function(totals, *args) first.
-    pending: list = field(default_factory=list)
-    # The process groups' sequence numbers (name -> number) at the step's start and
-    # end, read by the runtime (`Runtime.sequence_reader`); a step that begins where
-    # the last one ended shares that read.
-    seq_start: dict | None = None
-    seq_end: dict | None = None
-    # Detail steps only, created when first needed: (pg name, start, end) of the
-    # Python-issued collectives, and (start, graph done, end) of the backwards.
-    python_windows: list | None = None
-    backward_windows: list | None = None
-
-    def pg_totals(self, pg_name: str) -> PgTotals:
-        totals = self.pg.get(pg_name)
-        if totals is None:
-            totals = self.pg[pg_name] = PgTotals()
-        return totals
-
-
-class StepRecord(NamedTuple):
-    """What the training thread captures of a step at its end, for the span built then
-    or later by the finisher."""
-
-    step: int
-    start_ns: int
-    end_ns: int
-    totals: StepTotals
-    cpu_start: tuple  # process and thread CPU clocks at the step's start
-    cpu_end: tuple  # ... and at its end
-    detail: bool
 
 
 class Runtime:
@@ -161,26 +90,9 @@ class Runtime:
         # (finished_span.py); None when the tracer is not one this is safe for.
         self._finished = FinishedSpans.for_tracer(tracer)
         # Ordinary steps whose span goes to an asynchronous (batch) processor anyway are
-        # built and emitted by a finisher thread every few seconds, in a batch: the
+        # built and emitted by the finisher thread every few seconds, in a batch: the
         # training thread only captures the step's numbers (see end_step).
-        # Bounded: were the finisher stuck (an export that never returns), the oldest
-        # records go first, counted in deferred_dropped, as the batch processor's
-        # queue drops.
-        self._deferred: deque = deque(maxlen=DEFERRED_MAX)
-        # Fresh StepTotals made by the finisher for the usual boundary to take (one
-        # list.pop instead of a dataclass __init__ frame, run cold, at every step):
-        # about as many as it last drained steps. Only ever popped and appended.
-        self._spare_totals: list = []
-        self.deferred_dropped = 0
-        self._dropped_reported = False
-        # Other work a listener hands off the training thread (run_later): the finisher
-        # runs it after the deferred spans, and so does every flush.
-        self._later: deque = deque()
-        self._drain_lock = threading.Lock()
-        self._finisher: threading.Thread | None = None
-        self._finisher_wake = threading.Event()  # run_later() and stop_finisher() set it
-        self._finisher_stopping = False
-        self._finisher_failed = False
+        self.finisher = StepFinisher(self._finished, self._emit_deferred)
 
     # ------------------------------------------------------------ identity (public API)
     @property
@@ -312,11 +224,11 @@ class Runtime:
             record = self._capture(end_ns)
         deferred = self._defer_span()
         if deferred is not None:
-            self._queue_deferred(record, deferred, self._notify_end(deferred))
+            self.finisher.queue(record, deferred, self._notify_end(deferred))
         else:
             # earlier steps' spans first: the processors see steps in order (work
             # handed to run_later stays with the finisher)
-            self.drain(spans_only=True)
+            self.finisher.drain(spans_only=True)
             self._finish_now(record, end_ns)
         self.recent_step_s.append((end_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = end_ns
@@ -380,12 +292,13 @@ class Runtime:
         start_ns = self.step_start_ns
         step = self.step_number
         record = StepRecord(step, start_ns, now_ns, totals, self.step_start_cpu_ns, cpu, False)
-        queue = self._deferred
+        finisher = self.finisher
+        queue = finisher.deferred
         with self._lock:
             deferred = self._step_span is None
             if deferred:
-                if len(queue) >= DEFERRED_WAKE:
-                    self._deferred_full()
+                if len(queue) >= finisher.wake_at:
+                    finisher.full()
                 queue.append((record, None, ()))
                 self.recent_step_s.append((now_ns - start_ns) / 1e9)
                 self.last_step_end_ns = now_ns
@@ -401,7 +314,7 @@ class Runtime:
                 self.step_start_cpu_ns = cpu
                 # the sequence numbers read at this end are the next step's start; the
                 # next step's totals come ready-made from the finisher when it can
-                spare = self._spare_totals
+                spare = finisher.spare_totals
                 following = spare.pop() if spare else StepTotals()
                 following.seq_start = totals.seq_end
                 self.totals = following
@@ -410,8 +323,8 @@ class Runtime:
             self.end_step(now_ns, record)
             self.begin_step(now_ns)
             return
-        if self._finisher is None:
-            self._start_finisher()
+        if finisher.thread is None:
+            finisher.start()
         methods = self._on_start if detail else self._on_start_ordinary
         if methods:
             self._notify(methods, step, detail)
@@ -426,7 +339,7 @@ class Runtime:
             return
         cpu = (self.process_clock.read(), *self.thread_clock.read())
         record = self._capture(now_ns, cpu)
-        self._queue_deferred(record, deferred, self._notify_end(deferred))
+        self.finisher.queue(record, deferred, self._notify_end(deferred))
         self._advance(now_ns, cpu)
         self._notify_start()
 
@@ -467,21 +380,6 @@ class Runtime:
         return StepRecord(self.step_number, self.step_start_ns, end_ns, totals,
                           self.step_start_cpu_ns, cpu, self.step_detail)
 
-    def _queue_deferred(self, record: StepRecord, pending: PendingStepSpan | None,
-                        children: list) -> None:
-        if len(self._deferred) >= DEFERRED_WAKE:
-            self._deferred_full()
-        self._deferred.append((record, pending, children))
-        if self._finisher is None:
-            self._start_finisher()
-
-    def _deferred_full(self) -> None:
-        """Many steps wait for the finisher: wake it now; if the queue is full (its
-        export is stuck), the append that follows drops the oldest record."""
-        if len(self._deferred) >= self._deferred.maxlen:
-            self.deferred_dropped += 1
-        self._finisher_wake.set()
-
     def _notify_start(self) -> None:
         self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
                      self.step_number, self.step_detail)
@@ -521,91 +419,18 @@ class Runtime:
             span.end(end_time=end_ns)
 
     # ------------------------------------------------------------ deferred step spans
-    def _start_finisher(self) -> None:
-        self._finisher_stopping = False
-        self._finisher_wake.clear()
-        self._finisher = threading.Thread(target=self._finisher_loop,
-                                          name="flare-step-finisher", daemon=True)
-        self._finisher.start()
-
-    def _finisher_loop(self) -> None:
-        finished = self._finished
-        delay = finished.batch_delay_s() if finished is not None else None
-        period = max(_FINISH_MIN_PERIOD_S, delay or 0.0)
-        wake = self._finisher_wake
-        try:
-            while True:
-                wake.wait(period)
-                wake.clear()
-                if self._finisher_stopping:
-                    return
-                if finished is None:
-                    self.drain()
-                elif not self.drain():
-                    # No steps this period (a stall, a hang, the end): the processors'
-                    # workers export on their own schedule again (heartbeats must leave).
-                    finished.release_batch_schedules()
-                else:
-                    try:
-                        finished.flush_batches(period)
-                    except Exception as error:  # the batch processor's own worker exports them
-                        if not self._finisher_failed:
-                            self._finisher_failed = True
-                            _log.warning("flare: flushing the step spans failed: %r", error)
-                        finished.release_batch_schedules()
-        finally:
-            if finished is not None:  # the batch processors' workers export on their own again
-                finished.release_batch_schedules()
-
     def drain(self, spans_only: bool = False) -> bool:
-        """Build and hand over every deferred step span now (before any flush), then
-        run the work handed to run_later unless `spans_only`; True if there was any."""
-        if not self._deferred and (spans_only or not self._later):
-            return False
-        with self._drain_lock:
-            if self.deferred_dropped and not self._dropped_reported:
-                self._dropped_reported = True
-                _log.warning("flare: %d step spans were dropped while the span export was "
-                             "stuck (the oldest go first)", self.deferred_dropped)
-            drained = 0
-            while self._deferred:
-                record, pending, children = self._deferred.popleft()
-                drained += 1
-                try:
-                    self._emit_deferred(record, pending, children)
-                except Exception as error:  # never lose the others over one
-                    if not self._finisher_failed:
-                        self._finisher_failed = True
-                        _log.warning("flare: a step span could not be built: %r", error)
-            spare = self._spare_totals
-            for _ in range(min(drained, SPARE_TOTALS_MAX) - len(spare)):
-                spare.append(StepTotals())
-            while self._later and not spans_only:
-                work = self._later.popleft()
-                try:
-                    work()
-                except Exception as error:
-                    if not self._finisher_failed:
-                        self._finisher_failed = True
-                        _log.warning("flare: background work failed: %r", error)
-        return True
+        """Hand every deferred step span over now (Flare's flushes: before the SDK's);
+        `StepFinisher.drain`."""
+        return self.finisher.drain(spans_only)
 
     def run_later(self, work) -> None:
-        """Run `work()` off the training thread: on the finisher thread, woken for it
-        now, or at the next flush, whichever comes first."""
-        self._later.append(work)
-        if self._finisher is None:
-            self._start_finisher()
-        self._finisher_wake.set()
+        """Run `work()` off the training thread (`StepFinisher.run_later`)."""
+        self.finisher.run_later(work)
 
     def stop_finisher(self) -> None:
         """Drain, then stop the finisher thread (uninstrument, exit)."""
-        thread, self._finisher = self._finisher, None
-        self._finisher_stopping = True
-        self._finisher_wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2)
-        self.drain()
+        self.finisher.stop()
 
     def _emit_deferred(self, record: StepRecord, pending: PendingStepSpan | None,
                        children: list) -> None:
