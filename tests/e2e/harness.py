@@ -175,8 +175,12 @@ class FlareRun:
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self._kill(family)
+
+    def _kill(self, family: list[int]) -> None:
+        """SIGKILL `flare run` and `family`, the processes it had started."""
+        self.process.kill()
+        self.process.wait()
         for pid in family:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -207,13 +211,7 @@ class FlareRun:
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            family = _descendants(self.process.pid)
-            self.process.kill()
-            for pid in family:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            self._kill(_descendants(self.process.pid))
             raise
         self._reader.join(timeout=10)
         # beside its report: what flare run said (live alerts, lines), to read a failure later

@@ -7,6 +7,7 @@ store, Jaeger, Tempo, a Kineto import) fill a `JobData`; reports render `Anomaly
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import json
@@ -96,15 +97,16 @@ class SpanQuery:
                 object.__setattr__(self, name, tuple(value))
 
 
-class SpanReader:
+class SpanReader(abc.ABC):
     """`spans(...)` as JobData spells it, for a backend that answers a SpanQuery
     (`query`): the arguments are written once, in SpanQuery."""
 
     def spans(self, *args, **kwargs) -> Table:
         return self.query(SpanQuery(*args, **kwargs))
 
+    @abc.abstractmethod
     def query(self, q: SpanQuery) -> Table:
-        raise NotImplementedError
+        """The spans `q` asks for."""
 
 
 class JobData(Protocol):
