@@ -688,3 +688,19 @@ def test_a_slowdown_dated_by_one_ranks_change_is_never_made_job_wide():
             frame = frames.load(_job(table), config)
             wide += [(hiccups, seed, a.first_step) for a in fail_slow.find(frame, config) if not a.ranks]
     assert wide == []
+
+
+def test_a_job_wide_slowdown_burnt_as_cpu_is_dated_by_the_cpu_in_fail_slow_too():
+    """The same rule in fail_slow (causes.dating_series): every rank's compute +40 ms of
+    CPU-burning work from step 20, after sleeping 16 ms more per step from step 8 (a
+    host that descheduled a GIL holder). The job slowed at 20, where its threads' CPU
+    rose; its compute had risen at 8."""
+    from flare.diagnostics.detectors import fail_slow
+
+    config = DiagnosisConfig()
+    faults = tuple(f for r in range(4) for f in (Fault("asleep", r, 8, 16.0, to_step=20),
+                                                 Fault("compute", r, 20, 40.0)))
+    for seed in range(3):
+        frame = frames.load(_job(job_spans("j", 4, 60, faults, base_ms=15.0, seed=seed)), config)
+        assert [(a.ranks, a.cause, a.first_step) for a in fail_slow.find(frame, config)] == \
+            [([], "compute", 20)]

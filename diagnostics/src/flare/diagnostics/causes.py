@@ -155,6 +155,34 @@ def work_grew(subject_mean: dict[str, float], reference_mean: dict[str, float], 
     return bool(grew) and sum(grew) >= max(WORK_GREW_FLOOR_MS, WORK_GREW_SHARE * excess_ms)
 
 
+def dating_series(frame: StepFrame, cause: str, rows: list[int], cols: np.ndarray, excess_ms: float,
+                  peers: list[int] | None = None, before: np.ndarray | None = None) -> np.ndarray | None:
+    """The (R, S) series whose jump dates a label of `cause` on `rows`, for every
+    detector. Compute that the rows' training thread burnt as CPU is dated by that CPU:
+    it is the work itself, and neither a wait for a CPU nor a sleep on the GIL of a
+    thread the host descheduled moves it (a slow node on a busy CI host dated @6 and @10
+    by its compute for a fault from step 20, the thread CPU flat until 20). The CPU must
+    carry the share of the excess that makes work grow (WORK_GREW_SHARE; on a busy host
+    the extra work's time is half waiting for CPU slices), measured over `cols` against
+    `peers` there, or against the rows' own `before` columns when no peers are given (a
+    job-wide slowdown). Else the cause's component (StepFrame.cause_series)."""
+    if cause == "compute" and frame.thread_cpu is not None:
+        cpu = frame.thread_cpu.astype(np.float64)
+
+        def level(which: list[int], columns: np.ndarray) -> float:
+            return float(nanmedian(nanmedian(cpu[np.asarray(which)][:, columns], axis=0)))
+
+        if peers:
+            grew = level(rows, cols) - level(peers, cols)
+        elif before is not None and len(before):
+            grew = level(rows, cols) - level(rows, before)
+        else:
+            grew = math.nan
+        if math.isfinite(grew) and grew >= max(WORK_GREW_FLOOR_MS, WORK_GREW_SHARE * excess_ms):
+            return cpu
+    return frame.cause_series(cause)
+
+
 def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float],
                  excess_ms: float, grew: bool | None = None) -> bool:
     """Whether the subject's excess over the reference (peers, or its own past) is the

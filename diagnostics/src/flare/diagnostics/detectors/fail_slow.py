@@ -18,6 +18,7 @@ from flare.diagnostics import frame as frames
 from flare.diagnostics.causes import (
     attribute,
     cpu_only_idle,
+    dating_series,
     host_busy,
     host_starved,
     means,
@@ -102,7 +103,11 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         # every rank's collectives slowed while the host kept the ranks waiting for a CPU
         # as long: not enough to name communication (causes.host_busy)
         why.cause = "unknown"
-    onset = _cause_onset(frame, why.cause, rows, warm, persist, onset)
+    excess = (now_work - past_work) if ranks else point.after - point.before
+    onset = _cause_onset(frame, rows, warm, persist, onset,
+                         dating_series(frame, why.cause, rows, after, excess,
+                                       peers=[r for r in range(len(frame.ranks)) if r not in rows],
+                                       before=before))
     first = frame.step_of(onset)
     last = frame.last_step_of(int(warm[-1]))
     who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
@@ -195,14 +200,15 @@ def _ranks_that_burnt_it(frame: frames.StepFrame, before: np.ndarray, after: np.
     return sorted(int(frame.ranks[row]) for row in driving)
 
 
-def _cause_onset(frame: frames.StepFrame, cause: str, rows: list[int], warm: np.ndarray,
-                 persist: int, onset: int) -> int:
+def _cause_onset(frame: frames.StepFrame, rows: list[int], warm: np.ndarray,
+                 persist: int, onset: int, matrix: np.ndarray | None) -> int:
     """Date the slowdown by the named cause's own component when it jumps nearby: it is
     sharper than the step time, which noise can move a few steps early. A fault that
     worsens in stages is dated from its first, smaller rise, however early. When some
     ranks drove it, their component is read as their excess over the other ranks': a
-    rise every rank shares (a loaded host) is not theirs to date."""
-    matrix = frame.cause_series(cause)
+    rise every rank shares (a loaded host) is not theirs to date. `matrix` is the series
+    that dates the cause (causes.dating_series: for compute that carried more work, the
+    training threads' CPU)."""
     if matrix is None:
         return onset
     values = matrix[:, warm].astype(np.float64)

@@ -31,8 +31,8 @@ from flare.diagnostics import ledger as ledgers
 from flare.diagnostics import topology as topologies
 from flare.diagnostics.causes import (
     WORK_GREW_FLOOR_MS,
-    WORK_GREW_SHARE,
     attribute,
+    dating_series,
     host_starved,
     means,
     medians,
@@ -176,7 +176,8 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         # on a loaded host a busy thread's toll on the step can be patchy for a while
         # after it starts, so the step's own rise dates late (step 32 for a fault from
         # 20, seen), while that thread's CPU jumps the step it starts.
-        series = _dating_series(frame, anomaly, rows, peers, cols)
+        series = dating_series(frame, anomaly.cause, rows, cols,
+                               anomaly.evidence["excess_ms_per_step"], peers=peers)
         if series is not None:
             part = series.astype(np.float64)
             part_deviation = part - nanmedian(part, axis=0)[None, :]
@@ -201,26 +202,6 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
     anomalies.extend(a for a, _, _, _ in hidden)
     anomalies.extend(_stalls(frame, config, book, anomalies))
     return anomalies
-
-
-def _dating_series(frame: frames.StepFrame, anomaly: Anomaly, rows: list[int], peers: list[int],
-                   cols: np.ndarray) -> np.ndarray | None:
-    """The (R, S) series whose jump dates the label. Compute that the rank's training
-    thread burnt as CPU is dated by that CPU: it is the work itself, and neither a wait
-    for a CPU nor a sleep on the GIL of a thread the host descheduled moves it (a slow
-    node on a busy CI host dated @6 and @10 by its compute for a fault from step 20, the
-    thread CPU flat until 20). The CPU must carry the share of the excess that makes
-    work grow (causes.WORK_GREW_SHARE): on a busy host half of the extra work's time is
-    spent waiting for CPU slices (Lightning, rank 2: +61 ms of CPU in +124 ms/step).
-    Else the cause's component."""
-    if anomaly.cause == "compute" and frame.thread_cpu is not None and peers:
-        cpu = frame.thread_cpu.astype(np.float64)
-        mine = nanmedian(nanmedian(cpu[rows][:, cols], axis=0))
-        theirs = nanmedian(nanmedian(cpu[peers][:, cols], axis=0))
-        excess = anomaly.evidence["excess_ms_per_step"]
-        if math.isfinite(mine - theirs) and mine - theirs >= max(WORK_GREW_FLOOR_MS, WORK_GREW_SHARE * excess):
-            return cpu
-    return frame.cause_series(anomaly.cause)
 
 
 def _whole_groups(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
