@@ -135,12 +135,12 @@ def test_bad_backends_are_one_line(spec, message):
 def test_a_table_that_is_not_the_exporters_is_named(stores):
     _, chdb_backend = stores
     path = chdb_backend.name[len("chdb:"):]
-    users = clickhouse._Chdb._open[str(Path(path).resolve())][1]
+    users = clickhouse.Chdb._open[str(Path(path).resolve())][1]
     with pytest.raises(BackendError, match="has no table nope"):
         open_backend(f"chdb:{path}?table=nope")
     # a refused open gives its hold on the directory back (pytest-xdist set this module
     # up twice in one worker, and the second found the first's directory still held)
-    assert clickhouse._Chdb._open[str(Path(path).resolve())][1] == users
+    assert clickhouse.Chdb._open[str(Path(path).resolve())][1] == users
     chdb_backend._engine.arrow("CREATE TABLE IF NOT EXISTS plain (x Int32) ENGINE = Memory", {})
     with pytest.raises(BackendError, match="plain is not an OpenTelemetry traces table"):
         open_backend(f"chdb:{path}?table=plain")

@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
-import threading
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 
 from flare.diagnostics.backends import attributes as attrs
 from flare.diagnostics.backends.base import BackendError
+from flare.diagnostics.backends.clickhouse_engines import Chdb, Http
 from flare.diagnostics.columns import Column, Table, list_value_type
 from flare.diagnostics.model import SpanQuery, SpanReader
 from flare.instrumentation import semconv as sc
@@ -142,148 +141,6 @@ class _Params:
         return f"{{{name}:{typ}}}"
 
 
-class _Chdb:
-    """An embedded chDB directory. chDB serves one directory per process: backends on
-    the same directory share its session, which closes with the last of them."""
-
-    _lock = threading.Lock()
-    _open: dict[str, list] = {}  # resolved path → [session, users]
-
-    def __init__(self, path: str) -> None:
-        if not Path(path).is_dir():
-            raise BackendError(f"chDB directory {path} does not exist")
-        try:
-            from chdb import session
-        except ImportError:
-            raise BackendError("the chdb backend needs the chdb package (pip install chdb)") from None
-        self.where = f"chDB at {path}"
-        self._path = str(Path(path).resolve())
-        with self._lock:
-            entry = self._open.get(self._path)
-            if entry is None:
-                if self._open:
-                    raise BackendError(f"chDB opens one directory per process and "
-                                       f"{next(iter(self._open))} is open")
-                opened = _open_session(session, self._path, self.where)
-                # Arrow handed over in-process needs no compression: ClickHouse's default
-                # lz4_frame cost the bucketed step summary of an hour of 1,024 ranks 5.2-7.2 s
-                # against 2.5 s without (compressed by chDB, decompressed by pyarrow).
-                opened.query("SET output_format_arrow_compression_method = 'none'")
-                entry = self._open[self._path] = [opened, 0]
-            entry[1] += 1
-        self._session = entry[0]
-        self._closed = False
-
-    def arrow(self, sql: str, params: dict[str, Any]):
-        # chDB hands parameters to ClickHouse as escaped text (TSV rules)
-        text = {k: str(v).replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
-                for k, v in params.items()}
-        with self._lock:
-            if self._closed:
-                raise BackendError(f"{self.where} is closed")
-            try:
-                result = self._session.query(sql, "Arrow", params=text)
-            except RuntimeError as exc:  # chdb.ChdbError
-                raise BackendError(f"{self.where}: {_first_line(exc)}") from None
-        # Arrow's file format read here: chDB's own "ArrowTable" output imports pandas
-        # for it (0.3-0.7 s and ~60 MB of a diagnosis that never uses it).
-        import pyarrow as pa
-
-        if len(result) == 0:
-            return pa.table({})
-        return pa.ipc.open_file(result.get_memview().view()).read_all()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            entry = self._open[self._path]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._open[self._path]
-                entry[0].close()
-
-
-def _open_session(session, path: str, where: str):
-    """chDB's session; its engine prints why it cannot start on stderr itself (a second
-    process on the directory): that text goes into the one-line error instead."""
-    import tempfile
-
-    with tempfile.TemporaryFile() as said:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(said.fileno(), 2)
-        try:
-            return session.Session(path)
-        except RuntimeError as exc:
-            said.seek(0)
-            printed = said.read().decode(errors="replace")
-            if "Another server instance" in printed or "Cannot lock file" in printed:
-                raise BackendError(f"{where} is in use by another process (chDB opens a "
-                                   "directory from one process at a time)") from None
-            raise BackendError(f"cannot open {where}: {_first_line(exc)}") from None
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-class _Http:
-    """A ClickHouse server over HTTP(S), through clickhouse-connect."""
-
-    def __init__(self, url: str, database: str) -> None:
-        try:
-            parsed = urllib.parse.urlsplit(url)
-            port = parsed.port
-        except ValueError as exc:
-            raise BackendError(f"ClickHouse URL {url!r} is not http(s)://HOST:PORT/DB "
-                               f"({str(exc).lower()})") from None
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise BackendError(f"ClickHouse URL {url!r} is not http(s)://HOST:PORT/DB")
-        try:
-            import clickhouse_connect
-            from clickhouse_connect.driver.exceptions import ClickHouseError
-        except ImportError:
-            raise BackendError("the clickhouse backend needs clickhouse-connect "
-                               "(pip install clickhouse-connect)") from None
-        self._errors = (ClickHouseError,)
-        secure = parsed.scheme == "https"
-        self.where = f"ClickHouse at {parsed.scheme}://{parsed.hostname}:{port or (8443 if secure else 8123)}"
-        env = os.environ.get
-        token = env(sc.ENV_BACKEND_TOKEN) or None
-        options: dict[str, Any] = {
-            "host": parsed.hostname, "port": port or (8443 if secure else 8123),
-            "database": database, "secure": secure,
-            "username": urllib.parse.unquote(parsed.username or "") or env(sc.ENV_BACKEND_USER) or "default",
-            "password": urllib.parse.unquote(parsed.password or "") or env(sc.ENV_BACKEND_PASSWORD) or "",
-            "connect_timeout": 10, "send_receive_timeout": 300, "compress": True,
-        }
-        if token:
-            options["access_token"] = token
-        if secure:
-            options |= {"ca_cert": env(sc.ENV_BACKEND_CA_FILE) or None,
-                        "client_cert": env(sc.ENV_BACKEND_CERT_FILE) or None,
-                        "client_cert_key": env(sc.ENV_BACKEND_KEY_FILE) or None}
-        try:
-            self._client = clickhouse_connect.get_client(**options)
-        except ClickHouseError as exc:
-            raise BackendError(f"cannot reach {self.where}: {_first_line(exc)}") from None
-
-    def arrow(self, sql: str, params: dict[str, Any]):
-        try:
-            return self._client.query_arrow(sql, parameters=params)
-        except self._errors as exc:
-            raise BackendError(f"{self.where}: {_first_line(exc)}") from None
-
-    def close(self) -> None:
-        self._client.close()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
 def _split_table(spec: str) -> tuple[str, str]:
     """`LOCATION?table=NAME` → (LOCATION, NAME); the table is checked as an identifier."""
     location, _, query = spec.partition("?")
@@ -307,14 +164,14 @@ class ClickHouseBackend:
             location, self.table = _split_table(spec[len("chdb:"):])
             if not location:
                 raise BackendError("the chdb backend needs a directory: chdb:PATH")
-            self._engine: _Chdb | _Http = _Chdb(location)
+            self._engine: Chdb | Http = Chdb(location)
         else:
             location, self.table = _split_table(spec.partition("+")[2])
             parsed = urllib.parse.urlsplit(location)
             database = parsed.path.strip("/") or "default"
             if not _TABLE_NAME.match(database) or "." in database:
                 raise BackendError(f"ClickHouse database name {database!r} is not a NAME")
-            self._engine = _Http(urllib.parse.urlunsplit(parsed._replace(path="")), database)
+            self._engine = Http(urllib.parse.urlunsplit(parsed._replace(path="")), database)
             self.name = f"clickhouse+{parsed.scheme}://{parsed.hostname}:{parsed.port or ''}/{database}"
         try:
             self._check_table()
@@ -616,7 +473,7 @@ def load_store(backend: ClickHouseBackend, store_path: str | os.PathLike[str], j
     """Copy a Flare store's spans (one job, or all) into a chDB directory's traces table,
     each row as the exporter would have written it from the same OTLP: for trying the
     backend on a store at hand, and for tests and benchmarks. Returns the rows copied."""
-    if not isinstance(backend._engine, _Chdb):
+    if not isinstance(backend._engine, Chdb):
         raise BackendError("load_store fills chDB directories only (a server is filled by the exporter)")
     import tempfile
 
@@ -651,7 +508,7 @@ def create_chdb(path: str | os.PathLike[str], table: str = DEFAULT_TABLE) -> Cli
     if not _TABLE_NAME.match(table):
         raise BackendError(f"ClickHouse table name {table!r} is not NAME or DATABASE.NAME")
     Path(path).mkdir(parents=True, exist_ok=True)
-    engine = _Chdb(str(path))
+    engine = Chdb(str(path))
     database = table.rpartition(".")[0]
     if database:
         engine.arrow(f"CREATE DATABASE IF NOT EXISTS {database}", {})
