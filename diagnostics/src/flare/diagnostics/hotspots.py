@@ -76,7 +76,7 @@ def name_phases(job: JobData, anomalies: list[Anomaly]) -> None:
             continue
         function = max(spent, key=spent.__getitem__)
         anomaly.evidence["phase_function"] = function
-        from flare.diagnostics.detectors.straggler import PHASE_DOING  # (the label's own words)
+        from flare.diagnostics.straggler_label import PHASE_DOING  # (the label's own words)
 
         for words in PHASE_DOING[anomaly.cause]:
             if f" {words} " in anomaly.summary:

@@ -44,7 +44,7 @@ class Ledger:
     culprits: np.ndarray  # (R, S) bool: the rank arrived within tolerance of the last
     significant: np.ndarray  # (S,) bool: warm, and the loss is a real share of the step
     warm: np.ndarray  # (S,) bool: past the warm-up steps
-    noise_ms: float  # the job's rank-to-rank noise of own time (see straggler._noise_ms)
+    noise_ms: float  # the job's rank-to-rank noise of own time (see noise_ms below)
     has_wait: bool  # any wait reported at all (an import may have none)
 
     @property

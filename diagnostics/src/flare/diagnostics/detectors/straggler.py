@@ -28,18 +28,12 @@ import numpy as np
 
 from flare.diagnostics import frame as frames
 from flare.diagnostics import ledger as ledgers
+from flare.diagnostics import stalls
 from flare.diagnostics import topology as topologies
-from flare.diagnostics.causes import (
-    WORK_GREW_FLOOR_MS,
-    attribute,
-    dating_series,
-    host_starved,
-    means,
-    medians,
-    work_grew,
-)
+from flare.diagnostics.causes import dating_series
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.diagnostics.stats import first_rise, leave_one_out_medians, nanmedian, period, runs
+from flare.diagnostics.stats import first_rise, leave_one_out_medians, nanmedian, runs
+from flare.diagnostics.straggler_label import describe_cause, label
 
 # Members of a group must be slow over the same steps: their runs overlap this much,
 # or they begin within GROUP_ONSET_SLACK steps of each other (one episode: on a loaded
@@ -47,28 +41,8 @@ from flare.diagnostics.stats import first_rise, leave_one_out_medians, nanmedian
 # other, and the stage split into two labels, seen).
 GROUP_MIN_OVERLAP = 0.6
 GROUP_ONSET_SLACK = 3
-# An intermittent stall: a step whose loss is at least this share of the median step
-# (and NOISE_UNITS of the job's noise), in at least MIN_STALLS steps, costing at least
-# straggler_min_impact of the run if periodic, twice that if not.
-STALL_MIN_SHARE = 0.25
-STALL_NOISE_UNITS = 4.0
-# ...and at least this share of the typical one of its STALL_REFERENCE largest losses.
-STALL_OF_LARGEST = 0.3
-STALL_REFERENCE = 3
-MIN_STALLS = 3
-MIN_PERIODIC_STALLS = 4
-# Inside a persistent run of the same rank, a stall is a loss this many times the run's.
-STALL_ABOVE_RUN = 2.0
-# ...and each stall lasts this long at least: a loaded host deschedules a rank for a
-# scheduler slice or two (a few ms to ~24 ms: CFS's latency target), now and then, on
-# any job; a collection, a checkpoint or an evaluation that matters lasts longer.
-STALL_MIN_MS = 30.0
 # The job's noise is at least this share of its median step.
 NOISE_FLOOR_SHARE = 0.02
-# Periodic (stats.period): this share of the gaps between stalls within PERIOD_TOLERANCE
-# of the median gap, or of the stalls and of the period's steps on one lattice.
-PERIODIC_MIN_REGULAR = 0.75
-PERIOD_TOLERANCE = 0.15
 
 
 def min_density(ranks: int) -> float:
@@ -148,7 +122,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         cols = np.unique(np.concatenate([runs_of[r][2] for r in rows]))
         peers = [r for r in range(len(frame.ranks)) if r not in slow] or \
             [r for r in range(len(frame.ranks)) if r not in rows]
-        anomaly = _label(frame, config, book, rows, peers, cols, mask, group)
+        anomaly = label(frame, config, book, rows, peers, cols, mask, group)
         # Arriving last by chance (a descheduled process, noise) is not being slower:
         # the rank's own time must really exceed its peers', beyond the job's noise —
         # judged over the run where its own excess is established, before any re-dating.
@@ -191,7 +165,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
             start = _onset(own, first_warm, lowest, int(cols[-1]), persist, fallback=int(cols[0]))
             if start != int(cols[0]):
                 cols = np.arange(start, int(cols[-1]) + 1)
-                anomaly = _label(frame, config, book, rows, peers, cols, mask, group)
+                anomaly = label(frame, config, book, rows, peers, cols, mask, group)
         anomaly.evidence["job_noise_ms"] = round(book.noise_ms, 3)
         anomalies.append(anomaly)
         made[id(anomaly)] = (rows, mask, cols)
@@ -200,7 +174,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
     if hidden and topology is not None:
         anomalies, hidden = _whole_groups(frame, config, book, topology(), slow, anomalies, made, hidden)
     anomalies.extend(a for a, _, _, _ in hidden)
-    anomalies.extend(_stalls(frame, config, book, anomalies))
+    anomalies.extend(stalls.find(frame, config, book, anomalies))
     return anomalies
 
 
@@ -236,7 +210,7 @@ def _whole_groups(frame: frames.StepFrame, config: DiagnosisConfig, book: ledger
         cols = np.unique(np.concatenate([cols, *(c for _, _, _, c in joined)]))
         peers = [r for r in range(len(frame.ranks)) if r not in slow and r not in rows] or \
             [r for r in range(len(frame.ranks)) if r not in rows]
-        merged = _label(frame, config, book, rows, peers, cols, mask, topology.describe(members))
+        merged = label(frame, config, book, rows, peers, cols, mask, topology.describe(members))
         merged.evidence["job_noise_ms"] = round(book.noise_ms, 3)
         out.append(merged)
         used |= {id(h) for h, _, _, _ in joined}
@@ -282,7 +256,7 @@ def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
         behind = [a for a in lasting if a.first_step <= last and first <= a.last_step]
         if not behind:
             continue
-        anomaly = _label(frame, config, book, [row], peers, cols, mask, None)
+        anomaly = label(frame, config, book, [row], peers, cols, mask, None)
         ev = anomaly.evidence
         relative, individual = ev["relative_score"], ev["individual_score"]
         if not (relative is not None and relative <= config.straggler_max_relative_score
@@ -297,7 +271,7 @@ def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
         would = ev["excess_ms_per_step"] * frame.step_count(cols) / max(book.run_ms, 1e-9)
         ev.update(hidden_behind=hides, would_cost=round(would, 4), job_noise_ms=round(book.noise_ms, 3))
         them = f"rank {hides[0]}" if len(hides) == 1 else f"ranks {','.join(map(str, hides))}"
-        cause = _cause_text(anomaly.cause, ev["other_threads_cpu_delta_ms"] or math.nan)
+        cause = describe_cause(anomaly.cause, ev["other_threads_cpu_delta_ms"] or math.nan)
         anomaly.impact = 0.0
         anomaly.summary = (
             f"rank {int(frame.ranks[row])} is slower than its healthy peers from step {first} to "
@@ -382,246 +356,3 @@ def _onset(deviation: np.ndarray, first_warm: int, first: int, last: int, persis
     return start if first - 3 <= start <= last else fallback
 
 
-def _label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
-           rows: list[int], peers: list[int], cols: np.ndarray, mask: np.ndarray,
-           group: str | None, pattern: dict | None = None) -> Anomaly:
-    ranks = [int(frame.ranks[r]) for r in rows]
-    mine, my_work = medians(frame, rows, cols)
-    theirs, their_work = medians(frame, peers, cols)
-    my_means, their_means = means(frame, rows, cols), means(frame, peers, cols)
-    why = attribute(mine, theirs, config.cause_min_share, my_work, their_work,
-                    my_means, their_means)
-    lost_per_step = book.lost_by(rows, cols) / max(1, frame.step_count(cols[mask[cols]]))
-    burnt_median = _median_burnt(frame, rows, peers, cols)
-
-    def grew_beyond(excess_ms: float) -> bool:
-        # More work in most of its steps: a CPU burst in a few (its own periodic
-        # collection) raises the mean alone, and must not make a starved rank the job's.
-        return work_grew(my_means, their_means, excess_ms) and (
-            burnt_median is None or burnt_median >= WORK_GREW_FLOOR_MS)
-
-    grew = grew_beyond(lost_per_step)
-    # Busier in most steps (its threads' CPU in the median step), its own time not: the
-    # delay falls outside its steps (straggler.find); a CPU burst now and then (a
-    # periodic collection) is neither.
-    busier = (grew and burnt_median is not None
-              and burnt_median >= config.straggler_min_noise_units * book.noise_ms)
-    if busier and why.excess_ms < config.straggler_min_noise_units * book.noise_ms:
-        # An excess in some steps only (the median hides it): its parts' means tell it.
-        parts = list(frame.parts)
-        why = attribute({k: my_means[k] for k in parts}, {k: their_means[k] for k in parts},
-                        config.cause_min_share, sum(my_means[k] for k in parts),
-                        sum(their_means[k] for k in parts), my_means, their_means)
-    other_cpu_delta = my_means["other_cpu"] - their_means["other_cpu"]
-    thread_cpu_delta = my_means["thread_cpu"] - their_means["thread_cpu"]
-    burnt = [d for d in (other_cpu_delta, thread_cpu_delta) if math.isfinite(d)]
-    runqueue_delta = my_means["runqueue"] - their_means["runqueue"]
-    # Most of the excess spent runnable but waiting for a CPU, without burning more of
-    # it: the host starved the rank (other work on the machine), not its own code or
-    # threads (a GIL holder's victim sleeps on the GIL; that is not run-queue time).
-    starved = host_starved(my_means, their_means, why.excess_ms, grew_beyond(why.excess_ms))
-    density = float(mask[cols].mean())
-    step_share = float(np.mean(book.share()[cols]))
-    lost_ms = book.lost_by(rows, cols)
-    impact = book.impact(rows, cols)
-    first, last = frame.step_of(int(cols[0])), frame.last_step_of(int(cols[-1]))
-    before = np.arange(0, int(cols[0]))
-    before = before[frames.warm_mask(frame, config)[before]]
-    individual = None
-    if before.size >= 2:
-        _, past_work = medians(frame, rows, before)
-        individual = past_work / my_work if my_work > 0 else None
-    relative = their_work / my_work if my_work > 0 else None
-    persist_factor = min(1.0, len(cols) / (2 * max(1, config.min_persist_steps / frame.bucket)))
-    if pattern is not None:
-        density = 1.0  # the stalls are the label's steps
-    confidence = density * (0.5 + 0.5 * persist_factor) * (1.0 if why.cause != "unknown" else 0.8)
-    others = len(frame.ranks) - len(rows)
-    cause_text = _cause_text(why.cause, other_cpu_delta)
-    if len(rows) > 1:
-        cause_text = cause_text.replace("its ", "their ").replace("it pauses", "they pause")
-    who = (f"rank {ranks[0]}" if len(ranks) == 1
-           else f"ranks {','.join(map(str, ranks))}" + (f" ({group})" if group else ""))
-    victims = "the other rank" if others == 1 else f"the other {others} ranks"
-    counted = frame.step_count(cols[mask[cols]]) if pattern is None else frame.step_count(cols)
-    evidence = {
-        "culprit_steps": counted,
-        "steps_in_run": frame.step_count(cols),
-        "excess_ms_per_step": round(why.excess_ms, 3),
-        "component_delta_ms": {k: round(v, 3) for k, v in why.deltas_ms.items()},
-        "component_ratio": {k: round(v, 3) for k, v in why.ratios.items()},
-        "cause_share": round(why.share, 3),
-        "other_threads_cpu_delta_ms": (round(other_cpu_delta, 3)
-                                       if math.isfinite(other_cpu_delta) else None),
-        "cpu_burnt_delta_ms": round(sum(burnt), 3) if burnt else None,
-        "cpu_burnt_median_delta_ms": burnt_median,
-        "work_grew": grew,
-        "relative_score": None if relative is None else round(relative, 3),
-        "individual_score": None if individual is None else round(individual, 3),
-        "lost_s": round(lost_ms / 1e3, 3),
-        "step_share": round(step_share, 4),
-    }
-    if math.isfinite(runqueue_delta):
-        evidence["runqueue_delta_ms"] = round(runqueue_delta, 3)
-    if starved:
-        evidence["host_starved"] = True
-        cause_text = (f"{'it' if len(rows) == 1 else 'they'} waited for a CPU "
-                      f"(+{runqueue_delta:.1f} ms/step runnable but not running: the host is "
-                      "busy with other work)")
-    if group:
-        evidence["group"] = group
-    if len(rows) > 1:
-        evidence["member_excess_ms"] = {
-            str(int(frame.ranks[r])): round(medians(frame, [r], cols)[1] - their_work, 3) for r in rows}
-    outside = ""
-    if busier and why.excess_ms < config.straggler_min_noise_units * book.noise_ms:
-        outside = ": the rest of its delay falls between its steps, in no step's time"
-    if pattern is None:
-        summary = (f"{who} make{'s' if len(rows) == 1 else ''} {victims} wait {step_share:.0%} of "
-                   f"each step from step {first} to {last}: {cause_text} "
-                   f"(+{why.excess_ms:.1f} ms/step over {'its' if len(rows) == 1 else 'their'} "
-                   f"peers{outside}); {impact:.0%} of the run's time")
-    else:
-        evidence.update(pattern)
-        every = (f"every {pattern['period_steps']} steps" if pattern["pattern"] == "periodic"
-                 else "now and then")
-        doing = PHASE_DOING.get(why.cause)
-        if doing:  # a framework phase: what it does, and what each time costs
-            summary = (f"{who} {doing[0 if len(rows) == 1 else 1]} {every} "
-                       f"(+{pattern['stall_ms'] / 1e3:.1f} s each, {counted} times from step "
-                       f"{first} to {last}) while {victims} wait; {impact:.0%} of the run's time")
-        else:
-            summary = (f"{who} stall{'s' if len(rows) == 1 else ''} {victims} {every} "
-                       f"({counted} times from step {first} to {last}, "
-                       f"{pattern['stall_ms']:.0f} ms each): {cause_text}; "
-                       f"{impact:.0%} of the run's time")
-    return Anomaly(
-        kind="straggler", ranks=ranks, cause=why.cause, first_step=first, last_step=last,
-        impact=impact, confidence=min(confidence, 0.99), summary=summary, evidence=evidence,
-    )
-
-
-def _cause_text(cause: str, other_cpu_delta: float) -> str:
-    """What the cause says of one rank ("its compute is slower")."""
-    return {
-        "compute": "its compute is slower", "input": "its data loading is slower",
-        "gc": "it pauses in garbage collection", "cpu": "its Python side is starved of CPU "
-        + (f"(its other threads burn +{other_cpu_delta:.1f} ms of CPU per step, as a "
-           "GIL-holding thread does)" if math.isfinite(other_cpu_delta) and other_cpu_delta > 0
-           else "(every part of its step is slower, as with a GIL-holding thread)"),
-        "communication": "its communication is slower", "unknown": "the cause is unclear",
-        "checkpoint": "its checkpoint saves take longer",
-        "evaluation": "its evaluation takes longer",
-    }.get(cause, cause)
-
-
-# How a periodic label of a framework phase reads: "rank 0 saves a checkpoint every 10
-# steps (+0.4 s each, …)" (one rank, several ranks).
-PHASE_DOING = {"checkpoint": ("saves a checkpoint", "save a checkpoint"),
-               "evaluation": ("evaluates", "evaluate")}
-
-
-def _median_burnt(frame: frames.StepFrame, rows: list[int], peers: list[int], cols: np.ndarray) -> float | None:
-    """The CPU the rows' threads (training and others) burnt over their peers' in the
-    median step of `cols`; None where neither figure is reported."""
-    parts = [m for m in (frame.thread_cpu, frame.other_cpu) if m is not None and np.isfinite(m).any()]
-    if not parts:
-        return None
-    burnt = sum(np.nan_to_num(m.astype(np.float64)) for m in parts)
-    mine = nanmedian(burnt[np.asarray(rows)][:, cols], axis=0)
-    theirs = nanmedian(burnt[np.asarray(peers)][:, cols], axis=0)
-    value = nanmedian(mine - theirs)
-    return round(float(value), 3) if np.isfinite(value) else None
-
-
-def _stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
-            persistent: list[Anomaly]) -> list[Anomaly]:
-    """Ranks that stall everyone in a minority of steps but cost a real share of the run."""
-    big = book.significant & (book.lost_ms >= np.maximum.reduce([
-        STALL_MIN_SHARE * book.step_ms, np.full_like(book.step_ms, STALL_NOISE_UNITS * book.noise_ms),
-        np.full_like(book.step_ms, STALL_MIN_MS)]))
-    out = []
-    for row in range(len(frame.ranks)):
-        rank = int(frame.ranks[row])
-        stalls = big & book.culprits[row]
-        if stalls.any():
-            # The stalls are what stands out among this rank's losses: on short steps
-            # ordinary jitter also clears the thresholds above (8 ms lost of a 15 ms
-            # step, beside 130 ms collections) and would break the period.
-            top = np.sort(book.lost_ms[stalls])[-STALL_REFERENCE:]
-            stalls &= book.lost_ms >= STALL_OF_LARGEST * float(np.median(top))
-        for anomaly in persistent:
-            if rank in anomaly.ranks:
-                # Inside the rank's persistent run its every step is a loss: only a step
-                # that stands out above the run's own level is a stall there too (a GC
-                # every 10 steps stays periodic across a stretch where the rank was slow).
-                lo, hi = frame.column(anomaly.first_step), frame.column(anomaly.last_step)
-                level = float(np.median(book.lost_ms[lo:hi + 1]))
-                inside = stalls[lo:hi + 1]
-                stalls[lo:hi + 1] = inside & (book.lost_ms[lo:hi + 1] >= STALL_ABOVE_RUN * level)
-        cols = np.flatnonzero(stalls)
-        if cols.size < MIN_STALLS:
-            continue
-        pattern, on = _pattern(frame.steps[cols])
-        if pattern["pattern"] == "periodic":
-            # a step off the period is another loss of the rank's (a loaded host's
-            # hiccup), not one of these stalls
-            stalls[cols[~on]] = False
-            cols = cols[on]
-            cols = _settling_stalls(frame, config, book, row, cols, pattern["period_steps"])
-            stalls[cols] = True
-        impact = book.impact([row], cols)
-        needed = config.straggler_min_impact * (1 if pattern["pattern"] == "periodic" else 2)
-        if impact < needed or (pattern["pattern"] == "periodic" and cols.size < MIN_PERIODIC_STALLS):
-            continue
-        peers = [r for r in range(len(frame.ranks)) if r != row]
-        pattern["stall_ms"] = float(np.median(book.lost_ms[cols]))
-        pattern["stall_steps"] = [int(s) for s in frame.steps[cols][:50]]
-        anomaly = _label(frame, config, book, [row], peers, cols, stalls, None, pattern)
-        if anomaly.evidence["excess_ms_per_step"] < STALL_NOISE_UNITS * book.noise_ms:
-            continue
-        anomaly.evidence["job_noise_ms"] = round(book.noise_ms, 3)
-        # A stall step's whole excess over the job's typical step is the stall's: what
-        # the job's own step times say it cost. (The wait-based loss under-reads it on a
-        # loaded host, where the victims are late themselves now and then: 0.25 against
-        # 0.35 measured, seen.)
-        typical = float(np.nanmedian(book.step_ms[book.warm])) if book.warm.any() else 0.0
-        whole = float(np.sum(np.clip(book.step_ms[cols] - typical, 0, None) * book.steps[cols]))
-        anomaly.evidence["lost_s"] = round(whole / 1e3, 3)
-        anomaly.impact = min(1.0, whole / book.run_ms) if book.run_ms > 0 else 0.0
-        anomaly.summary = anomaly.summary.rsplit("; ", 1)[0] + f"; {anomaly.impact:.0%} of the run's time"
-        anomaly.confidence = min(0.99, 0.5 + 0.5 * min(1.0, cols.size / 8)) * (
-            1.0 if anomaly.cause != "unknown" else 0.8)
-        out.append(anomaly)
-    return out
-
-
-def _settling_stalls(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger,
-                     row: int, cols: np.ndarray, period: int) -> np.ndarray:
-    """A periodic stall's first occurrences inside the job's settling steps (past the
-    fixed warm-up, but slow enough that the ledger leaves them out of its baselines): a
-    step one period before the first stall found, where the same rank held everyone up
-    by as much as its stalls do, is a stall of the pattern too, and the label's onset is
-    there (a checkpoint every 8 steps from step 8, on a job still settling until step 11,
-    read from step 16 otherwise)."""
-    threshold = STALL_OF_LARGEST * float(np.median(np.sort(book.lost_ms[cols])[-STALL_REFERENCE:]))
-    first_allowed = frame.steps[0] + config.warmup_steps
-    earlier = []
-    step = int(frame.steps[cols[0]]) - period
-    while step >= first_allowed:
-        col = frame.column(step)
-        if (int(frame.steps[col]) != step or book.warm[col] or not book.culprits[row, col]
-                or not book.lost_ms[col] >= threshold):
-            break
-        earlier.append(col)
-        step -= period
-    return np.concatenate([np.asarray(earlier[::-1], dtype=cols.dtype), cols]) if earlier else cols
-
-
-def _pattern(steps: np.ndarray) -> tuple[dict, np.ndarray]:
-    """Periodic (with its period in steps) when the stalls keep one (stats.period), and
-    which of them keep it; intermittent otherwise."""
-    every, on = period(steps, MIN_PERIODIC_STALLS, PERIOD_TOLERANCE, PERIODIC_MIN_REGULAR)
-    if every is None:
-        return {"pattern": "intermittent"}, np.ones(np.shape(steps), dtype=bool)
-    return {"pattern": "periodic", "period_steps": every}, on
