@@ -12,7 +12,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from flare.collector.query_api import otlp_resource_spans
+from flare.collector.trace_json import otlp_resource_spans
 from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.tempo import TempoBackend, traceql_filter
 from flare.diagnostics.synthetic import Fault, job_spans
