@@ -19,21 +19,25 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from flare.importers.kineto.events import (
+    INT32_MAX,
+    MALFORMED,
+    SCALARS,
+    Collector,
+    Gpu,
+    Op,
+    OverBudget,
+    int_or,
+)
 from flare.importers.kineto.json_stream import StreamingTrace, open_text
 from flare.importers.kineto.limits import Limits, TraceError, format_size
 from flare.instrumentation import bandwidth, semconv
 from flare.instrumentation import kernel_taxonomy as taxonomy
 
-_GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-_GPU_CAT_NAMES = {cat: cat for cat in _GPU_CATS}  # the one copy of each kept
-_LAUNCH_CATS = {"cuda_runtime", "cuda_driver", "runtime"}
-_STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _SPAN_KIND_INTERNAL = 1
-_INT32_MAX = (1 << 31) - 1
-# Event times are microseconds; |ts| and |ts + dur| at most 4e15 (year 2096 as epoch
-# microseconds) and baseTimeNanoseconds at most 2^62 keep every nanosecond time in BIGINT.
-_MAX_US = 4e15
+# baseTimeNanoseconds at most 2^62 keeps every nanosecond time in BIGINT (event times
+# are bounded in events.py).
 _MAX_BASE_NS = 1 << 62
 # Rates (TFLOPS, GB/s) only over at least a picosecond: a denormal duration would make
 # them infinite, which JSON cannot hold.
@@ -43,238 +47,17 @@ _MIN_SECONDS = 1e-12
 _CATEGORIZE_CHARS = 4096
 
 
-
-
-@dataclasses.dataclass(slots=True)
-class _Gpu:
-    name: str
-    cat: str
-    ts: float
-    dur: float
-    stream: int
-    device: int
-    correlation: int
-    external_id: int | None
-    args: dict[str, Any]
-
-
-@dataclasses.dataclass(slots=True)
-class _Op:
-    tid: Any
-    ts: float
-    end: float
-    name: str
-    args: dict[str, Any]
-
-
-_BAD_TIME = "with a non-finite or out-of-range time"
-_BAD_STEP = "with a ProfilerStep number out of range"
-_MALFORMED = "with a field missing or of the wrong type"
-_SCALARS = (str, int, float, bool, type(None))
-_MAX_DIM = 1 << 40  # one tensor dimension in `Input Dims`
-_INT64 = (1 << 63) - 1
-
-
-class _OverBudget(Exception):
-    """The events kept would take more memory than Limits.max_memory."""
-
-
-# What one kept item costs, in bytes, until its span row is in the store (measured on a
-# trace of minimal kernel events: ~0.8 KB per kernel with its row); an operator's input
-# shapes and types add per entry.
-_KERNEL_COST, _LAUNCH_COST, _OP_COST, _SHAPE_COST, _TYPE_COST = 800, 200, 300, 200, 64
-
-
-class _Collector:
-    """Keeps what the spans need from each event; everything else is dropped on sight.
-
-    An event it cannot use (a time that is NaN, infinite or out of range, a step number
-    past BIGINT, a field of the wrong type) is skipped and counted in `skipped`, by
-    reason; the rest of the file still imports. A time is checked by comparing it with
-    ±_MAX_US, which NaN fails and which raises TypeError for anything but a number:
-    `read_trace` counts what `add` raises as a malformed event. What is kept is costed
-    (`cost`, bytes); past `max_cost` it raises _OverBudget.
-    """
-
-    def __init__(self, max_cost: int = Limits().max_memory) -> None:
-        self.cost, self.max_cost = 0, max_cost
-        self.gpu: list[_Gpu] = []
-        self.launches: dict[int, tuple[float, Any, float]] = {}  # correlation → (ts, tid, dur)
-        self.steps: list[tuple[float, float, int]] = []  # (ts, end, N)
-        self.comm_ops: list[_Op] = []
-        self.flop_ops: list[_Op] = []
-        self.cpu_ops: list[_Op] = []  # kept only while no GPU activity has been seen
-        self._cpu_cost = 0  # of cpu_ops, given back when they are dropped
-        self.pid: int | None = None
-        self.skipped: dict[str, int] = {}
-        # One object per distinct kernel name and thread id: tens of thousands of events
-        # repeat a few hundred, and each kept copy would pin memory the parse frees.
-        self._shared: dict[Any, Any] = {}
-        # The trace's top-level keys as parsed so far: `deviceProperties` usually comes
-        # before the events and says GPU activity follows, so CPU operators need no copy.
-        self.meta: dict[str, Any] = {}
-
-    def skip(self, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-
-    def _spend(self, cost: int) -> None:
-        self.cost += cost
-        if self.cost > self.max_cost:
-            raise _OverBudget
-
-    def add(self, event: dict[str, Any]) -> None:
-        if event.get("ph") != "X":
-            return
-        cat = event.get("cat")
-        if type(cat) is not str:
-            cat = None
-        args = event.get("args")
-        if type(args) is not dict:
-            args = _NO_ARGS
-        if cat in _GPU_CATS:
-            ts, dur, name = event["ts"], event.get("dur", 0), event.get("name", "")
-            if not (-_MAX_US <= ts <= _MAX_US and -_MAX_US <= ts + dur <= _MAX_US):
-                return self.skip(_BAD_TIME)
-            if type(name) is not str:
-                return self.skip(_MALFORMED)
-            if self.cpu_ops:
-                self.cost -= self._cpu_cost
-                self.cpu_ops, self._cpu_cost = [], 0
-            self.cost += _KERNEL_COST  # `_spend`, inline for the two commonest kinds
-            if self.cost > self.max_cost:
-                raise _OverBudget
-            self.gpu.append(_Gpu(
-                self._shared.setdefault(name, name), _GPU_CAT_NAMES[cat], ts, dur,
-                _int(args.get("stream"), -1), _int(args.get("device"), _int(event.get("pid"), 0)),
-                _int(args.get("correlation"), -1), _int(args.get("External id"), None),
-                _gpu_args(cat, args),
-            ))
-            return
-        if cat in _LAUNCH_CATS:
-            correlation = args.get("correlation")
-            if correlation is not None:
-                ts, dur, tid = event["ts"], event.get("dur", 0), event.get("tid")
-                if not (-_MAX_US <= ts <= _MAX_US and -_MAX_US <= ts + dur <= _MAX_US):
-                    return self.skip(_BAD_TIME)
-                if type(tid) not in _SCALARS:
-                    tid = None
-                self.cost += _LAUNCH_COST
-                if self.cost > self.max_cost:
-                    raise _OverBudget
-                self.launches[int(correlation)] = (ts, self._shared.setdefault(tid, tid), dur)
-            return
-        name = event.get("name", "")
-        if self.pid is None:
-            pid = event.get("pid")
-            if type(pid) is int and 0 <= pid <= _INT32_MAX:
-                self.pid = pid
-        if name.startswith("ProfilerStep"):
-            match = _STEP_RE.match(name)
-            if match:
-                ts, dur = event.get("ts", 0), event.get("dur", 0)
-                if not (-_MAX_US <= ts <= _MAX_US and -_MAX_US <= ts + dur <= _MAX_US):
-                    return self.skip(_BAD_TIME)
-                if len(match.group(1)) > 18:  # past BIGINT (and int()'s digit limit)
-                    return self.skip(_BAD_STEP)
-                self._spend(_OP_COST)
-                self.steps.append((ts, ts + dur, int(match.group(1))))
-            return
-        comm = name.startswith("nccl:") or name == "record_param_comms"
-        if not comm and cat != "cpu_op":
-            return
-        flop = not comm and name in taxonomy.FLOP_OPS
-        cpu = not comm and not self.gpu and not self.meta.get("deviceProperties")
-        if not (comm or flop or cpu):
-            return
-        ts, dur, tid = event.get("ts", 0), event.get("dur", 0), event.get("tid")
-        if not (-_MAX_US <= ts <= _MAX_US and -_MAX_US <= ts + dur <= _MAX_US):
-            return self.skip(_BAD_TIME)
-        if type(tid) not in _SCALARS:
-            tid = None
-        kept = _op_args(args)
-        cost = (_OP_COST + _SHAPE_COST * len(kept.get("Input Dims", ()))
-                + _TYPE_COST * len(kept.get("Input type", ())))
-        self._spend(cost * (2 if flop and cpu else 1))
-        op = _Op(tid, ts, ts + dur, name, kept)
-        if comm:
-            self.comm_ops.append(op)
-            return
-        if flop:
-            self.flop_ops.append(op)
-        if cpu:
-            self.cpu_ops.append(op)
-            self._cpu_cost += cost
-
-
-def _int(value: Any, default: int | None) -> int | None:
-    """`int(value)` within BIGINT, else `default` (NaN, infinity, text, past BIGINT)."""
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        return default
-    return number if -_INT64 <= number <= _INT64 else default
-
-
-_COMM_KEYS = ("Collective name", "In msg nelems", "Out msg nelems", "Group size", "dtype",
-              "Process Group Name", "Process Group Description", "Process Group Ranks", "Seq")
-
-
-_NO_ARGS: dict[str, Any] = {}  # shared by the kernels without communication metadata; never mutated
-
-
-def _comm_args(args: dict[str, Any]) -> dict[str, Any]:
-    """The communication keys whose values are plain: a scalar, or for the group's ranks
-    a list of integers (or its text)."""
-    kept = {}
-    for key in _COMM_KEYS:
-        if key in args:
-            value = args[key]
-            if type(value) in _SCALARS or (key == "Process Group Ranks" and type(value) is list
-                                           and all(type(r) is int for r in value)):
-                kept[key] = value
-    return kept
-
-
-def _gpu_args(cat: str, args: dict[str, Any]) -> dict[str, Any]:
-    if cat == "gpu_memcpy" or cat == "gpu_memset":
-        return {"bytes": _int(args.get("bytes"), None)}
-    return _comm_args(args) or _NO_ARGS
-
-
-def _input_dims(dims: Any) -> list[Any]:
-    """`Input Dims` as a list of shapes, a shape that is not up to 16 integers in 0..2^40
-    replaced by [] (positions stay); [] when it is not a list."""
-    if type(dims) is not list:
-        return []
-    return [d if type(d) is list and len(d) <= 16
-            and all(type(x) is int and 0 <= x <= _MAX_DIM for x in d) else [] for d in dims]
-
-
-def _op_args(args: dict[str, Any]) -> dict[str, Any]:
-    """The arguments an operator span may need, checked: communication keys with plain
-    values, `Input Dims` as shapes of integers, `Input type` as strings."""
-    kept = _comm_args(args)
-    if "Input Dims" in args:
-        kept["Input Dims"] = _input_dims(args["Input Dims"])
-    types = args.get("Input type")
-    if type(types) is list and all(type(t) is str for t in types):
-        kept["Input type"] = types
-    if "External id" in args:
-        kept["External id"] = args["External id"]
-    return kept
-
-
 class _Innermost:
     """Innermost operator of one kind enclosing a CPU time point, per thread."""
 
-    def __init__(self, ops: list[_Op]) -> None:
-        self._by_tid: dict[Any, tuple[list[float], list[_Op]]] = {}
+    def __init__(self, ops: list[Op]) -> None:
+        self._by_tid: dict[Any, tuple[list[float], list[Op]]] = {}
         for op in sorted(ops, key=lambda o: o.ts):
             starts, items = self._by_tid.setdefault(op.tid, ([], []))
             starts.append(op.ts)
             items.append(op)
 
-    def find(self, tid: Any, ts: float) -> _Op | None:
+    def find(self, tid: Any, ts: float) -> Op | None:
         entry = self._by_tid.get(tid)
         if entry is None:
             return None
@@ -314,7 +97,7 @@ def read_trace(path: str | os.PathLike[str], job: str, limits: Limits | None = N
     path = Path(path)
     name = str(path)
     limits = limits or Limits()
-    collector = _Collector(limits.max_memory)
+    collector = Collector(limits.max_memory)
     # The parse allocates ~10 containers per event and frees most at once: the cyclic
     # collector's passes over them would cost ~25 % more time and find nothing.
     collecting = gc.isenabled()
@@ -328,10 +111,10 @@ def read_trace(path: str | os.PathLike[str], job: str, limits: Limits | None = N
                 try:
                     add(event)
                 except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
-                    skip(_MALFORMED)  # what the checks in `add` did not foresee
+                    skip(MALFORMED)  # what the checks in `add` did not foresee
     except TraceError:
         raise
-    except _OverBudget:
+    except OverBudget:
         raise TraceError(f"{name}: its spans would take more than {format_size(limits.max_memory)} "
                          f"of memory (2 × the per-file limit, --max-file-size)") from None
     except FileNotFoundError:
@@ -380,8 +163,8 @@ def _rank_of(meta: dict[str, Any], path: Path) -> tuple[int, int | None]:
     info = meta.get("distributedInfo")
     if type(info) is not dict:
         info = {}
-    world = _int(info.get("world_size"), None)
-    if world is not None and not 0 < world <= _INT32_MAX:
+    world = int_or(info.get("world_size"), None)
+    if world is not None and not 0 < world <= INT32_MAX:
         world = None
     raw = info.get("rank")
     try:
@@ -392,9 +175,9 @@ def _rank_of(meta: dict[str, Any], path: Path) -> tuple[int, int | None]:
         match = _RANK_IN_NAME.search(path.name)
         raw = match.group(1) if match else "0"
         rank = int(raw) if len(raw) <= 18 else None
-    if rank is None or not 0 <= rank <= _INT32_MAX:
+    if rank is None or not 0 <= rank <= INT32_MAX:
         shown = ascii(str(raw))[1:-1][:40]
-        raise TraceError(f"{path}: rank {shown} is out of range (0..{_INT32_MAX})")
+        raise TraceError(f"{path}: rank {shown} is out of range (0..{INT32_MAX})")
     return rank, world
 
 
@@ -403,13 +186,13 @@ def _devices(meta: dict[str, Any]) -> dict[Any, str]:
     devices: dict[Any, str] = {}
     properties = meta.get("deviceProperties")
     for device in properties if type(properties) is list else ():
-        if type(device) is dict and type(device.get("id")) in _SCALARS \
+        if type(device) is dict and type(device.get("id")) in SCALARS \
                 and type(device.get("name")) is str:
             devices[device["id"]] = device["name"]
     return devices
 
 
-def _to_spans(c: _Collector, meta: dict[str, Any], path: Path, job: str) -> TraceSpans:
+def _to_spans(c: Collector, meta: dict[str, Any], path: Path, job: str) -> TraceSpans:
     try:
         base_ns = int(meta.get("baseTimeNanoseconds") or 0)
     except (TypeError, ValueError, OverflowError):
@@ -449,12 +232,12 @@ def _to_spans(c: _Collector, meta: dict[str, Any], path: Path, job: str) -> Trac
     flop_lookup = _Innermost(c.flop_ops)
     flop_by_external = {op.args["External id"]: op for op in c.flop_ops
                         if op.args.get("External id") is not None
-                        and type(op.args["External id"]) in _SCALARS}
+                        and type(op.args["External id"]) in SCALARS}
     comm_lookup = _Innermost(c.comm_ops)
 
     # First pass: which operator launched each compute kernel, so an operator's FLOPs are
     # split across the GEMM/attention kernels it launched (split-K launches two).
-    launched: list[tuple[_Gpu, tuple[float, Any, float] | None, str, _Op | None]] = []
+    launched: list[tuple[Gpu, tuple[float, Any, float] | None, str, Op | None]] = []
     kernels_per_op: dict[int, int] = {}
     for gpu in c.gpu:
         launch = c.launches.get(gpu.correlation)
@@ -544,7 +327,7 @@ def _to_spans(c: _Collector, meta: dict[str, Any], path: Path, job: str) -> Trac
                       steps=len(steps))
 
 
-def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
+def _collective_attributes(gpu: Gpu, comm: Op | None, start: int, end: int,
                            seconds: float) -> dict[str, Any]:
     meta = dict(comm.args) if comm is not None else {}
     meta.update(gpu.args)  # the kernel's own metadata (newer traces) wins
@@ -556,7 +339,7 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
     # Bytes per rank as Flare's live collectives count them (flare.instrumentation.
     # bandwidth): the shard for all-gather (its input) and reduce-scatter (its output).
     shard_key = "Out msg nelems" if op == "reduce_scatter" else "In msg nelems"
-    nelems = _int(meta.get(shard_key), None)
+    nelems = int_or(meta.get(shard_key), None)
     if nelems is None and comm is not None and comm.args.get("Input Dims"):
         nelems = 0
         for dims in comm.args["Input Dims"]:
@@ -575,7 +358,7 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
     if meta.get("Process Group Description"):
         attributes[semconv.COLL_PG_DESC] = str(meta["Process Group Description"])
     if meta.get("Seq") is not None:
-        attributes[semconv.COLL_SEQ] = _int(meta["Seq"], None)
+        attributes[semconv.COLL_SEQ] = int_or(meta["Seq"], None)
     ranks = meta.get("Process Group Ranks")
     if isinstance(ranks, str):  # recorded as text: "[0, 1]"
         try:
@@ -584,7 +367,7 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
             ranks = None
     if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks):
         attributes[semconv.COLL_GROUP_RANKS] = ranks
-    group_size = _int(meta.get("Group size"), None)
+    group_size = int_or(meta.get("Group size"), None)
     if group_size:
         attributes[semconv.COLL_GROUP_SIZE] = group_size
     if dtype:
@@ -599,9 +382,9 @@ def _collective_attributes(gpu: _Gpu, comm: _Op | None, start: int, end: int,
     return attributes
 
 
-def _cpu_operator_spans(c: _Collector, rows: _Rows, ns, step_of, step_span_ids) -> None:
+def _cpu_operator_spans(c: Collector, rows: _Rows, ns, step_of, step_span_ids) -> None:
     """CPU-only trace: top-level operators per thread, as the live CPU windows record."""
-    by_tid: dict[Any, list[_Op]] = {}
+    by_tid: dict[Any, list[Op]] = {}
     for op in c.cpu_ops:
         by_tid.setdefault(op.tid, []).append(op)
     for tid, ops in by_tid.items():
@@ -616,7 +399,7 @@ def _cpu_operator_spans(c: _Collector, rows: _Rows, ns, step_of, step_span_ids) 
                 semconv.KERNEL_NAME: op.name,
                 semconv.KERNEL_CATEGORY: taxonomy.categorize(op.name[:_CATEGORIZE_CHARS]),
                 semconv.KERNEL_DEVICE: semconv.KERNEL_DEVICE_HOST,
-                semconv.KERNEL_STREAM: _int(tid, 0),
+                semconv.KERNEL_STREAM: int_or(tid, 0),
                 semconv.KERNEL_SOURCE: "kineto",
             }
             flops = taxonomy.op_flops(op.name, op.args.get("Input Dims") or [])
