@@ -88,6 +88,57 @@ class _Stop:
     drained: bool = False
 
 
+class FlushErrors:
+    """What the durable exporters' failed flushes leave behind: a count each in
+    /metrics (full disks apart), and a log line when the cause is new (a full disk is
+    one cause, whatever the space left) and again every REPEAT_FLUSH_ERROR_LOG_S while
+    it lasts; "flushes again" ends it."""
+
+    def __init__(self, counters: Counters, kept_in: str) -> None:
+        self._counters = counters
+        self._kept_in = kept_in  # where the rows wait meanwhile
+        self._logged: dict[str, tuple[str, float]] = {}  # id -> (cause, when)
+
+    def failed(self, exporter_id: str, exc: Exception) -> None:
+        self._counters.add("flush_errors", exporter=exporter_id)
+        if isinstance(exc, StoreFull):
+            self._counters.add(DISK_FULL_COUNTER, exporter=exporter_id)
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        cause = "disk full" if isinstance(exc, StoreFull) else text
+        now = time.monotonic()
+        said = self._logged.get(exporter_id)
+        if said is None or said[0] != cause or now - said[1] >= REPEAT_FLUSH_ERROR_LOG_S:
+            log.error("exporter %s could not flush: %s; the rows stay in %s and are retried",
+                      exporter_id, text, self._kept_in)
+            self._logged[exporter_id] = (cause, now)
+
+    def succeeded(self, exporter_id: str) -> None:
+        if self._logged.pop(exporter_id, None) is not None:
+            log.warning("exporter %s flushes again", exporter_id)
+
+
+class Admitted:
+    """Admitted items whose bytes the memory limiters still count: given back once the
+    items are durable downstream (at or below the lowest committed log position)."""
+
+    def __init__(self) -> None:
+        self._items: list[Item] = []
+
+    def hold(self, item: Item) -> None:
+        self._items.append(item)
+
+    def release(self, durable_upto: int | None) -> None:
+        """None: no durable exporter, so everything fed is released."""
+        keep = []
+        for item in self._items:
+            if durable_upto is None or item.lsn == 0 or item.lsn <= durable_upto:
+                for limiter in item.admitted:
+                    limiter.release(item.nbytes)
+            else:
+                keep.append(item)
+        self._items = keep
+
+
 class Worker:
     def __init__(
         self,
@@ -113,9 +164,9 @@ class Worker:
         self.flush_interval_s = flush_interval_s
         self.last_fed_lsn = 0
         self.committed: dict[str, int] = {}  # durable exporter id -> lsn it holds
-        self._unreleased: list[Item] = []  # admitted items not yet durable downstream
+        self._unreleased = Admitted()  # admitted items not yet durable downstream
         self._thread: threading.Thread | None = None
-        self._flush_error_logged: dict[str, tuple[str, float]] = {}  # id -> (cause, when)
+        self._flush_errors = FlushErrors(counters, "the write-ahead log" if wal is not None else "memory")
         self.flush_seconds_last = 0.0
         self.dead_letter = DeadLetter(wal.directory / "dead-letter") if wal is not None else None
         self.gate = ExportGate(set(self.durable), counters, self.dead_letter)
@@ -149,7 +200,7 @@ class Worker:
         for record in records():
             request = parse(record.signal, record.payload)
             if request is None:
-                self._bury_record(record)
+                bury(record, self.counters, self.dead_letter)
                 continue
             self._feed(Item(record.lsn, record.signal, request, len(record.payload), payload=record.payload))
             count += 1
@@ -161,16 +212,6 @@ class Worker:
         for pipeline in self.pipelines:
             pipeline.skip_upto = {}
         return count
-
-    def _bury_record(self, record: Any) -> None:
-        """A logged request that no longer parses (another protobuf runtime?): kept aside."""
-        traces = record.signal == SIGNAL_TRACES
-        self.counters.add("dead_letter_requests", exporter="replay")
-        if self.dead_letter is not None:
-            where = self.dead_letter.write(
-                traces, record.payload, [record.lsn],
-                "the write-ahead log record does not parse as an OTLP request")
-            log.error("write-ahead log record %d does not parse; moved to %s", record.lsn, where)
 
     def _replay_flush(self, attempts: int = 3) -> None:
         """Flush mid-replay; a store that stays unwritable stops the start, not memory."""
@@ -261,7 +302,7 @@ class Worker:
                 log.error("pipeline %s failed on a request: %s", pipeline.id, exc)
         self.last_fed_lsn = max(self.last_fed_lsn, item.lsn)
         if item.admitted:
-            self._unreleased.append(item)
+            self._unreleased.hold(item)
 
     def watermark(self) -> int:
         """The highest lsn such that every lsn up to it has reached the exporters."""
@@ -340,18 +381,14 @@ class Worker:
         for exporter_id in result.targets:
             exc = result.errors.get(exporter_id)
             if exc is not None:
-                self.counters.add("flush_errors", exporter=exporter_id)
-                if isinstance(exc, StoreFull):
-                    self.counters.add(DISK_FULL_COUNTER, exporter=exporter_id)
-                self._log_flush_error(exporter_id, exc)
+                self._flush_errors.failed(exporter_id, exc)
                 continue
             self.committed[exporter_id] = max(result.mark, self.committed.get(exporter_id, 0))
-            if self._flush_error_logged.pop(exporter_id, None) is not None:
-                log.warning("exporter %s flushes again", exporter_id)
+            self._flush_errors.succeeded(exporter_id)
         durable_upto = min(self.committed.values()) if self.committed else result.mark
         if self.wal is not None:
             self.wal.commit(durable_upto)
-        self._release(durable_upto if self.durable else None)
+        self._unreleased.release(durable_upto if self.durable else None)
         self.flush_seconds_last = time.perf_counter() - result.started
         return not result.errors
 
@@ -360,30 +397,6 @@ class Worker:
             return True
         buffered = getattr(exporter, "buffered", None)
         return bool(buffered()) if callable(buffered) else True
-
-    def _release(self, durable_upto: int | None) -> None:
-        """Give admitted bytes back to the memory limiters once they are durable."""
-        keep = []
-        for item in self._unreleased:
-            if durable_upto is None or item.lsn == 0 or item.lsn <= durable_upto:
-                for limiter in item.admitted:
-                    limiter.release(item.nbytes)
-            else:
-                keep.append(item)
-        self._unreleased = keep
-
-    def _log_flush_error(self, exporter_id: str, exc: Exception) -> None:
-        """When the cause is new (a full disk is one cause, whatever the space left),
-        and again every REPEAT_FLUSH_ERROR_LOG_S while it lasts; "flushes again" ends it."""
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        cause = "disk full" if isinstance(exc, StoreFull) else text
-        now = time.monotonic()
-        said = self._flush_error_logged.get(exporter_id)
-        if said is None or said[0] != cause or now - said[1] >= REPEAT_FLUSH_ERROR_LOG_S:
-            kept = "the write-ahead log" if self.wal is not None else "memory"
-            log.error("exporter %s could not flush: %s; the rows stay in %s and are retried",
-                      exporter_id, text, kept)
-            self._flush_error_logged[exporter_id] = (cause, now)
 
     def _drain(self, deadline: float) -> bool:
         while time.monotonic() < deadline:
@@ -422,6 +435,16 @@ class Worker:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 log.warning("exporter %s did not shut down within the deadline", exporter_id)
+
+
+def bury(record: Any, counters: Counters, dead_letter: DeadLetter | None) -> None:
+    """A logged request that no longer parses (another protobuf runtime?): kept aside."""
+    counters.add("dead_letter_requests", exporter="replay")
+    if dead_letter is not None:
+        where = dead_letter.write(
+            record.signal == SIGNAL_TRACES, record.payload, [record.lsn],
+            "the write-ahead log record does not parse as an OTLP request")
+        log.error("write-ahead log record %d does not parse; moved to %s", record.lsn, where)
 
 
 def _buffered(exporter: Any) -> int:
