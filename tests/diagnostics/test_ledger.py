@@ -704,3 +704,18 @@ def test_a_job_wide_slowdown_burnt_as_cpu_is_dated_by_the_cpu_in_fail_slow_too()
         frame = frames.load(_job(job_spans("j", 4, 60, faults, base_ms=15.0, seed=seed)), config)
         assert [(a.ranks, a.cause, a.first_step) for a in fail_slow.find(frame, config)] == \
             [([], "compute", 20)]
+
+
+def test_one_ranks_late_slowdown_without_more_work_is_the_host_not_compute():
+    """A healthy 2-rank job of 40 steps beside three busy test workers: rank 0's compute
+    grew over the last 8 steps (too few for a straggler) while its threads burnt no more
+    CPU, the run queue showing under half of it and the rest asleep. That is the host
+    (`asleep_delta_ms` in its row), as it is job-wide; before, "fail_slow [0] compute @32"
+    (tier-1 rerun, fresh clone). The same growth burnt as CPU stays the rank's."""
+    for seed in range(3):
+        idle = diagnose(_job(job_spans("j", 2, 40, (Fault("host", 0, 32, 2.0), Fault("asleep", 0, 32, 5.0)),
+                                       base_ms=8.0, seed=seed)))
+        assert idle.anomalies == [], [(a.kind, a.ranks, a.cause) for a in idle.anomalies]
+        assert [(row["ranks"], 4.0 < row["asleep_delta_ms"] < 6.5) for row in idle.host_contention] == [([0], True)]
+        busy = diagnose(_job(job_spans("j", 2, 40, (Fault("compute", 0, 32, 7.0),), base_ms=8.0, seed=seed)))
+        assert [(a.kind, a.ranks, a.cause, a.first_step) for a in busy.anomalies] == [("fail_slow", [0], "compute", 32)]

@@ -200,8 +200,9 @@ def host_starved(subject_mean: dict[str, float], reference_mean: dict[str, float
 
 def cpu_only_idle(frame: StepFrame, now: dict[str, float], past: dict[str, float],
                   slowdown_ms: float) -> bool:
-    """Whether every rank's compute grew by `slowdown_ms` per step on a CPU-only job
-    without its CPU doing more work: the training threads burnt no more CPU (measured),
+    """Whether the ranks' compute (every rank's, or the slowed ranks') grew by
+    `slowdown_ms` per step on a CPU-only job without their CPU doing more work: the
+    training threads and the ranks' other threads burnt no more CPU (measured),
     so the time went to waiting — for a CPU (run queue), or asleep (the GIL held by a
     thread the busy host descheduled, page faults from a busy disk). That is the host's,
     however little of it the run queue shows (a healthy 2-rank job on a busy CI host:

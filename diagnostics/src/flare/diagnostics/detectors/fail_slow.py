@@ -87,12 +87,15 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
     mean_now, mean_past = means(frame, rows, after), means(frame, rows, before)
     # Job-wide too: every rank waiting longer for a CPU without more work is the host
     # (other processes on it), never compute or communication.
-    starved = host_starved(mean_now, mean_past, (now_work - past_work) if ranks else point.after - point.before)
+    slowdown_ms = (now_work - past_work) if ranks else point.after - point.before
+    starved = host_starved(mean_now, mean_past, slowdown_ms)
     why = attribute(now, past, config.cause_min_share, now_work, past_work, mean_now, mean_past)
-    # Compute that grew on every rank while no rank's CPU did more is no compute of the
-    # job's: the host's, though the run queue shows only a part of it (causes.cpu_only_idle).
-    asleep = (not ranks and not starved and why.cause in ("compute", "cpu")
-              and cpu_only_idle(frame, mean_now, mean_past, point.after - point.before))
+    # Compute that grew while the ranks' CPU did no more work is no compute of the job's:
+    # the host's, though the run queue shows only a part of it (causes.cpu_only_idle) —
+    # on every rank, or on the ranks that slowed (a healthy 2-rank job beside three busy
+    # test workers: "fail_slow [0] compute" over its last 8 steps).
+    asleep = (not starved and why.cause in ("compute", "cpu")
+              and cpu_only_idle(frame, mean_now, mean_past, slowdown_ms))
     starved = starved or asleep
     if not ranks and why.cause == "communication" and not np.nanmedian(frame.bytes) > 0:
         # Without byte counts a longer least wait may be a slower fabric or a busier
@@ -142,7 +145,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
             "onset_step": first, "lost_s": round(lost_ms / 1e3, 3),
             **({"host_starved": True, "runqueue_delta_ms": round(runqueue_delta, 3)}
                if starved else {}),
-            **({"asleep_delta_ms": round(point.after - point.before - max(runqueue_delta, 0.0), 3)}
+            **({"asleep_delta_ms": round(slowdown_ms - max(runqueue_delta, 0.0), 3)}
                if asleep else {}),
             "step_ms_before": round(point.before, 3), "step_ms_after": round(point.after, 3),
             "shift": round(point.shift, 4), "noise_units": round(point.score, 2),
