@@ -719,3 +719,19 @@ def test_one_ranks_late_slowdown_without_more_work_is_the_host_not_compute():
         assert [(row["ranks"], 4.0 < row["asleep_delta_ms"] < 6.5) for row in idle.host_contention] == [([0], True)]
         busy = diagnose(_job(job_spans("j", 2, 40, (Fault("compute", 0, 32, 7.0),), base_ms=8.0, seed=seed)))
         assert [(a.kind, a.ranks, a.cause, a.first_step) for a in busy.anomalies] == [("fail_slow", [0], "compute", 32)]
+
+
+def test_a_frame_holds_at_most_max_frame_cells_cells():
+    """Columns are capped by `max_step_columns` and by `max_frame_cells` / ranks: an
+    hour of 1,024 ranks keeps 1,200 columns (buckets of 3 steps), an hour of 6,144
+    ranks 244 (buckets of 15), so its matrices stay near 1.5 M cells, not 7.4 M."""
+    config = DiagnosisConfig()
+    hour = (0, 3599)
+    assert frames.bucket_for(hour, config, 3600, 1024) == 3
+    assert frames.bucket_for(hour, config, 3600, 6144) == 15
+    assert frames.bucket_for(hour, config, 3600) == 3  # rank count unknown: the column cap
+    assert frames.bucket_for((0, 99), config, 100, 6144) == 1
+    # a real frame built through a backend is bucketed the same way
+    small = DiagnosisConfig(max_frame_cells=40)
+    frame = frames.load(_job(job_spans("j", 4, 60, (), base_ms=8.0)), small)
+    assert frame.bucket == 6 and frame.duration.size <= 40

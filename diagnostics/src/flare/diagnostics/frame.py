@@ -1,8 +1,9 @@
 """The rank × step matrices most detectors read, built from one pushed-down query.
 
 A long job is bucketed (means over `bucket` consecutive steps) so that the matrices
-never exceed `max_step_columns` columns: memory is bounded by ranks × that cap, not
-by the number of spans, and a thousand-rank hour costs one SQL aggregation.
+never exceed `max_step_columns` columns nor `max_frame_cells` cells: memory is bounded
+by that cap, not by the number of spans, and a thousand-rank hour costs one SQL
+aggregation.
 """
 
 from __future__ import annotations
@@ -172,24 +173,29 @@ def least_wait(frame: StepFrame, cols: np.ndarray) -> np.ndarray:
 
 
 def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig,
-               distinct: int | None = None) -> int:
-    """Steps per column: 1 unless the job has more steps than `max_step_columns`
-    (counted as distinct step numbers when the backend can say, else by range)."""
+               distinct: int | None = None, ranks: int | None = None) -> int:
+    """Steps per column: 1 unless the job has more steps than `max_step_columns`, or
+    than `max_frame_cells` / `ranks` (counted as distinct step numbers when the backend
+    can say, else by range)."""
     if steps_range is None:
         return 1
     span = steps_range[1] - steps_range[0] + 1
     count = span if distinct is None else distinct
-    if count <= config.max_step_columns:
+    columns = config.max_step_columns
+    if ranks:
+        columns = max(1, min(columns, config.max_frame_cells // ranks))
+    if count <= columns:
         return 1
     # Bucketed by step number: widths are of the numbering, so scale by how sparse it is.
-    return max(1, math.ceil(span / config.max_step_columns))
+    return max(1, math.ceil(span / columns))
 
 
 def load(job: JobData, config: DiagnosisConfig) -> StepFrame | None:
     """The job's frame; built once per diagnosis where the job data can remember it
     (pipeline.CachedJobData: every detector reads the same one, none changes it)."""
     count = getattr(job, "step_count", None)
-    bucket = bucket_for(job.steps_range(), config, count() if callable(count) else None)
+    bucket = bucket_for(job.steps_range(), config, count() if callable(count) else None,
+                        len(job.ranks()))
 
     def build() -> StepFrame | None:
         table = job.step_summary(STEP_ATTRIBUTES, step_bucket=bucket)

@@ -222,8 +222,12 @@ class DiagnosisConfig:
     straggler_min_noise_units: float = 4.0
     # Added: steps at the start of a job that are warm-up, not steady state.
     warmup_steps: int = 3
-    # Added: longer jobs are bucketed so rank × step matrices stay this wide at most.
+    # Added: longer jobs are bucketed so rank × step matrices stay this wide at most...
     max_step_columns: int = 1200
+    # ...and hold this many cells at most (ranks × columns): an hour of 6,144 ranks is
+    # read in buckets of 15 steps, 244 columns, rather than 1,200 columns of 3 (7.4 M
+    # cells, ~3 GiB of matrices and step table). Up to 1,250 ranks the column cap rules.
+    max_frame_cells: int = 1_500_000
     # Added: a component names the cause only if it explains this share of the excess.
     cause_min_share: float = 0.5
     # Added: a rank is silent when unheard-of for this many heartbeat intervals.
