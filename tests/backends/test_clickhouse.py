@@ -94,6 +94,42 @@ def test_every_job_data_call_answers_as_the_store_does(stores):
         assert a[sc.STEP_COMPUTE_MS] == pytest.approx(b[sc.STEP_COMPUTE_MS], rel=1e-6)
 
 
+def test_step_spans_of_some_steps_are_read_in_those_steps_time_once_the_summary_is_known(stores):
+    """After the whole-job step summary, a query for some steps' `train.step` spans is
+    bounded by the time those steps ran in (the order key's Timestamp): the same rows,
+    read from those granules only. Other spans, and steps the summary did not see, are
+    not bounded."""
+    store, chdb_backend = stores
+    c, s = chdb_backend.job_data("straggler"), store.job_data("straggler")
+    seen: list[str] = []
+    engine = chdb_backend._engine
+    real = engine.arrow
+
+    def arrow(sql, params):
+        seen.append(sql)
+        return real(sql, params)
+
+    engine.arrow = arrow
+    try:
+        def rows(job, **args):
+            table = job.spans([sc.SPAN_STEP], columns=["trace_id", "span_id", "rank", "step"], **args)
+            return sorted(tuple(r.values()) for r in table.to_pylist())
+
+        before = rows(c, first_step=30, last_step=32)
+        assert "Timestamp >=" not in seen[-1]
+        c.step_summary([sc.STEP_COMPUTE_MS], step_bucket=4)
+        after = rows(c, first_step=30, last_step=32)
+        assert "Timestamp >=" in seen[-1]
+        assert after == before and len(after) == 4 * 3
+        assert [(t.lower(), sid.lower(), r, st) for t, sid, r, st in rows(s, first_step=30, last_step=32)] == after
+        rows(c, first_step=70, last_step=200)  # past the summary's last step
+        assert "Timestamp >=" not in seen[-1]
+        c.spans([sc.SPAN_HEARTBEAT], first_step=30, last_step=32)
+        assert "Timestamp >=" not in seen[-1]
+    finally:
+        engine.arrow = real
+
+
 def test_an_error_keeps_its_exception_event(stores):
     store, chdb_backend = stores
     mine = chdb_backend.job_data("error").spans(["*"], status_code=2)

@@ -58,6 +58,13 @@ class Chdb:
                 result = self._session.query(sql, "Arrow", params=text)
             except RuntimeError as exc:  # chdb.ChdbError
                 raise BackendError(f"{self.where}: {first_line(exc)}") from None
+            # The engine's allocator keeps what a query used for the next one: after the
+            # step summary of an hour of 1,024 ranks, 900 MB of this process (1,439 MiB
+            # resident, 547 after the purge). Purging takes under a millisecond.
+            try:
+                self._session.query("SYSTEM JEMALLOC PURGE")
+            except RuntimeError:  # an engine built without jemalloc
+                pass
         # Arrow's file format read here: chDB's own "ArrowTable" output imports pandas
         # for it (0.3-0.7 s and ~60 MB of a diagnosis that never uses it).
         import pyarrow as pa
