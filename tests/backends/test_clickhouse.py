@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flare.diagnostics.backends import BackendError, open_backend
@@ -128,6 +129,18 @@ def test_step_spans_of_some_steps_are_read_in_those_steps_time_once_the_summary_
         assert "Timestamp >=" not in seen[-1]
     finally:
         engine.arrow = real
+
+
+def test_a_result_stays_intact_after_the_next_queries(stores):
+    """chDB reuses its result buffer for later queries: a table that pointed into it (an
+    uncompressed Arrow result read without a copy) read back other numbers once the next
+    queries had run — a rank_missing of ranks such as -2145668583 at 6,144 ranks."""
+    _, chdb_backend = stores
+    engine = chdb_backend._engine
+    first = engine.arrow("SELECT number AS n FROM numbers(2000000)", {})
+    engine.arrow("SELECT number * 7 AS m, toString(number) AS x FROM numbers(3000000)", {})
+    values = first.column("n").to_numpy()
+    assert len(values) == 2000000 and (values == np.arange(2000000)).all()
 
 
 def test_an_error_keeps_its_exception_event(stores):
