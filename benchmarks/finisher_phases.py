@@ -2,9 +2,10 @@
 
 Wraps the finisher's phases with the thread CPU clock, counting only what runs on the
 finisher thread, from the 100th optimizer step to exit: building the deferred step
-spans (`StepFinisher.drain` calling `Runtime._emit_deferred`; of it the summary attributes, `_build_summary`, and the
-hand-over to the span processors, `FinishedSpans.emit`), the flight-recorder dump after
-detail steps (`FlightRecorder.entries`), the batch processors' flush
+spans (`StepFinisher.drain` calling `Runtime._emit_deferred`; of it the summary
+attributes, `step_spans.build_summary`, and the hand-over to the span processors,
+`FinishedSpans.emit`), the flight-recorder dump after detail steps
+(`FlightRecorder.entries`), the batch processors' flush
 (`FinishedSpans.flush_batches`; of it the request encoding, `otlp_encoding.encode_request`,
 and the exporter's `export`), and the thread's whole CPU (`/proc/self/task/<tid>/schedstat`).
 The timers add a little to what they time. The usual way runs the 4-rank job under
@@ -63,6 +64,7 @@ def main() -> None:
         otlp_encoding,
         otlp_http,
         step_finisher,
+        step_spans,
     )
     from flare.instrumentation import runtime as runtime_module
 
@@ -70,7 +72,7 @@ def main() -> None:
     for owner, name, key in (
             (step_finisher.StepFinisher, "drain", "drain"),
             (runtime_module.Runtime, "_emit_deferred", "emit_deferred"),
-            (runtime_module.Runtime, "_build_summary", "build_summary"),
+            (step_spans, "build_summary", "build_summary"),
             (finished_span.FinishedSpans, "emit", "emit"),
             (flight_recorder.FlightRecorder, "entries", "flight_recorder_dump"),
             (finished_span.FinishedSpans, "flush_batches", "flush_batches"),

@@ -384,7 +384,7 @@ def test_deferred_step_spans_without_step_end_listeners_match(rank_env):  # noqa
     instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
     try:
         runtime = flare_instrumentation.active_runtime()
-        assert not runtime._on_end_ordinary
+        assert not runtime.listeners.on_end_ordinary
         appended = []
 
         class Recording(collections.deque):

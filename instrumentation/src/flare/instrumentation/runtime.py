@@ -18,7 +18,6 @@ import time
 from collections import deque
 
 from opentelemetry import trace
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from flare.instrumentation import semconv
@@ -27,7 +26,9 @@ from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity
 from flare.instrumentation.operations import Operations
 from flare.instrumentation.step_finisher import StepFinisher
+from flare.instrumentation.step_listeners import StepListeners
 from flare.instrumentation.step_records import StepRecord, StepTotals
+from flare.instrumentation.step_spans import build_summary, emit_deferred
 from flare.instrumentation.thread_clock import ProcessClock, ThreadClock
 
 _log = logging.getLogger(__name__)
@@ -46,13 +47,7 @@ class Runtime:
         self.enabled = True
         self.explicit_steps = False  # flare.instrumentation.step() took over the boundaries
         self.phase: str | None = None  # the framework phase running now (python_calls.PHASES)
-        # replaced, never mutated: iterated without a copy
-        self._listeners: tuple = ()
-        self._on_start: tuple = ()  # (listener, its bound on_step_start)
-        self._on_end: tuple = ()
-        self._on_start_ordinary: tuple = ()  # the same, for steps that are not detail steps
-        self._on_end_ordinary: tuple = ()
-        self._failed_listeners: set[int] = set()
+        self.listeners = StepListeners()
 
         self.step_number = 0  # the step in progress, or the next one to begin
         self.step_open = False
@@ -109,44 +104,14 @@ class Runtime:
 
     # ------------------------------------------------------------ listeners (public API)
     def add_step_listener(self, listener) -> None:
-        self._set_listeners((*self._listeners, listener))
+        self.listeners.add(listener)
 
     def remove_step_listener(self, listener) -> None:
-        if listener in self._listeners:
-            listeners = list(self._listeners)
-            listeners.remove(listener)
-            self._set_listeners(tuple(listeners))
-
-    def _set_listeners(self, listeners: tuple) -> None:
-        # The bound methods are looked up once here, not at every step boundary; a
-        # listener's `ordinary_steps` (default: both hooks) names the hooks it needs on
-        # steps that are not detail steps, so the others are not even called there.
-        self._listeners = listeners
-        self._on_start = tuple((listener, listener.on_step_start) for listener in listeners)
-        self._on_end = tuple((listener, listener.on_step_end) for listener in listeners)
-        wanted = [getattr(listener, "ordinary_steps", ("on_step_start", "on_step_end"))
-                  for listener in listeners]
-        self._on_start_ordinary = tuple(
-            hook for hook, names in zip(self._on_start, wanted, strict=True)
-            if "on_step_start" in names)
-        self._on_end_ordinary = tuple(
-            hook for hook, names in zip(self._on_end, wanted, strict=True)
-            if "on_step_end" in names)
+        self.listeners.remove(listener)
 
     def request_detail(self) -> None:
         """Make the next step a detail step (children, flight recorder, kernel window)."""
         self._detail_once = True
-
-    def _notify(self, methods: tuple, *args) -> None:
-        """Call one hook (`self._on_start` or `self._on_end`) of every listener."""
-        for listener, method in methods:
-            try:
-                method(*args)
-            except Exception as error:  # a listener must never break training
-                if id(listener) not in self._failed_listeners:
-                    self._failed_listeners.add(id(listener))
-                    _log.warning("flare: step listener %r failed in %s: %r",
-                                 listener, method.__name__, error)
 
     # ------------------------------------------------------------ steps
     def _decide_detail(self, step: int) -> bool:
@@ -274,8 +239,8 @@ class Runtime:
         if not self.step_open:
             self.begin_step(now_ns)
             return
-        finished = self._finished
-        if (self._on_end_ordinary or finished is None or self.step_detail or self._children
+        finished, listeners = self._finished, self.listeners
+        if (listeners.on_end_ordinary or finished is None or self.step_detail or self._children
                 or not finished._asynchronous or not finished.unchanged()):
             self._boundary_general(now_ns)
             return
@@ -325,9 +290,9 @@ class Runtime:
             return
         if finisher.thread is None:
             finisher.start()
-        methods = self._on_start if detail else self._on_start_ordinary
+        methods = listeners.on_start if detail else listeners.on_start_ordinary
         if methods:
-            self._notify(methods, step, detail)
+            listeners.notify(methods, step, detail)
 
     def _boundary_general(self, now_ns: int) -> None:
         """Every boundary but step_boundary's usual case: a deferred step with a
@@ -346,9 +311,9 @@ class Runtime:
     def _notify_end(self, deferred: PendingStepSpan) -> list:
         """The step-end listeners, given the stand-in of the deferred span; returns the
         step's children (those listeners may add some), for the finisher to emit."""
-        detail = self.step_detail
-        self._notify(self._on_end if detail else self._on_end_ordinary, self.step_number,
-                     detail, deferred)
+        detail, listeners = self.step_detail, self.listeners
+        listeners.notify(listeners.on_end if detail else listeners.on_end_ordinary,
+                         self.step_number, detail, deferred)
         children, self._children = self._children, []
         return children
 
@@ -381,21 +346,12 @@ class Runtime:
                           self.step_start_cpu_ns, cpu, self.step_detail)
 
     def _notify_start(self) -> None:
-        self._notify(self._on_start if self.step_detail else self._on_start_ordinary,
-                     self.step_number, self.step_detail)
-
-    def _build_summary(self, record: StepRecord) -> dict:
-        totals = record.totals
-        for function, args in totals.pending:
-            function(totals, *args)
-        totals.pending = []
-        summary = self._summary(record)
-        for add in self.summary_adders:
-            add(summary, totals)
-        return summary
+        listeners = self.listeners
+        listeners.notify(listeners.on_start if self.step_detail else listeners.on_start_ordinary,
+                         self.step_number, self.step_detail)
 
     def _finish_now(self, record: StepRecord, end_ns: int) -> None:
-        summary = self._build_summary(record)
+        summary = build_summary(record, self.summary_adders)
         finished = self._finished
         with self._lock:
             span = self._step_span
@@ -434,36 +390,15 @@ class Runtime:
 
     def _emit_deferred(self, record: StepRecord, pending: PendingStepSpan | None,
                        children: list) -> None:
-        step, start_ns, end_ns = record.step, record.start_ns, record.end_ns
-        summary = self._build_summary(record)
-        self._label_step(summary, step)
-        job = self.identity.job_id
-        if pending is None:  # no listener saw a stand-in: nothing fixed the span id
-            trace_id, span_id = semconv.step_trace_id(job, step), self._finished.new_span_id()
-        else:
-            summary.update(pending.pending_attributes)
-            context = pending.get_span_context()  # the step's trace id: not hashed twice
-            trace_id, span_id = context.trace_id, context.span_id
-        finished = self._finished
-        if children:  # a detail step's: ended before their parent, as with the SDK
-            context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
-            for name, start, end, attributes in children:
-                # a collection can also run inside the step-end bookkeeping, after end_ns
-                # was taken; dict(): one atomic copy, as the CUDA event poller may still
-                # add keys; cleaned as the SDK cleans a span's attributes
-                attributes = dict(BoundedAttributes(attributes=dict(attributes),
-                                                    immutable=False))
-                attributes[semconv.STEP] = step  # queries filter children by step
-                finished.emit(name, context, finished.new_span_id(), attributes,
-                              min(start, end_ns), min(end, end_ns))
-        parent = SpanContext(trace_id=trace_id, span_id=semconv.step_root_span_id(job, step),
-                             is_remote=True, trace_flags=_SAMPLED)
-        finished.emit(semconv.SPAN_STEP, parent, span_id, summary, start_ns, end_ns)
+        """The finisher thread's work for one step (step_spans.emit_deferred)."""
+        emit_deferred(self._finished, self.identity.job_id, self.span_attributes,
+                      self.summary_adders, record, pending, children)
 
     def _emit_step_end(self, span, end_ns: int) -> None:
         """Listeners, then the step's buffered children, while `span` is still open."""
-        self._notify(self._on_end if self.step_detail else self._on_end_ordinary,
-                     self.step_number, self.step_detail, span)
+        listeners = self.listeners
+        listeners.notify(listeners.on_end if self.step_detail else listeners.on_end_ordinary,
+                         self.step_number, self.step_detail, span)
         children, self._children = self._children, []
         if children:
             context = trace.set_span_in_context(span)
@@ -504,42 +439,6 @@ class Runtime:
             self.end_step()
         else:
             span.end()
-
-    @staticmethod
-    def _summary(record: StepRecord) -> dict:
-        _, start_ns, end_ns, totals, cpu_start, cpu_end, detail = record
-        wall_ms = (end_ns - start_ns) / 1e6
-        dataloader_ms = totals.dataloader_ns / 1e6
-        gc_ms = totals.gc_ns / 1e6
-        phases_ms = (totals.checkpoint_ns + totals.evaluation_ns) / 1e6
-        wait_ns = 0
-        for pg in totals.pg.values():  # (a loop: a generator is one more frame, cold)
-            wait_ns += pg.wait_ns
-        process_cpu_ns = cpu_end[0] - cpu_start[0]
-        step_thread_cpu_ns = cpu_end[1] - cpu_start[1]
-        run_delay_start, run_delay_end = cpu_start[2], cpu_end[2]
-        attributes = {
-            semconv.STEP_DATALOADER_MS: round(dataloader_ms, 3),
-            semconv.STEP_DATALOADER_COUNT: totals.dataloader_count,
-            semconv.STEP_GC_MS: round(gc_ms, 3),
-            semconv.STEP_GC_COUNT: totals.gc_count,
-            semconv.STEP_PYCALL_MS: round(totals.pycall_ns / 1e6, 3),
-            semconv.STEP_PYCALL_COUNT: totals.pycall_count,
-            semconv.STEP_BACKWARD_MS: round(totals.backward_ns / 1e6, 3),
-            semconv.STEP_COLLECTIVE_WAIT_MS: round(wait_ns / 1e6, 3),
-            semconv.STEP_COMPUTE_MS: round(max(0.0, wall_ms - dataloader_ms - gc_ms - wait_ns / 1e6
-                                               - phases_ms), 3),
-            semconv.STEP_CHECKPOINT_MS: round(totals.checkpoint_ns / 1e6, 3),
-            semconv.STEP_EVALUATION_MS: round(totals.evaluation_ns / 1e6, 3),
-            semconv.STEP_OTHER_THREADS_CPU_MS: round(
-                max(0, process_cpu_ns - step_thread_cpu_ns) / 1e6, 3),
-            semconv.STEP_DETAIL: detail,
-        }
-        attributes[semconv.STEP_THREAD_CPU_MS] = round(max(0, step_thread_cpu_ns) / 1e6, 3)
-        if run_delay_start is not None and run_delay_end is not None:
-            attributes[semconv.STEP_RUNQUEUE_MS] = round(
-                max(0, run_delay_end - run_delay_start) / 1e6, 3)
-        return attributes
 
     def median_step_s(self) -> float | None:
         recent = list(self.recent_step_s)

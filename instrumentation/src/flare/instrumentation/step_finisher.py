@@ -4,11 +4,12 @@ hand off the training thread (`run_later`).
 
 An ordinary step whose span goes to an asynchronous (batch) processor anyway costs the
 training thread only the capture of its numbers (`Runtime.step_boundary`); the span
-itself is built here, by `emit` (`Runtime._emit_deferred`). The queue is bounded: were
-the finisher stuck (an export that never returns), the oldest records go first, counted
-in `dropped`, as the batch processor's queue drops. The finisher also makes the next
-steps' `StepTotals` ahead (about as many as it last drained), so the training thread
-takes one instead of running a dataclass `__init__` cold at every step.
+itself is built here, by `emit` (`Runtime._emit_deferred`: `step_spans.emit_deferred`).
+The queue is bounded: were the finisher stuck (an export that never returns), the
+oldest records go first, counted in `dropped`, as the batch processor's queue drops.
+The finisher also makes the next steps' `StepTotals` ahead (about as many as it last
+drained), so the training thread takes one instead of running a dataclass `__init__`
+cold at every step.
 """
 
 from __future__ import annotations
