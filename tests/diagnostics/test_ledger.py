@@ -364,8 +364,8 @@ def test_a_straggler_is_not_also_the_hosts_over_the_same_steps():
     second label calls the same rank host-starved. The rank's extra run-queue wait came
     with its extra work: no "The host, not the job" row for it. Another rank the host
     starved is still said."""
+    from flare.diagnostics.merging import host_contention as _host_contention
     from flare.diagnostics.model import Anomaly
-    from flare.diagnostics.pipeline import _host_contention
 
     def label(ranks, first, last, host=False, cause="compute"):
         return Anomaly(kind="straggler", ranks=ranks, cause=cause, first_step=first, last_step=last,

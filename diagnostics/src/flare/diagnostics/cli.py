@@ -307,7 +307,7 @@ def job_token_command(args: argparse.Namespace) -> int:
 
 def capture_command(args: argparse.Namespace) -> int:
     from flare.diagnostics.backends import BackendError
-    from flare.diagnostics.follow import collector_asker
+    from flare.diagnostics.collector_client import collector_asker
 
     try:
         ranks = sorted({int(r) for r in args.ranks.split(",") if r.strip()})

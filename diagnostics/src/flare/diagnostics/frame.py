@@ -192,7 +192,7 @@ def bucket_for(steps_range: tuple[int, int] | None, config: DiagnosisConfig,
 
 def load(job: JobData, config: DiagnosisConfig) -> StepFrame | None:
     """The job's frame; built once per diagnosis where the job data can remember it
-    (pipeline.CachedJobData: every detector reads the same one, none changes it)."""
+    (cached.CachedJobData: every detector reads the same one, none changes it)."""
     count = getattr(job, "step_count", None)
     bucket = bucket_for(job.steps_range(), config, count() if callable(count) else None,
                         len(job.ranks()))
