@@ -37,30 +37,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from flare.instrumentation import semconv as sc
-from flare.processors import correlation_output as output
-from flare.processors import options
 from flare.processors.base import Processor
+from flare.processors.correlation_closing import WindowCloser
+from flare.processors.correlation_config import CorrelationConfig
+from flare.processors.correlation_ingest import RankIngest
 from flare.processors.correlation_output import SCOPE_NAME
-from flare.processors.correlation_windows import (
-    ARRIVAL_ENTRY_BYTES,
-    PG_ENTRY_BYTES,
-    STEP_ENTRY_BYTES,
-    CollectiveWindow,
-    RankArrival,
-    RankStep,
-    StepWindow,
-    Window,
-)
-from flare.processors.otlp_values import as_float, as_int
-from flare.processors.span_select import COMPACT_STEP_FIELDS, Selection, SpanRecord
+from flare.processors.correlation_state import JobState, RankHealth
+from flare.processors.correlation_windows import Window
+from flare.processors.span_select import Selection
+
+__all__ = ["SCOPE_NAME", "JobState", "RankCorrelation", "RankHealth"]
 
 # What the correlator reads; everything else passes through untouched (and unparsed).
 _SELECTION = Selection(
@@ -75,113 +67,18 @@ _SELECTION = Selection(
         sc.HANG_ELAPSED_S, sc.HEARTBEAT_LAST_STEP,
     ),
     resource_keys=(sc.SERVICE_NAME, sc.JOB_ID, sc.RANK, sc.WORLD_SIZE),
-    # What _ingest_step reads: the C picker hands such spans over as these values.
+    # What correlation_ingest's RankIngest._ingest_step reads: the C picker hands such
+    # spans over as these values.
     step=(sc.SPAN_STEP, sc.RANK, sc.STEP, sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_PG_NAMES,
           sc.STEP_PG_WAIT_MS, sc.STEP_PG_LAST_SEQ),
 )
-_CLOSED_MEMORY_PER_JOB = 4096  # closed windows remembered per job, besides the time bound
-_PG_MEMBER_LIMIT = 65536  # distinct (pg, rank) memberships remembered per job
-_PG_NAME_LISTS_LIMIT = 1024  # distinct PG-name lists shared per job
-
-
-@dataclass
-class RankHealth:
-    last_heard_ns: int  # collector clock, when its latest data arrived
-    last_span_end_ns: int = 0  # sender clock, latest end of a span the correlator read
-    last_step: int | None = None
-    hang: str | None = None  # where the watchdog says it is stuck
-    hang_since_ns: int = 0
-    hang_collective: tuple[str, int] | None = None  # (pg, seq) it is stuck in, if one
-
-
-@dataclass
-class JobState:
-    job: str
-    service: str
-    world_size: int | None = None
-    last_arrival_ns: int = 0
-    steps: dict[int, StepWindow] = field(default_factory=dict)
-    collectives: dict[tuple[str, int], CollectiveWindow] = field(default_factory=dict)
-    # key -> (closed at, bitmap of the ranks it held)
-    closed_steps: OrderedDict[int, tuple[int, bytearray]] = field(default_factory=OrderedDict)
-    closed_collectives: OrderedDict[tuple[str, int], tuple[int, bytearray]] = field(
-        default_factory=OrderedDict
-    )
-    ranks: dict[int, RankHealth] = field(default_factory=dict)
-    pg_members: dict[str, set[int]] = field(default_factory=dict)
-    pg_member_count: int = 0
-    rank_pg_names: dict[int, tuple[str, ...]] = field(default_factory=dict)  # last learned
-    # One tuple per distinct PG-name list the ranks reported (at most _PG_NAME_LISTS_LIMIT).
-    pg_names_seen: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
-
-
-_STR_ONLY, _FLOAT_ONLY, _INT_ONLY = {str}, {float}, {int}
-
-
-def _pg_summary(
-    attrs: dict[str, Any], learned: tuple[str, ...] | None = None,
-) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
-    """A step span's per-PG (names, waits, last sequence numbers), equal lengths.
-
-    Runs once per rank per step: arrays of the expected types (what Flare's
-    instrumentation sends, checked with one C-level pass each) are taken as they are,
-    anything else is converted value by value. `learned` is the rank's names from an
-    earlier step: names equal to them are strings already, and sharing that one tuple
-    lets the window's summary see at a glance that all ranks report the same groups.
-    """
-    raw_names = attrs.get(sc.STEP_PG_NAMES) or ()
-    if not raw_names:
-        return (), (), ()
-    raw_waits = attrs.get(sc.STEP_PG_WAIT_MS) or ()
-    raw_seqs = attrs.get(sc.STEP_PG_LAST_SEQ) or ()
-    n = len(raw_names)
-    if learned is not None and type(raw_names) is tuple and raw_names == learned:
-        names = learned
-    elif type(raw_names) is tuple and set(map(type, raw_names)) == _STR_ONLY:
-        names = raw_names
-    else:
-        names = tuple(str(v) for v in raw_names)
-    if type(raw_waits) is tuple and len(raw_waits) == n and set(map(type, raw_waits)) == _FLOAT_ONLY:
-        waits = raw_waits
-    else:
-        waits = (tuple(as_float(w) or 0.0 for w in raw_waits) + (0.0,) * n)[:n]
-    if type(raw_seqs) is tuple and len(raw_seqs) == n and set(map(type, raw_seqs)) == _INT_ONLY:
-        seqs = raw_seqs
-    else:
-        seqs = (tuple(-1 if (i := as_int(v)) is None else i for v in raw_seqs) + (-1,) * n)[:n]
-    return names, waits, seqs
-
-
-def _absent_hang_elsewhere(job: JobState, win: CollectiveWindow) -> bool:
-    """Whether every member a hang-reported collective still waits for is itself
-    reported hung, somewhere else (its own step, another collective): none of them can
-    arrive before its own hang ends, so the answer to "which rank did not join?" is
-    known now and the window need not wait out its hang grace period."""
-    members = set(win.group_ranks) or job.pg_members.get(str(win.key[0]), set())
-    absent = members - win.ranks.keys()
-    return bool(absent) and all(
-        (health := job.ranks.get(rank)) is not None and health.hang
-        and health.hang_collective != win.key for rank in absent)
-
-
-def _ranks(values: Iterable[object]) -> tuple[int, ...]:
-    return tuple(r for r in (as_int(v) for v in values) if r is not None)
-
-
-def _bitmap(ranks: Iterable[int]) -> bytearray:
-    ranks = list(ranks)
-    bits = bytearray((max(ranks, default=0) >> 3) + 1)
-    for rank in ranks:
-        if rank >= 0:
-            bits[rank >> 3] |= 1 << (rank & 7)
-    return bits
-
-
-def _in_bitmap(bits: bytearray, rank: int) -> bool:
-    return rank >= 0 and (rank >> 3) < len(bits) and bool(bits[rank >> 3] & (1 << (rank & 7)))
 
 
 class RankCorrelation(Processor):
+    """The processor: its options (`CorrelationConfig`), the per-job state and what
+    ingests spans into it (`RankIngest`), what closes and emits windows
+    (`WindowCloser`), all under one lock."""
+
     def __init__(
         self,
         grace_period: object = "5s",
@@ -192,34 +89,19 @@ class RankCorrelation(Processor):
         expected_ranks: int | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        self.grace_ns = int(options.duration_s(grace_period, "rank_correlation.grace_period") * 1e9)
-        # Hang reports trickle in over the watchdogs' poll and export intervals, and
-        # nothing is lost by waiting: the job is stuck.
-        self.hang_grace_ns = int(
-            options.duration_s(hang_grace_period, "rank_correlation.hang_grace_period") * 1e9
+        config = CorrelationConfig.parse(
+            grace_period, hang_grace_period, window, max_state_mib, max_pg_detail, expected_ranks,
         )
-        self.window_ns = int(options.duration_s(window, "rank_correlation.window") * 1e9)
-        if self.window_ns < max(self.grace_ns, self.hang_grace_ns):
-            raise ValueError("rank_correlation.window must be at least grace_period and hang_grace_period")
-        self.max_state_bytes = options.mib_bytes(max_state_mib, "rank_correlation.max_state_mib")
-        if self.max_state_bytes <= 0:
-            raise ValueError("rank_correlation.max_state_mib must be positive")
-        self.max_pg_detail = options.count(max_pg_detail, "rank_correlation.max_pg_detail")
-        self.expected_ranks = (
-            None if expected_ranks is None
-            else options.count(expected_ranks, "rank_correlation.expected_ranks", minimum=1)
-        )
+        self.grace_ns = config.grace_ns
+        self.hang_grace_ns = config.hang_grace_ns
+        self.window_ns = config.window_ns
+        self.max_state_bytes = config.max_state_bytes
+        self.max_pg_detail = config.max_pg_detail
+        self.expected_ranks = config.expected_ranks
         self._clock = clock
         self._lock = threading.Lock()
-        self._jobs: dict[str, JobState] = {}
-        self._state_bytes = 0
-        self._counters: dict[str, float] = dict.fromkeys((
-            "step_spans", "collective_spans", "hang_spans", "heartbeat_spans",
-            "duplicate_spans", "late_spans", "replaced_reports", "spans_without_rank",
-            "spans_without_step", "steps_emitted", "steps_complete", "steps_grace",
-            "steps_budget", "steps_shutdown", "collectives_emitted", "collectives_budget",
-            "windows_evicted", "jobs_evicted",
-        ), 0.0)
+        self._state = RankIngest(config.expected_ranks)
+        self._closer = WindowCloser(self._state, config, clock)
 
     # ------------------------------------------------------------ pipeline interface
     def process_traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceRequest:
@@ -260,15 +142,17 @@ class RankCorrelation(Processor):
         return request
 
     def _ingest_and_emit(self, selected: list, now: int, into: Any) -> None:
+        state = self._state
+        ingest = state.ingest_resource
         with self._lock:
             completed: list[tuple[JobState, Window, str]] = []
             for resource, records in selected:
-                self._ingest_resource(resource, records, now, completed)
-            if self._state_bytes > self.max_state_bytes:
-                completed.extend(self._over_budget())
+                ingest(resource, records, now, completed)
+            if state.state_bytes > self.max_state_bytes:
+                completed.extend(self._closer.over_budget())
             # Built in place: a span extended into a request later is copied whole,
             # and a train.step.ranks span carries one link per rank.
-            self._emit(completed, into)
+            self._closer.emit(completed, into)
 
     def tick(self, now_ns: int) -> list[ExportTraceServiceRequest]:
         """Close windows whose grace period ran out; forget what fell out of `window`.
@@ -277,51 +161,34 @@ class RankCorrelation(Processor):
         times are taken with.
         """
         with self._lock:
-            closing: list[tuple[JobState, Window, str]] = []
-            for job_id, job in list(self._jobs.items()):
-                for step, win in list(job.steps.items()):
-                    if now_ns - win.first_arrival_ns >= self.grace_ns:
-                        closing.append((job, job.steps.pop(step), "grace"))
-                for key, win in list(job.collectives.items()):
-                    grace = self.hang_grace_ns if win.source == "hang" else self.grace_ns
-                    if now_ns - win.first_arrival_ns >= grace:
-                        closing.append((job, job.collectives.pop(key), "grace"))
-                    elif win.source == "hang" and _absent_hang_elsewhere(job, win):
-                        closing.append((job, job.collectives.pop(key), "hung_elsewhere"))
-                self._forget_closed(job, now_ns)
-                if now_ns - job.last_arrival_ns >= self.window_ns and not job.steps and not job.collectives:
-                    del self._jobs[job_id]
-                    self._counters["jobs_evicted"] += 1
+            closing = self._closer.due(now_ns)
             out = ExportTraceServiceRequest()
-            self._emit(closing, out.resource_spans)
+            self._closer.emit(closing, out.resource_spans)
         return [out] if out.resource_spans else []
 
     def shutdown(self) -> list[ExportTraceServiceRequest]:
         with self._lock:
-            closing: list[tuple[JobState, Window, str]] = []
-            for job in self._jobs.values():
-                closing.extend((job, win, "shutdown") for win in job.steps.values())
-                closing.extend((job, win, "shutdown") for win in job.collectives.values())
-                job.steps.clear()
-                job.collectives.clear()
+            closing = self._closer.all_open()
             out = ExportTraceServiceRequest()
-            self._emit(closing, out.resource_spans)
+            self._closer.emit(closing, out.resource_spans)
         return [out] if out.resource_spans else []
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out = dict(self._counters)
-            out["state_bytes"] = float(self._state_bytes)
-            out["jobs"] = float(len(self._jobs))
-            out["open_step_windows"] = float(sum(len(j.steps) for j in self._jobs.values()))
+            state = self._state
+            jobs = state.jobs
+            out = dict(state.counters)
+            out["state_bytes"] = float(state.state_bytes)
+            out["jobs"] = float(len(jobs))
+            out["open_step_windows"] = float(sum(len(j.steps) for j in jobs.values()))
             out["open_collective_windows"] = float(
-                sum(len(j.collectives) for j in self._jobs.values())
+                sum(len(j.collectives) for j in jobs.values())
             )
             out["hanging_ranks"] = float(
-                sum(1 for j in self._jobs.values() for h in j.ranks.values() if h.hang)
+                sum(1 for j in jobs.values() for h in j.ranks.values() if h.hang)
             )
             now = self._clock()
-            silences = [now - h.last_heard_ns for j in self._jobs.values() for h in j.ranks.values()]
+            silences = [now - h.last_heard_ns for j in jobs.values() for h in j.ranks.values()]
             out["max_rank_silence_s"] = max(silences, default=0) / 1e9
         out["picker_fallbacks"] = float(_SELECTION.fallbacks)
         return out
@@ -329,6 +196,7 @@ class RankCorrelation(Processor):
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Per job: each rank's last-heard times and hang location, and open windows."""
         with self._lock:
+            jobs = self._state.jobs
             return {
                 job_id: {
                     "world_size": job.world_size,
@@ -344,313 +212,5 @@ class RankCorrelation(Processor):
                     },
                     "hanging": {rank: h.hang for rank, h in job.ranks.items() if h.hang},
                 }
-                for job_id, job in self._jobs.items()
+                for job_id, job in jobs.items()
             }
-
-    # ------------------------------------------------------------ ingest
-    def _ingest_resource(
-        self, resource: dict[str, Any], records: list[SpanRecord], now: int,
-        completed: list[tuple[JobState, Window, str]],
-    ) -> None:
-        service = resource.get(sc.SERVICE_NAME)
-        service = "" if service is None else str(service)
-        job_id = resource.get(sc.JOB_ID)
-        job_id = service if job_id in (None, "") else str(job_id)
-        job = self._jobs.get(job_id)
-        if job is None:
-            job = self._jobs[job_id] = JobState(job=job_id, service=service)
-        job.last_arrival_ns = now
-        world_size = as_int(resource.get(sc.WORLD_SIZE))
-        if world_size and (job.world_size is None or world_size > job.world_size):
-            job.world_size = world_size
-        resource_rank = as_int(resource.get(sc.RANK))
-        if resource_rank is not None:
-            self._heard(job, resource_rank, now)
-        for record in records:
-            name = record[0]
-            if name == sc.SPAN_STEP:
-                self._ingest_step(job, record, resource_rank, now, completed)
-            elif name == sc.SPAN_HANG:
-                self._ingest_hang(job, record, resource_rank, now, completed)
-            elif name == sc.SPAN_HEARTBEAT:
-                self._ingest_heartbeat(job, record, resource_rank, now)
-            else:  # collective.<op>: the selection keeps nothing else
-                self._ingest_collective(job, record, resource_rank, now, completed)
-
-    def _heard(self, job: JobState, rank: int, now: int) -> RankHealth:
-        health = job.ranks.get(rank)
-        if health is None:
-            health = job.ranks[rank] = RankHealth(last_heard_ns=now)
-        else:
-            health.last_heard_ns = now
-        return health
-
-    def _expected(self, job: JobState) -> int | None:
-        return self.expected_ranks or job.world_size
-
-    def _ingest_step(
-        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
-        completed: list[tuple[JobState, Window, str]],
-    ) -> None:
-        # Runs for every rank's every step. The C picker hands Flare's own step spans
-        # over in the compact form (span_select.compact_step): the values below, already
-        # of their types; anything else comes as an attribute dict and is converted.
-        counters = self._counters
-        counters["step_spans"] += 1
-        if len(record) == COMPACT_STEP_FIELDS:  # the C picker's compact step record
-            _, trace_id, span_id, start_ns, end_ns, rank, step, wait, names, waits, seqs = record
-            if rank is None:
-                rank = resource_rank
-            attrs = None
-        else:
-            _, trace_id, span_id, start_ns, end_ns, attrs = record
-            rank = attrs.get(sc.RANK, resource_rank)
-            if type(rank) is not int:
-                rank = as_int(rank)
-            step = attrs.get(sc.STEP)
-            if type(step) is not int:
-                step = as_int(step)
-        if rank is None:
-            counters["spans_without_rank"] += 1
-            return
-        if step is None:
-            counters["spans_without_step"] += 1
-            return
-        health = job.ranks.get(rank)
-        if health is None:
-            health = job.ranks[rank] = RankHealth(last_heard_ns=now)
-        else:
-            health.last_heard_ns = now
-        if end_ns > health.last_span_end_ns:
-            health.last_span_end_ns = end_ns
-        if health.last_step is None or step > health.last_step:
-            health.last_step = step
-        if health.hang and end_ns > health.hang_since_ns:
-            health.hang = None  # it finished a step after the report: no longer stuck
-            health.hang_collective = None
-        closed = job.closed_steps.get(step)
-        if closed is not None:
-            counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
-            return
-        learned = job.rank_pg_names.get(rank)
-        if attrs is None:
-            if names and learned is not None and names == learned:
-                names = learned
-        else:
-            names, waits, seqs = _pg_summary(attrs, learned)
-            wait = attrs.get(sc.STEP_COLLECTIVE_WAIT_MS)
-            if type(wait) is not float:
-                wait = as_float(wait)
-        if names and names is not learned:
-            # A rank's groups rarely change: learn them once, as the job's one tuple
-            # for these names (every rank of a job usually reports the same groups, and
-            # a window's summary sees that at a glance when they share the object).
-            seen = job.pg_names_seen.get(names)
-            if seen is not None:
-                names = seen
-            elif len(job.pg_names_seen) < _PG_NAME_LISTS_LIMIT:
-                job.pg_names_seen[names] = names
-            job.rank_pg_names[rank] = names
-            self._learn_members(job, names, rank)
-        entry = RankStep(span_id, trace_id, start_ns, end_ns, wait, names, waits, seqs)
-        win = job.steps.get(step)
-        if win is None:
-            win = job.steps[step] = StepWindow(key=step, first_arrival_ns=now)
-        previous = win.ranks.get(rank)
-        if previous is not None:
-            if previous.span_id == entry.span_id:
-                counters["duplicate_spans"] += 1
-                return
-            # A restarted rank ran the step again: its latest attempt is what counts.
-            counters["replaced_reports"] += 1
-            if previous.end_ns >= entry.end_ns:
-                return
-            win.cost -= previous.cost()
-            self._state_bytes -= previous.cost()
-        win.ranks[rank] = entry
-        cost = STEP_ENTRY_BYTES + PG_ENTRY_BYTES * len(names)  # entry.cost()
-        win.cost += cost
-        self._state_bytes += cost
-        expected = self.expected_ranks or job.world_size
-        if expected and len(win.ranks) >= expected and set(range(expected)) <= win.ranks.keys():
-            completed.append((job, job.steps.pop(step), "complete"))
-
-    def _learn_members(self, job: JobState, names: tuple[str, ...], rank: int) -> None:
-        for name in names:
-            members = job.pg_members.get(name)
-            if members is None:
-                if job.pg_member_count >= _PG_MEMBER_LIMIT:
-                    continue
-                members = job.pg_members[name] = set()
-            if rank not in members and job.pg_member_count < _PG_MEMBER_LIMIT:
-                members.add(rank)
-                job.pg_member_count += 1
-
-    def _ingest_collective(
-        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
-        completed: list[tuple[JobState, Window, str]],
-    ) -> None:
-        self._counters["collective_spans"] += 1
-        _, trace_id, span_id, start_ns, end_ns, attrs = record
-        rank = as_int(attrs.get(sc.RANK, resource_rank))
-        seq = as_int(attrs.get(sc.COLL_SEQ))
-        pg = attrs.get(sc.COLL_PG)
-        if rank is None:
-            self._counters["spans_without_rank"] += 1
-            return
-        if seq is None or pg is None:
-            return  # a collective without (pg, seq) cannot be matched across ranks
-        health = self._heard(job, rank, now)
-        if end_ns > health.last_span_end_ns:
-            health.last_span_end_ns = end_ns
-        self._arrive(
-            job, (pg if type(pg) is str else str(pg), seq), rank,
-            RankArrival(span_id, trace_id, start_ns, end_ns), now, completed, source="spans",
-            op=attrs.get(sc.COLL_OP) or "", step=as_int(attrs.get(sc.STEP)),
-            group_size=as_int(attrs.get(sc.COLL_GROUP_SIZE)),
-            group_ranks=attrs.get(sc.COLL_GROUP_RANKS) or (),
-        )
-
-    def _arrive(
-        self, job: JobState, key: tuple[str, int], rank: int, arrival: RankArrival, now: int,
-        completed: list[tuple[JobState, Window, str]], source: str, op: object,
-        step: int | None, group_size: int | None = None, group_ranks: Iterable[object] = (),
-    ) -> None:
-        """Record that `rank` reached collective `key` = (pg, seq)."""
-        closed = job.closed_collectives.get(key)
-        if closed is not None:
-            self._counters["duplicate_spans" if _in_bitmap(closed[1], rank) else "late_spans"] += 1
-            return
-        win = job.collectives.get(key)
-        if win is None:
-            win = job.collectives[key] = CollectiveWindow(
-                key=key, first_arrival_ns=now, op=str(op), step=step, group_size=group_size,
-                group_ranks=_ranks(group_ranks), source=source,
-            )
-        if rank in win.ranks:
-            self._counters["duplicate_spans"] += 1
-            return
-        if win.step is None:
-            win.step = step
-        if not win.op:
-            win.op = str(op)
-        if not win.group_size:
-            win.group_size = group_size
-        if not win.group_ranks and group_ranks:
-            win.group_ranks = _ranks(group_ranks)
-        win.ranks[rank] = arrival
-        win.cost += ARRIVAL_ENTRY_BYTES
-        self._state_bytes += ARRIVAL_ENTRY_BYTES
-        size = win.group_size or len(win.group_ranks)
-        if size and len(win.ranks) >= size:
-            completed.append((job, job.collectives.pop(key), "complete"))
-
-    def _ingest_hang(
-        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int,
-        completed: list[tuple[JobState, Window, str]],
-    ) -> None:
-        self._counters["hang_spans"] += 1
-        _, trace_id, span_id, start_ns, end_ns, attrs = record
-        rank = as_int(attrs.get(sc.RANK, resource_rank))
-        if rank is None:
-            self._counters["spans_without_rank"] += 1
-            return
-        health = self._heard(job, rank, now)
-        where = str(attrs.get(sc.HANG_OPERATION) or "unknown")
-        pg, seq = attrs.get(sc.HANG_PG), as_int(attrs.get(sc.HANG_SEQ))
-        if pg is not None:
-            where += f" pg={pg}"
-        if seq is not None:
-            where += f" seq={seq}"
-        health.hang = where
-        health.hang_since_ns = start_ns
-        health.hang_collective = None if pg is None or seq is None else (str(pg), seq)
-        if health.hang_collective is None:
-            return
-        # A rank stuck inside collective (pg, seq) has arrived at it; the members that
-        # never report arriving there are the ones the group waits for ("which rank
-        # did not join?"), answered before any NCCL timeout fires.
-        elapsed_ns = int((as_float(attrs.get(sc.HANG_ELAPSED_S)) or 0.0) * 1e9)
-        arrival = RankArrival(
-            span_id=span_id, trace_id=trace_id, start_ns=start_ns - elapsed_ns, end_ns=end_ns,
-        )
-        self._arrive(
-            job, (str(pg), seq), rank, arrival, now, completed, source="hang",
-            op=str(attrs.get(sc.HANG_COLL_OP) or ""), step=as_int(attrs.get(sc.STEP)),
-        )
-
-    def _ingest_heartbeat(
-        self, job: JobState, record: SpanRecord, resource_rank: int | None, now: int
-    ) -> None:
-        self._counters["heartbeat_spans"] += 1
-        end_ns, attrs = record[4], record[5]
-        rank = as_int(attrs.get(sc.RANK, resource_rank))
-        if rank is None:
-            return
-        health = self._heard(job, rank, now)
-        health.last_span_end_ns = max(health.last_span_end_ns, end_ns)
-        last_step = as_int(attrs.get(sc.HEARTBEAT_LAST_STEP))
-        if last_step is not None:
-            health.last_step = last_step if health.last_step is None else max(health.last_step, last_step)
-
-    # ------------------------------------------------------------ bounds
-    def _over_budget(self) -> list[tuple[JobState, Window, str]]:
-        """Close the oldest open windows until the state is back under 90% of budget."""
-        open_windows = sorted(
-            (
-                (win.first_arrival_ns, id(win), job, win)
-                for job in self._jobs.values()
-                for win in (*job.steps.values(), *job.collectives.values())
-            ),
-            key=lambda item: item[:2],
-        )
-        target = int(self.max_state_bytes * 0.9)
-        closing = []
-        state = self._state_bytes
-        for _, _, job, win in open_windows:
-            if state <= target:
-                break
-            if isinstance(win, StepWindow):
-                job.steps.pop(win.key)
-            else:
-                job.collectives.pop(win.key)
-            state -= win.cost
-            self._counters["windows_evicted"] += 1
-            closing.append((job, win, "budget"))
-        return closing
-
-    def _forget_closed(self, job: JobState, now: int) -> None:
-        for memory in (job.closed_steps, job.closed_collectives):
-            while memory and (
-                len(memory) > _CLOSED_MEMORY_PER_JOB
-                or now - next(iter(memory.values()))[0] >= self.window_ns
-            ):
-                memory.popitem(last=False)
-
-    # ------------------------------------------------------------ output
-    def _emit(self, closing: list[tuple[JobState, Window, str]], into: Any) -> None:
-        """Close `closing` and add its spans to `into` (a request's `resource_spans`),
-        one `ResourceSpans` per job."""
-        if not closing:
-            return
-        now = self._clock()
-        by_job: dict[str, Any] = {}  # job id -> its scope's spans container
-        for job, win, closed_by in closing:
-            self._state_bytes -= win.cost
-            spans = by_job.get(job.job)
-            if spans is None:
-                spans = by_job[job.job] = output.job_scope_spans(job, into)
-            counters = self._counters
-            if isinstance(win, StepWindow):
-                job.closed_steps[win.key] = (now, _bitmap(win.ranks))
-                counters["steps_emitted"] += 1
-                counters[f"steps_{closed_by}"] += 1
-                counters["collectives_emitted"] += output.step_spans(
-                    job, win, closed_by, self._expected(job), self.max_pg_detail, spans)
-            else:
-                job.closed_collectives[win.key] = (now, _bitmap(win.ranks))
-                counters["collectives_emitted"] += 1
-                if closed_by == "budget":
-                    counters["collectives_budget"] += 1
-                output.collective_span(job, win, closed_by, spans)
-            self._forget_closed(job, now)
