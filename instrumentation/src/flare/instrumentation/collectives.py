@@ -13,12 +13,16 @@ or `Work.wait()` for async calls. On CUDA, where calls return at enqueue, each
 Python-issued collective is also timed on the device with pooled CUDA events polled by a
 background thread (device_timing.py): `flare.collective.device_ms` and, per step,
 `flare.step.pg.device_ms`.
+
+Here: the wrappers (the per-collective path) and the step's per-group arrays. The tracker's
+other parts have modules of their own: collective_install.py (putting the wrappers on
+torch.distributed, once), backward_records.py (what each backward did to the groups) and
+recorded_collectives.py (the flight recorder's collectives, on detail and hung steps).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import threading
@@ -28,38 +32,19 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from flare.instrumentation import semconv
+from flare.instrumentation.backward_records import BackwardRecords, add_backward
 from flare.instrumentation.bandwidth import busbw_gbps
 from flare.instrumentation.callsite import caller_site, format_site
+from flare.instrumentation.collective_install import CallSpec, wrap_distributed
 from flare.instrumentation.ddp_gradients import DdpGradients
-from flare.instrumentation.flight_recorder import (
-    FlightRecorder,
-    entry_bytes,
-    entry_pg_desc,
-    entry_pg_name,
-    op_name,
-)
 from flare.instrumentation.functional_collectives import FunctionalCollectives
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.process_groups import PgInfo, ProcessGroups
+from flare.instrumentation.recorded_collectives import RecordedCollectives
 from flare.instrumentation.runtime import Runtime
 
 _log = logging.getLogger(__name__)
 
-# op -> the argument whose tensors define the per-rank message size.
-DATA_ARGUMENT = {
-    "all_reduce": "tensor", "all_gather": "tensor", "all_gather_into_tensor": "input_tensor",
-    "reduce_scatter": "output", "reduce_scatter_tensor": "output", "broadcast": "tensor",
-    "reduce": "tensor", "all_to_all": "input_tensor_list", "all_to_all_single": "input",
-    "barrier": None, "send": "tensor", "recv": "tensor", "isend": "tensor",
-    "irecv": "tensor", "gather": "tensor", "scatter": "tensor",
-    # What FSDP (1 and 2) and newer torch call: the single-tensor all-gather and
-    # reduce-scatter (torch >= 2.11), the underscore originals, the coalesced forms.
-    "all_gather_single": "input_tensor", "reduce_scatter_single": "output",
-    "_all_gather_base": "input_tensor", "_reduce_scatter_base": "output",
-    "all_reduce_coalesced": "tensors", "all_gather_coalesced": "input_tensor_list",
-    "monitored_barrier": None,
-}
-PEER_ARGUMENT = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
 ALWAYS_ASYNC = {"isend", "irecv", "batch_isend_irecv"}
 P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
 MAX_PENDING_WORKS = 4096
@@ -80,39 +65,6 @@ def _nbytes(value) -> tuple[int, str | None]:
         return value.numel() * value.element_size(), str(value.dtype).removeprefix("torch.")
     except AttributeError:
         return 0, None
-
-
-@dataclass
-class CallSpec:
-    """Where a wrapped function keeps its arguments, resolved once at install time."""
-
-    op: str
-    group_index: int | None
-    async_index: int | None
-    data_name: str | None
-    data_index: int | None
-    peer_index: int | None
-    peer_name: str | None
-
-    @classmethod
-    def of(cls, op: str, function) -> CallSpec:
-        names = list(inspect.signature(function).parameters)
-
-        def index(name):
-            return names.index(name) if name in names else None
-
-        data_name = DATA_ARGUMENT.get(op)
-        peer_name = PEER_ARGUMENT.get(op)
-        return cls(op, index("group"), index("async_op"), data_name,
-                   index(data_name) if data_name else None,
-                   index(peer_name) if peer_name else None, peer_name)
-
-    def argument(self, args, kwargs, name, position):
-        if name in kwargs:
-            return kwargs[name]
-        if position is not None and position < len(args):
-            return args[position]
-        return None
 
 
 @dataclass
@@ -140,7 +92,7 @@ class CollectiveRecord:
 
 def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict,
                    roles: dict[str, str] | None = None, said: set[str] | None = None) -> None:
-    # (Loops, not comprehensions: see CollectiveTracker._add_backward.)
+    # (Loops, not comprehensions: see backward_records.add_backward.)
     names = list(totals_pg)
     for name, seq in now_seqs.items():
         if seq > started.get(name, seq) and name not in totals_pg:
@@ -210,36 +162,6 @@ def _add_pg_arrays(summary: dict, totals_pg: dict, started: dict, now_seqs: dict
     summary[semconv.STEP_COLLECTIVE_BYTES] = bytes_sum
 
 
-def _issued_from_cpp(totals, name: str) -> bool:
-    """Whether some of the group's collectives this step were issued from C++ (DDP's
-    reducer), which no wrapper timed. Only then is the tail of backward their wait: FSDP's
-    reduce-scatters are Python calls whose waits the wrappers already counted (charging
-    the tail again counted FSDP2's gradient waits twice, more than the step itself)."""
-    started, ended = totals.seq_start, totals.seq_end
-    pg = totals.pg.get(name)
-    if not started or ended is None or pg is None:
-        return True  # cannot tell: as before
-    return pg.python_count < ended.get(name, 0) - started.get(name, 0)
-
-
-def _python_issued_all(totals) -> bool:
-    """Each group's sequence number advanced over the step exactly by the collectives
-    the Python wrappers saw (FSDP, Megatron and `dist.*` calls; not DDP's reducer, which
-    issues from C++). Then the flight recorder, whose dump costs milliseconds (linear in
-    its buffer, not in the step), holds nothing of this step that is not a span already."""
-    started, ended = totals.seq_start, totals.seq_end
-    if not started or ended is None:
-        return False  # a read failed: the recorder decides
-    for name, seq in ended.items():
-        issued = seq - started.get(name, seq)
-        if issued <= 0:
-            continue
-        pg = totals.pg.get(name)
-        if pg is None or pg.python_count != issued:
-            return False
-    return True
-
-
 class CollectiveTracker:
     """Wraps torch.distributed and summarises each step; a Runtime step listener."""
 
@@ -251,10 +173,11 @@ class CollectiveTracker:
         self.runtime = runtime
         self.groups = ProcessGroups()
         self.ddp_gradients = DdpGradients(self.groups)
-        self.recorder = FlightRecorder()
-        self.recorder_truncated_steps = 0  # detail steps whose first entries were overwritten
-        # Several groups: the snapshot read after the step's last backward, and its step
-        self._seqs_seen: tuple[object, dict[str, int]] | None = None
+        self.recorded = RecordedCollectives(runtime, self.groups)  # the flight recorder's
+        self.backward = BackwardRecords(runtime, self.groups, self.ddp_gradients)
+        # StepHooks asks before each backward (with several groups): bound once here, the
+        # call does the method's work and no more.
+        self.sequences_before_backward = self.backward.sequences_before_backward
         self._patches = Patches()
         self._pending: dict[int, tuple[object, CollectiveRecord]] = {}
         self._local = threading.local()
@@ -263,29 +186,7 @@ class CollectiveTracker:
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
-        for op in (*DATA_ARGUMENT, "batch_isend_irecv"):
-            original = getattr(distributed_c10d, op, None)
-            if original is None or getattr(original, "_flare_traced", False):
-                continue
-            try:
-                spec = CallSpec.of(op, original)
-            except (TypeError, ValueError):
-                _log.info("flare: cannot read the signature of torch.distributed.%s", op)
-                continue
-            wrapper = self._wrap(original, spec)
-            self._patches.replace(distributed_c10d, op, wrapper)
-            if getattr(dist, op, None) is original:
-                self._patches.replace(dist, op, wrapper)
-        self._install_ddp_buffer_broadcast(dist)
-        work_class = getattr(distributed_c10d, "Work", None)
-        if work_class is not None and hasattr(work_class, "wait"):
-            try:
-                self._patches.replace(work_class, "wait", self._wrap_wait(work_class.wait))
-            except (AttributeError, TypeError):
-                _log.info("flare: Work.wait cannot be wrapped; async waits are not timed")
+        wrap_distributed(self._patches, self._wrap, self._wrap_wait)
         FunctionalCollectives(self.runtime, self._patches).install()
         try:
             self.ddp_gradients.install()
@@ -294,28 +195,6 @@ class CollectiveTracker:
         self.runtime.add_step_listener(self)
         self.runtime.sequence_reader = self.groups.sequence_snapshot
         self.runtime.summary_adders = (*self.runtime.summary_adders, self.add_step_summary)
-
-    def _install_ddp_buffer_broadcast(self, dist) -> None:
-        """DDP's broadcast of the module's buffers before every forward (BatchNorm's
-        running statistics, a causal mask; `broadcast_buffers=True`, its default): a
-        blocking collective where every rank waits for the slowest, called through
-        `torch.distributed._broadcast_coalesced` — a private torch binding, looked up at
-        each call (torch 2.x). Timed as a `broadcast` of its group; where torch has no
-        such name it is left alone, and that wait reads as the step's own time, as
-        before (transformers 4.46's GPT-2 waited 0.4 s there for rank 0's checkpoint,
-        read as the other ranks' compute)."""
-        original = getattr(dist, "_broadcast_coalesced", None)
-        if original is None or getattr(original, "_flare_traced", False):
-            if original is None:
-                _log.info("flare: torch.distributed has no _broadcast_coalesced; DDP's buffer "
-                          "broadcasts are not timed")
-            return
-
-        def _broadcast_coalesced(group, tensor, buffer_size, src=0):
-            return original(group, tensor, buffer_size, src)
-
-        wrapper = self._wrap(_broadcast_coalesced, CallSpec.of("broadcast", _broadcast_coalesced))
-        self._patches.replace(dist, "_broadcast_coalesced", wrapper)
 
     def uninstall(self) -> None:
         if self._device_timer is not None:
@@ -329,22 +208,6 @@ class CollectiveTracker:
         self.ddp_gradients.uninstall()
         self._patches.restore_all()
         self._pending.clear()
-
-    def sequences_before_backward(self, totals) -> dict[str, int] | None:
-        """What a backward compares its end with, to know which groups it advanced:
-        with one group, None, meaning the step's start (the runtime's read, in
-        `totals`); with several, the groups' sequence numbers as last read on the
-        training thread (at this step's start or the end of its previous backward).
-        Either spares a native read before every backward (~15-25 µs cold, the step's
-        largest single cost). Collectives of the forward in between then count as the
-        backward's, which only matters for the DDP gradient bytes, and those are added
-        only while DDP synchronises (`DdpGradients.syncing`)."""
-        if self.groups.sequenced_groups() < 2:
-            return None
-        seen = self._seqs_seen
-        if seen is not None and seen[0] is totals:
-            return seen[1]
-        return totals.seq_start
 
     # ------------------------------------------------------------------ wrappers
     def _wrap(self, original, spec: CallSpec):
@@ -533,55 +396,15 @@ class CollectiveTracker:
             if bandwidth is not None:
                 attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
 
+    # ------------------------------------------------------------------ backward
+    # What StepHooks queues itself for a backward's usual case (one group, one DDP wrapper).
+    _add_backward = staticmethod(add_backward)
+
     def record_backward(self, totals, start: int, graph_done: int, end: int,
                         seqs_before: dict[str, int] | None) -> None:
-        """A backward of the step `totals` ended. Every group whose sequence advanced
-        during it ran the gradient collectives of the DDP wrappers on it: add their
-        gradient bytes. The tail of backward after the gradients were computed
-        (`graph_done`, 0 when unknown) is the wait for those collectives; charge it to
-        the group whose sequence advanced most. Only what the comparison needs is noted
-        now; it is made when the step's span is built."""
-        if graph_done and self.runtime.step_detail:
-            if totals.backward_windows is None:
-                totals.backward_windows = []
-            totals.backward_windows.append((start, graph_done, end))
-        groups = self.groups.sequenced_groups()
-        if not groups:
-            return
-        if groups == 1:
-            # Nothing to choose between: whether the group advanced is read from the
-            # step's start and end (the runtime's reads, which the step pays anyway),
-            # sparing the training thread a native read per backward.
-            after = None
-        else:
-            after = self.groups.sequence_snapshot()
-            self._seqs_seen = (totals, after)
-        totals.pending.append((self._add_backward, (graph_done, end, seqs_before, after,
-                                                    self.ddp_gradients.syncing())))
-
-    @staticmethod
-    def _add_backward(totals, graph_done: int, end: int, seqs_before: dict | None,
-                      after: dict | None, gradient_bytes: dict) -> None:
-        if after is None:  # one group: the step's own reads
-            seqs_before, after = totals.seq_start, totals.seq_end
-            if not seqs_before or after is None:  # a read failed: nothing to compare
-                return
-        # (Loops, not comprehensions: this runs on the finisher for every step, on data
-        # the training has long evicted, where each extra frame and object counts.)
-        busiest, most = None, 0
-        for name, seq in seqs_before.items():
-            advance = after.get(name, seq) - seq
-            if advance <= 0:
-                continue
-            if advance > most:  # the first of the groups that advanced most
-                busiest, most = name, advance
-            nbytes = gradient_bytes.get(name, 0)
-            if nbytes:
-                group = totals.pg_totals(name)
-                group.bytes += nbytes
-                group.cpp_accounted = True  # DDP's reducer: its wait is the tail below
-        if graph_done and busiest is not None and _issued_from_cpp(totals, busiest):
-            totals.pg_totals(busiest).wait_ns += max(0, end - graph_done)
+        """A backward of the step `totals` ended: `BackwardRecords.record_backward`. (A
+        method of the tracker's class, which StepHooks calls outside its inline case.)"""
+        self.backward.record_backward(totals, start, graph_done, end, seqs_before)
 
     # ------------------------------------------------------------------ step listener
     def on_step_start(self, step: int, detail: bool) -> None:
@@ -601,87 +424,12 @@ class CollectiveTracker:
             # entries of this step are still in the ring.
             runtime = self.runtime
             self.runtime.run_later(functools.partial(
-                self._emit_flight_recorder, runtime.step_start_ns, time.time_ns(),
+                self.recorded.emit_flight_recorder, runtime.step_start_ns, time.time_ns(),
                 runtime.totals, step, trace.set_span_in_context(span),
                 dict(runtime.span_attributes)))
-
-    def _emit_flight_recorder(self, step_start_ns: int, step_end_ns: int, totals,
-                              step: int, parent, labels: dict) -> None:
-        """Detail step: C++-issued collectives of this step, as spans."""
-        if _python_issued_all(totals):
-            return  # every one is a span from the Python wrapper: the dump would add none
-        entries = self.recorder.entries()
-        if not entries:
-            now_seqs, started = totals.seq_end or {}, totals.seq_start or {}
-            if self.recorder.available and any(s > started.get(n, s) for n, s in now_seqs.items()):
-                self.recorder.note_empty()
-            return
-        if self.recorder.overwrote(entries, step_start_ns):
-            self.recorder_truncated_steps += 1
-            if self.recorder_truncated_steps == 1:
-                _log.info("flare: detail step %d issued more collectives than the flight "
-                          "recorder keeps (%s=%d); its earliest C++-issued ones have no "
-                          "span (raise %s to keep them: each entry costs every detail step "
-                          "~7-20 µs to read)", step, semconv.ENV_FR_BUFFER_SIZE, len(entries),
-                          semconv.ENV_FR_BUFFER_SIZE)
-        infos = self.groups.infos_by_name()
-        windows = totals.backward_windows or ()
-        python_windows = totals.python_windows or ()
-        for entry in entries:
-            created = entry.get("time_created_ns") or 0
-            if created < step_start_ns or created > step_end_ns or entry.get("is_p2p"):
-                continue  # another step's (the dump runs up to a second later)
-            pg_name, seq = entry_pg_name(entry), entry.get("collective_seq_id")
-            if any(pg == pg_name and start <= created <= end
-                   for pg, start, end in python_windows):
-                continue  # already a span from the Python wrapper
-            self._emit_recorded(entry, pg_name, seq, created, infos.get(pg_name), windows,
-                                step, parent, labels)
-
-    def _emit_recorded(self, entry, pg_name, seq, created, info, windows, step, parent,
-                       labels) -> None:
-        op = op_name(entry.get("profiling_name", ""))
-        nbytes = entry_bytes(entry)
-        completed = entry.get("time_discovered_completed_ns") or 0
-        end = completed
-        if not end:  # gloo records no completion: bounded by the enclosing backward's end
-            end = next((w_end for w_start, _, w_end in windows if w_start <= created <= w_end),
-                       created)
-        attributes = {
-            semconv.COLL_OP: op, semconv.COLL_PG: pg_name,
-            semconv.COLL_PG_DESC: entry_pg_desc(entry), semconv.COLL_SEQ: int(seq or 0),
-            semconv.COLL_BYTES: nbytes, semconv.COLL_SOURCE: "flight_recorder",
-            semconv.COLL_ASYNC: True,
-        }
-        dtypes = entry.get("input_dtypes") or ()
-        if dtypes:
-            attributes[semconv.COLL_DTYPE] = str(dtypes[0]).lower()
-        if info is not None:
-            attributes[semconv.COLL_GROUP_SIZE] = info.size
-            attributes[semconv.COLL_GROUP_RANKS] = list(info.ranks)
-            attributes[semconv.COLL_BACKEND] = info.backend
-            if completed:
-                started = entry.get("time_discovered_started_ns") or created
-                bandwidth = busbw_gbps(op, nbytes, info.size, completed - started)
-                if bandwidth is not None:
-                    attributes[semconv.COLL_BUSBW_GBPS] = round(bandwidth, 4)
-        attributes.update(labels)
-        attributes[semconv.STEP] = step
-        span = self.runtime.tracer.start_span(semconv.collective_span_name(op), context=parent,
-                                              start_time=created, attributes=attributes)
-        span.end(end_time=max(end, created))
 
     # ------------------------------------------------------------------ hangs
     def collective_in_flight(self, since_ns: int) -> dict | None:
         """For a thread blocked in C++ (backward waiting on DDP buckets): the oldest
         collective the flight recorder saw issued since `since_ns` and not completed."""
-        candidates = [e for e in self.recorder.entries()
-                      if (e.get("time_created_ns") or 0) >= since_ns
-                      and not e.get("time_discovered_completed_ns")
-                      and e.get("state") != "completed"]
-        if not candidates:
-            return None
-        entry = min(candidates, key=lambda e: e.get("time_created_ns") or 0)
-        return {semconv.HANG_COLL_OP: op_name(entry.get("profiling_name", "")),
-                semconv.HANG_PG: entry_pg_name(entry),
-                semconv.HANG_SEQ: int(entry.get("collective_seq_id") or 0)}
+        return self.recorded.collective_in_flight(since_ns)

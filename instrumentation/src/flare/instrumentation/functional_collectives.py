@@ -9,8 +9,8 @@ time reads as its own compute and the culprit cannot be told from its victims (a
 
 Per collective: the issuing wrapper resolves the group's name (the c10d group name, as
 the per-group arrays use) and counts it as seen from Python (so the backward tail is
-never charged again for it: collectives.py `_issued_from_cpp`); it remembers the output
-tensor's id until its wait. The issuing call's own time (where the backend runs the
+never charged again for it: backward_records.py `_issued_from_cpp`); it remembers the
+output tensor's id until its wait. The issuing call's own time (where the backend runs the
 collective in it, as gloo on CPU does) and `wait_tensor`'s blocked time are the group's
 wait. No span per call: the step summary carries them.
 """
