@@ -382,12 +382,11 @@ class ClickHouseJobData(SpanReader):
 
     def source(self) -> str | None:
         params = _Params()
-        # An importer marks every span: its first step spans say it (a live job has none,
+        # An importer marks every span: the job's first spans say it (a live job has none,
         # and reading all its spans for that took 2.7 s at 6,144 ranks).
         rows = self._backend.query(
             f"SELECT source FROM (SELECT {_res(sc.JOB_SOURCE)} AS source FROM "
-            f"{self._rows(params, f'SpanName = {params.add(sc.SPAN_STEP)}')} LIMIT 1000) "
-            "WHERE source != '' LIMIT 1", params).to_pylist()
+            f"{self._rows(params)} LIMIT 1000) WHERE source != '' LIMIT 1", params).to_pylist()
         return rows[0]["source"] if rows else None
 
     def rank_activity(self, names: Sequence[str]) -> Table:
