@@ -34,8 +34,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from flare.instrumentation import semconv as sc
 from flare.processors.rank_correlation import SCOPE_NAME, RankCorrelation
+from flare.wire import semconv as sc
 
 JOB = "scale-job"
 T0 = 1_700_000_000_000_000_000

@@ -40,8 +40,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from flare.exporters import otlp_columns, store
 from flare.exporters.flare_store import FlareStoreExporter
 from flare.exporters.otlp_columns import SpanColumns
-from flare.instrumentation import semconv as sc
 from flare.processors.rank_correlation import RankCorrelation
+from flare.wire import semconv as sc
 
 PG_NAMES = ["dp", "tp", "pp"]
 
@@ -293,7 +293,7 @@ def main() -> int:
     size = sum(map(len, payloads))
     print(f"{n_spans} spans in {len(payloads)} requests, {size / n_spans:.0f} B/span on the wire, "
           f"a store flush (one transaction) every {args.flush_every} requests; best of {args.repeat}; "
-          f"C decoder {'loaded' if otlp_columns._otlp_wire else 'NOT BUILT'}")
+          f"C decoder {'loaded' if otlp_columns._otlp_read else 'NOT BUILT'}")
     results = measure(payloads, n_spans, args.repeat, args.flush_every,
                       {i: INDEX_CANDIDATES[i] for i in args.index})
     ceiling = results["parse only (ceiling)"][0]

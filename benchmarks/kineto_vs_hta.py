@@ -138,7 +138,7 @@ def flare_figures(store: Path) -> tuple[float, float]:
 
     from flare.diagnostics import gpu_metrics as gm
     from flare.diagnostics.backends.store import StoreBackend
-    from flare.instrumentation import semconv as sc
+    from flare.wire import semconv as sc
 
     job = StoreBackend(store).job_data("bench")
     kernels = gm.gpu_activities(job)

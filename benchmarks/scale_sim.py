@@ -59,7 +59,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from flare.collector.config import embedded_config
 from flare.exporters import store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 JOB = "scale-sim"
 SEC = 1_000_000_000

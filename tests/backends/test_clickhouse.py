@@ -18,7 +18,7 @@ from flare.diagnostics.model import DiagnosisConfig
 from flare.diagnostics.pipeline import diagnose
 from flare.diagnostics.synthetic import Fault, job_spans
 from flare.exporters import store as flare_store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 chdb = pytest.importorskip("chdb", reason="chdb is not installed (pip install chdb)")
 

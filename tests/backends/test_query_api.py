@@ -14,7 +14,7 @@ from flare.diagnostics.backends import open_backend
 from flare.diagnostics.backends.jaeger import JaegerBackend
 from flare.diagnostics.synthetic import Fault, job_spans
 from flare.exporters import store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 START_NS = time.time_ns() - 3600 * 10**9
 

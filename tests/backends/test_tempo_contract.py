@@ -16,7 +16,7 @@ from flare.collector.trace_json import otlp_resource_spans
 from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.tempo import TempoBackend, traceql_filter
 from flare.diagnostics.synthetic import Fault, job_spans
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 DOC_TRACE = "5b8efff798038103d269b633813fc700"
 

@@ -170,8 +170,8 @@ def test_store_gets_the_correlators_spans_appended_to_a_request(tmp_path, helper
     """Unchanged requests reach the store as their original bytes; changed ones must not."""
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-    from flare.instrumentation import semconv as sc
     from flare.processors.rank_correlation import RankCorrelation
+    from flare.wire import semconv as sc
 
     counters = Counters()
     exporter = FlareStoreExporter(path=str(tmp_path / "s.duckdb"))
@@ -200,9 +200,9 @@ def test_an_unparsed_request_reaches_the_store_as_bytes_and_others_as_a_message(
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-    from flare.instrumentation import semconv as sc
     from flare.processors.memory_limiter import MemoryLimiter
     from flare.processors.rank_correlation import RankCorrelation
+    from flare.wire import semconv as sc
 
     class Capture:
         def __init__(self) -> None:

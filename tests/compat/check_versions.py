@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("instrumentation", "processors", "exporters", "otel-collector", "diagnostics")
-# The declared floors (pyproject.toml of the five packages); test_declared_floors.py
+PACKAGES = ("wire", "instrumentation", "processors", "exporters", "otel-collector", "diagnostics")
+# The declared floors (pyproject.toml of the six packages); test_declared_floors.py
 # checks that this table and the declarations agree.
 FLOORS = {
     "opentelemetry-api": "1.28.0",

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _declared() -> dict[str, str]:
-    """Lowest version each package's requirement allows, over the five packages."""
+    """Lowest version each package's requirement allows, over the six packages."""
     floors: dict[str, str] = {}
     for package in check_versions.PACKAGES:
         project = tomllib.loads((ROOT / package / "pyproject.toml").read_text())["project"]

@@ -13,7 +13,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 WORLD, STEPS, SLOW_RANK, SLOW_FROM = 4, 40, 3, 10
 

@@ -9,7 +9,7 @@ from flare.diagnostics.backends import BackendError, open_backend
 from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.synthetic import Fault, job_spans
 from flare.exporters import store as flare_store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 ATTRS = [sc.STEP_COLLECTIVE_WAIT_MS, sc.STEP_COMPUTE_MS]
 

@@ -14,7 +14,7 @@ from flare.diagnostics.model import DiagnosisConfig
 from flare.diagnostics.pipeline import diagnose
 from flare.diagnostics.synthetic import Fault, job_spans
 from flare.exporters.store import spans_table
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def _job(table: pa.Table, name: str = "j") -> ArrowJobData:

@@ -22,7 +22,7 @@ from flare.diagnostics.detectors import (
 from flare.diagnostics.model import DiagnosisConfig
 from flare.exporters import store
 from flare.importers import kineto
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 T0 = 1_700_000_000_000_000_000
 US = 1_000

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flare.diagnostics import hotspots
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def _capture(rank, step, frames):

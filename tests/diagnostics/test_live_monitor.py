@@ -42,7 +42,7 @@ def test_a_live_pass_compares_only_the_steps_every_rank_has_sent(tmp_path):
     from flare.diagnostics.backends.store import StoreBackend
     from flare.diagnostics.complete import CompleteSteps
     from flare.diagnostics.model import DiagnosisConfig
-    from flare.instrumentation import semconv as sc
+    from flare.wire import semconv as sc
 
     path = tmp_path / "lag.duckdb"
     spans = job_spans("lag", 4, 80, (Fault("compute", 2, 20, extra_ms=60),

@@ -26,7 +26,7 @@ import pytest
 from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.pipeline import diagnose
 from flare.exporters.store import spans_table
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "stragglers" / "trace-ST.parquet"
 

@@ -11,7 +11,7 @@ import pytest
 from flare.diagnostics.backends.attributes import arrow_type, sql_extract_from_list, sql_path
 from flare.diagnostics.backends.store import StoreBackend
 from flare.exporters import store as flare_store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # One key of each extracted type: integer, double, boolean, text, list of integers.
 KEYS = [sc.KERNEL_STREAM, sc.KERNEL_FLOPS, sc.STEP_DETAIL, sc.KERNEL_NAME, sc.COLL_GROUP_RANKS]

@@ -23,7 +23,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from flare.exporters import REGISTRY, otlp_columns, store
 from flare.exporters.flare_store import FlareStoreExporter
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def kv(key: str, value: AnyValue) -> KeyValue:
@@ -46,7 +46,7 @@ def d(v: float) -> AnyValue:
 def decoder(request, monkeypatch):
     """Every test runs with the C decoder (when built) and with the Python reference."""
     if request.param == "python_reference":
-        monkeypatch.setattr(otlp_columns, "_otlp_wire", None)
+        monkeypatch.setattr(otlp_columns, "_otlp_read", None)
     return request.param
 
 

@@ -18,7 +18,7 @@ from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.backends.store import StoreBackend
 from flare.importers import kineto
 from flare.importers.kineto import json_stream, load
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 DATA = Path(os.environ.get("FLARE_KINETO_DATA", Path(__file__).resolve().parents[3] / "shared/data/kineto"))
 REAL = sorted(DATA.glob("*.json.gz")) if DATA.is_dir() else []

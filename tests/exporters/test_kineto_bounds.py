@@ -18,7 +18,7 @@ import pytest
 from flare.diagnostics.backends.store import StoreBackend
 from flare.importers import kineto
 from flare.importers.kineto import json_stream, load
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 FLARE = str(Path(sys.executable).parent / "flare")
 _BLOCK = 1 << 20

@@ -17,23 +17,23 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 from flare.exporters import otlp_columns
 from flare.exporters.otlp_columns import SpanColumns
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
-SOURCE = Path(sc.__file__).with_name("_otlp_wire.c")
+SOURCE = Path(__file__).resolve().parents[2] / "processors/csrc/otlp_read"
 
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     """The installed C module, or one compiled here from the same source."""
-    if otlp_columns._otlp_wire is not None:
-        return otlp_columns._otlp_wire
+    if otlp_columns._otlp_read is not None:
+        return otlp_columns._otlp_read
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler: the Python reference is what runs here")
-    out = tmp_path_factory.mktemp("fast") / ("_otlp_wire" + sysconfig.get_config_var("EXT_SUFFIX"))
+    out = tmp_path_factory.mktemp("fast") / ("_otlp_read" + sysconfig.get_config_var("EXT_SUFFIX"))
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                    str(SOURCE), "-o", str(out)], check=True)
-    spec = importlib.util.spec_from_file_location("_otlp_wire", out)
+                    f"-I{SOURCE}", *map(str, sorted(SOURCE.glob("*.c"))), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("_otlp_read", out)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -122,7 +122,7 @@ def realistic_request(seed: int) -> ExportTraceServiceRequest:
 
 
 def both(fast, monkeypatch, payloads: list[bytes]) -> tuple[list[dict], list[dict]]:
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", fast)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", fast)
     c_columns = SpanColumns()
     for payload in payloads:
         c_columns.add_payload(payload)
@@ -174,7 +174,7 @@ def _varint(n: int) -> bytes:
 
 @pytest.mark.parametrize("cut", [1, 5, 17, 100])
 def test_malformed_input_raises_and_appends_nothing(fast, monkeypatch, cut):
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", fast)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", fast)
     good = realistic_request(1).SerializeToString()
     columns = SpanColumns()
     columns.add_payload(good)
@@ -187,7 +187,7 @@ def test_malformed_input_raises_and_appends_nothing(fast, monkeypatch, cut):
 
 
 def test_random_garbage_never_crashes(fast, monkeypatch):
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", fast)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", fast)
     rng = random.Random(3)
     good = bytearray(hostile_request().SerializeToString())
     for _ in range(300):
@@ -216,7 +216,7 @@ class RefusingDecoder:
 
 
 def test_a_refusing_c_decoder_never_loses_the_request(monkeypatch):
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", RefusingDecoder)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", RefusingDecoder)
     before = SpanColumns.decoder_fallbacks
     columns = SpanColumns()
     assert columns.add_request(realistic_request(2)) == 50
@@ -251,7 +251,7 @@ def test_values_out_of_column_range_are_null_or_wrap_alike(fast, monkeypatch):
 
 
 def test_runs_of_c_and_reference_decoding_keep_arrival_order(fast, monkeypatch):
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", fast)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", fast)
     requests = [realistic_request(seed) for seed in range(5)] + [hostile_request()]
     mixed = SpanColumns()
     reference = SpanColumns()
@@ -271,7 +271,7 @@ def test_runs_of_c_and_reference_decoding_keep_arrival_order(fast, monkeypatch):
 
 
 def test_a_full_builder_starts_a_new_chunk(fast, monkeypatch):
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", fast)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", fast)
     monkeypatch.setattr(otlp_columns, "_SEAL_BYTES", 1000)
     payloads = [realistic_request(seed).SerializeToString() for seed in range(4)]
     chunked = SpanColumns()
@@ -306,7 +306,7 @@ def test_recycled_column_buffers_hold_only_the_new_batch(fast, monkeypatch):
     """Column buffers Arrow lets go of are reused by the next batches (a pool in C):
     each batch's table still holds exactly its own rows, whatever the previous batch
     left in the memory, and a table still alive keeps its own buffers."""
-    monkeypatch.setattr(otlp_columns, "_otlp_wire", fast)
+    monkeypatch.setattr(otlp_columns, "_otlp_read", fast)
     batches = [[realistic_request(seed).SerializeToString() for seed in range(start, start + 40)]
                for start in (0, 40, 80, 120)]
     kept = None

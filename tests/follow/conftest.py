@@ -10,7 +10,7 @@ from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def _any(value):

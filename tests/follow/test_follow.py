@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from flare.diagnostics.follow import FollowService, main
 from flare.diagnostics.synthetic import Fault, job_spans
 from flare.exporters import store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 ONSET = 40
 

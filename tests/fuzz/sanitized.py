@@ -1,9 +1,9 @@
 """Flare's C module built with warnings as errors and AddressSanitizer + UBSan, and the
 mutation fuzzer run over it.
 
-`build(directory)` compiles the OTLP wire module (`flare.instrumentation._otlp_wire`:
-the store's decoder, the correlator's picker and link writer, the receivers' checks,
-the attribute writer) with `-Wall -Wextra -Werror -fsanitize=address,undefined`
+`build(directory)` compiles Flare's two OTLP wire modules — the collector's readers
+(`flare.processors._otlp_read`: the store's decoder, the correlator's picker and link
+writer, the receivers' checks) and the ranks' attribute writer (`flare.wire._otlp_write`) — with `-Wall -Wextra -Werror -fsanitize=address,undefined`
 (unused parameters are allowed: CPython's method signatures have them). Run as a
 script, under `LD_PRELOAD=<libasan>`, this file puts the sanitized build in place of
 the installed one and feeds it the mutations (`otlp_mutations.check_in_process`:
@@ -31,8 +31,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = {
-    "flare.instrumentation._otlp_wire": REPO / "instrumentation/src/flare/instrumentation/_otlp_wire.c",
+READ = REPO / "processors/csrc/otlp_read"
+MODULES = {  # module -> (sources, include directories); loaded in this order, the writer
+    # first: importing flare.processors imports the writer's users
+    "flare.wire._otlp_write": ([REPO / "wire/src/flare/wire/_otlp_write.c"], []),
+    "flare.processors._otlp_read": (sorted(READ.glob("*.c")), [READ]),
 }
 CFLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
           "-fno-sanitize-recover=all", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror"]
@@ -69,10 +72,10 @@ def build(directory: Path) -> dict[str, Path]:
     include = sysconfig.get_paths()["include"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     out = {}
-    for name, source in MODULES.items():
+    for name, (sources, includes) in MODULES.items():
         target = directory / (name.rsplit(".", 1)[1] + suffix)
-        subprocess.run([cc, "-shared", "-fPIC", *CFLAGS, f"-I{include}", str(source), "-o",
-                        str(target)], check=True, capture_output=True, text=True)
+        subprocess.run([cc, "-shared", "-fPIC", *CFLAGS, f"-I{include}", *(f"-I{d}" for d in includes),
+                        *map(str, sources), "-o", str(target)], check=True, capture_output=True, text=True)
         out[name] = target
     return out
 
@@ -105,7 +108,7 @@ def _encoder_rounds(seed: int, count: int) -> int:
     """Random attribute maps through the C attribute writer, read back by protobuf."""
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-    from flare.instrumentation import otlp_encoding
+    from flare.wire import otlp_values
 
     rng = random.Random(seed)
     values = [lambda: rng.random(), lambda: rng.getrandbits(64) - (1 << 63),
@@ -117,8 +120,8 @@ def _encoder_rounds(seed: int, count: int) -> int:
     for _ in range(count):
         attrs = {f"k{i}" * rng.randint(1, 40): rng.choice(values)() for i in range(rng.randint(0, 12))}
         try:
-            wire = otlp_encoding.write_attributes(attrs, 0x4A)  # Span.attributes
-        except (otlp_encoding.Unsupported, ValueError, TypeError, OverflowError):
+            wire = otlp_values.write_attributes(attrs, 0x4A)  # Span.attributes
+        except (otlp_values.Unsupported, ValueError, TypeError, OverflowError):
             continue
         Span.FromString(wire)
         done += 1
@@ -151,12 +154,13 @@ def main() -> None:
 
     from flare.collector import validate
     from flare.exporters import otlp_columns
-    from flare.instrumentation import otlp_encoding
     from flare.processors import correlation_output, span_select
+    from flare.wire import otlp_values
 
-    sanitized = sys.modules["flare.instrumentation._otlp_wire"]
-    assert otlp_columns._otlp_wire is span_select._otlp_wire is otlp_encoding._otlp_wire is sanitized
-    assert correlation_output._otlp_wire is sanitized
+    sanitized = sys.modules["flare.processors._otlp_read"]
+    assert otlp_columns._otlp_read is span_select._otlp_read is sanitized
+    assert correlation_output._otlp_read is sanitized
+    assert otlp_values._otlp_write is sys.modules["flare.wire._otlp_write"]
     assert validate._check_traces_strict is sanitized.check_traces_strict
     with tempfile.TemporaryDirectory() as tmp:
         stats = otlp_mutations.check_in_process(seed, count, Path(tmp) / "wal")

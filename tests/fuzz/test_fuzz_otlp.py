@@ -38,7 +38,7 @@ def test_the_correlators_picker_reads_what_protobuf_reads():
     from flare.processors import span_select
     from flare.processors.rank_correlation import _SELECTION
 
-    if span_select._otlp_wire is None:
+    if span_select._otlp_read is None:
         pytest.skip("the C wire module is not built (no compiler at install)")
     compared = 0
     for _, payload in otlp_mutations.cases(3, 1500):

@@ -17,8 +17,8 @@ import numpy as np
 from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.backends.store import StoreBackend
 from flare.exporters import store as flare_store
-from flare.instrumentation import kernel_taxonomy as taxonomy
-from flare.instrumentation import semconv as sc
+from flare.wire import kernel_taxonomy as taxonomy
+from flare.wire import semconv as sc
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from flare.diagnostics.backends.store import StoreBackend
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
-from flare.instrumentation.bandwidth import bus_factor, busbw_gbps
 from flare.instrumentation.flight_recorder import entry_bytes, op_name
 from flare.instrumentation.python_calls import parse_entry
+from flare.wire.bandwidth import bus_factor, busbw_gbps
 
 
 def test_bus_factors_follow_the_nccl_tests_convention():
@@ -28,8 +28,8 @@ def test_traced_function_entries_are_parsed_strictly():
 
 
 def test_a_full_ring_newer_than_the_step_start_means_entries_were_overwritten(monkeypatch):
-    from flare.instrumentation import semconv
     from flare.instrumentation.flight_recorder import FlightRecorder
+    from flare.wire import semconv
 
     monkeypatch.setenv(semconv.ENV_FR_BUFFER_SIZE, "3")
     ring = [{"time_created_ns": t} for t in (100, 110, 120)]

@@ -10,13 +10,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from flare.instrumentation import semconv
 from flare.instrumentation.collectives import CollectiveRecord, CollectiveTracker
 from flare.instrumentation.config import FlareConfig
 from flare.instrumentation.device_timing import CudaEventTimer
 from flare.instrumentation.identity import ProcessIdentity
 from flare.instrumentation.process_groups import PgInfo
 from flare.instrumentation.runtime import Runtime
+from flare.wire import semconv
 
 
 class StandInEvent:

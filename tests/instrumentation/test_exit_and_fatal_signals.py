@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from otlp_sink import OtlpSink
 
-from flare.instrumentation import semconv
 from flare.instrumentation.config import DEFAULT_EXIT_FLUSH_TIMEOUT_S
+from flare.wire import semconv
 
 JOB_SCRIPT = Path(__file__).with_name("exit_job.py")
 INSTRUMENT = Path(sys.executable).with_name("opentelemetry-instrument")

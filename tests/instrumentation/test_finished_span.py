@@ -18,9 +18,9 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from test_instrumentor import finished, make_provider, rank_env, train  # noqa: F401  (fixture)
 
 import flare.instrumentation as flare_instrumentation
-from flare.instrumentation import semconv
 from flare.instrumentation.finished_span import FinishedSpans
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+from flare.wire import semconv
 
 _TIMINGS = {semconv.STEP_DATALOADER_MS, semconv.STEP_GC_MS, semconv.STEP_PYCALL_MS,
             semconv.STEP_BACKWARD_MS, semconv.STEP_COMPUTE_MS,

@@ -12,8 +12,9 @@ import pytest
 import torch.distributed as dist
 from opentelemetry.sdk.resources import Resource
 
-from flare.instrumentation import identity, semconv
+from flare.instrumentation import identity
 from flare.instrumentation.resource import FlareResourceDetector
+from flare.wire import semconv
 
 
 @pytest.fixture

@@ -26,10 +26,11 @@ from opentelemetry.trace import StatusCode
 from torch.utils.data import DataLoader, TensorDataset
 
 import flare.instrumentation as flare_instrumentation
-from flare.instrumentation import identity, semconv, torch_training
+from flare.instrumentation import identity, torch_training
 from flare.instrumentation.config import SLOW_CHILD_MS
 from flare.instrumentation.step_hooks import OP_BACKWARD
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+from flare.wire import semconv
 
 JOB = "unit-job"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flare.instrumentation import kernel_taxonomy as kt
+from flare.wire import kernel_taxonomy as kt
 
 NAMES = {
     # NCCL before and after 2.19's rename, and the torch annotation

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from flare.instrumentation import kernels
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 class MinimalRuntime:

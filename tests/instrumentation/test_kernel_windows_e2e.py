@@ -11,7 +11,7 @@ import pytest
 
 from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.backends.store import StoreBackend
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from flare.instrumentation import native_stacks
+from flare.wire import pyspy_dump
 
 
 @pytest.mark.skipif(native_stacks.binary() is None, reason="py-spy is not installed (pip install py-spy)")
@@ -21,7 +22,7 @@ def test_a_blocked_threads_native_frames_reach_below_python():
     finally:
         stop.set()
     assert dump is not None, "py-spy is installed but could not dump this process"
-    frames = native_stacks.thread_frames(dump, "blocked-in-c")
+    frames = pyspy_dump.thread_frames(dump, "blocked-in-c")
     # innermost first: the C wait under Python's Event.wait, then the Python frames
     assert any("threading.py" in f and "wait" in f for f in frames), frames
     assert any("libc" in f or ".c:" in f for f in frames[:6]), frames
@@ -38,6 +39,6 @@ def test_frames_of_a_named_thread_from_a_dump():
     dump = ('Process 1: python train.py\nPython v3.11\n\nThread 10 (idle): "MainThread"\n'
             '    clock_nanosleep (libc.so.6)\n    wait (train.py:5)\n\n'
             'Thread 11 (active): "worker"\n    run (w.py:1)\n')
-    assert native_stacks.thread_frames(dump, "MainThread") == ["clock_nanosleep (libc.so.6)", "wait (train.py:5)"]
-    assert native_stacks.thread_frames(dump, "worker") == ["run (w.py:1)"]
-    assert native_stacks.thread_frames(None, "x") == []
+    assert pyspy_dump.thread_frames(dump, "MainThread") == ["clock_nanosleep (libc.so.6)", "wait (train.py:5)"]
+    assert pyspy_dump.thread_frames(dump, "worker") == ["run (w.py:1)"]
+    assert pyspy_dump.thread_frames(None, "x") == []

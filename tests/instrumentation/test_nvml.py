@@ -12,7 +12,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from flare.instrumentation import nvml as flare_nvml
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 class RecordedNvml:

@@ -22,24 +22,25 @@ from test_instrumentor import rank_env, train  # noqa: F401  (fixture)
 
 from flare.instrumentation import otlp_encoding, otlp_exporter
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+from flare.wire import otlp_values
 
 
 @pytest.fixture(autouse=True, params=["c", "python"])
 def writer(request, monkeypatch):
     """Every test runs with the C attribute writer (when built) and the Python one."""
     if request.param == "python":
-        monkeypatch.setattr(otlp_encoding, "write_attributes", otlp_encoding._py_attributes)
-    elif otlp_encoding._otlp_wire is None:
+        monkeypatch.setattr(otlp_encoding, "write_attributes", otlp_values.py_attributes)
+    elif otlp_values._otlp_write is None:
         pytest.skip("the C attribute writer is not built (no compiler at install)")
     return request.param
 
 
 def test_c_and_python_attribute_writers_agree_byte_for_byte(writer):
-    if writer == "python" or otlp_encoding._otlp_wire is None:
+    if writer == "python" or otlp_values._otlp_write is None:
         pytest.skip("compares the C writer with the Python reference")
     import types
 
-    c, python = otlp_encoding._otlp_wire.attributes, otlp_encoding._py_attributes
+    c, python = otlp_values._otlp_write.attributes, otlp_values.py_attributes
     rng = random.Random(7)
     cases = [{}, {"": 1}, {"k": None}, {"k": []}, {"k": [None, [1, [2.5, "é"]], b"\x00"]},
              {"a": -1, "b": -(1 << 63), "c": (1 << 63) - 1, "d": 0x7F, "e": 0x80},

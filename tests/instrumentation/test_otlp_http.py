@@ -16,7 +16,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from otlp_sink import OtlpSink
 
-from flare.instrumentation import http_client, otlp_encoding, otlp_exporter, otlp_grpc, otlp_http
+from flare.instrumentation import otlp_encoding, otlp_exporter, otlp_grpc, otlp_http
+from flare.wire import http_client
 
 # Flare's HTTP client under the SDK's exporter: where the SDK takes a transport
 needs_transport = pytest.mark.skipif(

@@ -9,7 +9,7 @@ import socket
 import torch.multiprocessing as mp
 from p2p_worker import rank_main
 
-from flare.instrumentation import semconv
+from flare.wire import semconv
 
 
 def test_point_to_point_and_async_handles(tmp_path):

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from test_instrumentor import finished, make_provider, rank_env, train  # noqa: F401
 
-from flare.instrumentation import finished_span, flush_deadline, sdk_adapter, semconv
+from flare.instrumentation import finished_span, flush_deadline
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+from flare.wire import sdk_adapter, semconv
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def test_the_tested_range_is_the_compat_checks():
 def test_an_untested_sdk_takes_the_public_path_and_says_so_once(rank_env, untested_sdk, caplog):  # noqa: F811
     provider, exporter = make_provider()
     instrumentor = TorchTrainingInstrumentor()
-    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_adapter"):
+    with caplog.at_level(logging.WARNING, logger="flare.wire.sdk_adapter"):
         instrumentor.instrument(tracer_provider=provider, skip_dep_check=True)
         try:
             assert finished_span.FinishedSpans.for_tracer(
@@ -60,7 +61,7 @@ def test_torch_older_than_the_floor_is_said(monkeypatch, caplog):
 
     sdk_adapter.torch_supported.cache_clear()
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.0.1")
-    with caplog.at_level(logging.WARNING, logger="flare.instrumentation.sdk_adapter"):
+    with caplog.at_level(logging.WARNING, logger="flare.wire.sdk_adapter"):
         assert sdk_adapter.torch_supported() is False
     sdk_adapter.torch_supported.cache_clear()
     assert any("torch 2.0 is older than 2.1" in r.getMessage() for r in caplog.records)

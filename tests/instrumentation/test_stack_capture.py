@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_instrumentor import JOB, finished, make_provider, rank_env  # noqa: F401
 
-from flare.instrumentation import semconv
 from flare.instrumentation.torch_training import TorchTrainingInstrumentor
+from flare.wire import semconv
 
 
 def slow_part(seconds: float) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from flare.exporters import store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

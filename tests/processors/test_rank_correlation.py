@@ -10,16 +10,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
-from flare.instrumentation import semconv as sc
 from flare.processors import REGISTRY, span_select
 from flare.processors.rank_correlation import SCOPE_NAME, RankCorrelation
+from flare.wire import semconv as sc
 
 
 @pytest.fixture(autouse=True, params=["c_picker", "python_reference"])
 def picker(request, monkeypatch):
     """Every test runs with the C span picker (when built) and the Python reference."""
     if request.param == "python_reference":
-        monkeypatch.setattr(span_select, "_otlp_wire", None)
+        monkeypatch.setattr(span_select, "_otlp_read", None)
     return request.param
 
 
@@ -505,7 +505,7 @@ def test_wire_path_gives_the_bytes_of_the_message_path():
 def test_compact_step_records_give_what_the_attribute_dicts_give(picker, monkeypatch):
     """The C picker's compact step records and the dict records they replace: the same
     emitted bytes and counters, over out-of-order, duplicated, late and oddly typed input."""
-    if picker != "c_picker" or span_select._otlp_wire is None:
+    if picker != "c_picker" or span_select._otlp_read is None:
         pytest.skip("compact records come from the C picker")
     from flare.processors import rank_correlation
 

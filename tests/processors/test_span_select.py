@@ -17,25 +17,25 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from flare.instrumentation import otlp_encoding
-from flare.instrumentation import semconv as sc
 from flare.processors import correlation_output, rank_correlation, span_select
+from flare.wire import semconv as sc
 
-SOURCE = Path(sc.__file__).with_name("_otlp_wire.c")
+SOURCE = Path(__file__).resolve().parents[2] / "processors/csrc/otlp_read"
 SELECTION = rank_correlation._SELECTION
 
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     """The installed C module, or one compiled here from the same source."""
-    if span_select._otlp_wire is not None:
-        return span_select._otlp_wire
+    if span_select._otlp_read is not None:
+        return span_select._otlp_read
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler: the Python reference is what runs here")
-    out = tmp_path_factory.mktemp("fast") / ("_otlp_wire" + sysconfig.get_config_var("EXT_SUFFIX"))
+    out = tmp_path_factory.mktemp("fast") / ("_otlp_read" + sysconfig.get_config_var("EXT_SUFFIX"))
     subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                    str(SOURCE), "-o", str(out)], check=True)
-    spec = importlib.util.spec_from_file_location("_otlp_wire", out)
+                    f"-I{SOURCE}", *map(str, sorted(SOURCE.glob("*.c"))), "-o", str(out)], check=True)
+    spec = importlib.util.spec_from_file_location("_otlp_read", out)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -92,7 +92,7 @@ def request() -> ExportTraceServiceRequest:
 
 
 def test_c_and_python_select_the_same(fast, monkeypatch):
-    monkeypatch.setattr(span_select, "_otlp_wire", fast)
+    monkeypatch.setattr(span_select, "_otlp_read", fast)
     req = request()
     c_out = SELECTION.select(req)
     py_out = SELECTION.select_python(req)
@@ -107,14 +107,14 @@ def test_c_and_python_select_the_same(fast, monkeypatch):
 
 @pytest.mark.parametrize("cut", [1, 7, 40])
 def test_malformed_bytes_raise_value_error(fast, monkeypatch, cut):
-    monkeypatch.setattr(span_select, "_otlp_wire", fast)
+    monkeypatch.setattr(span_select, "_otlp_read", fast)
     payload = request().SerializeToString()
     with pytest.raises(ValueError):
         SELECTION.select_payload(payload[:-cut])
 
 
 def test_random_corruption_never_crashes(fast, monkeypatch):
-    monkeypatch.setattr(span_select, "_otlp_wire", fast)
+    monkeypatch.setattr(span_select, "_otlp_read", fast)
     rng = random.Random(9)
     good = bytearray(request().SerializeToString())
     for _ in range(300):
@@ -136,7 +136,7 @@ class RefusingScanner:
 def test_a_refusing_c_scanner_never_loses_the_request(monkeypatch):
     from flare.processors.rank_correlation import RankCorrelation
 
-    monkeypatch.setattr(span_select, "_otlp_wire", RefusingScanner)
+    monkeypatch.setattr(span_select, "_otlp_read", RefusingScanner)
     before = SELECTION.fallbacks
     proc = RankCorrelation()
     proc.process_traces(request())
@@ -152,10 +152,10 @@ def test_rank_links_give_the_message_the_protobuf_calls_give(fast, monkeypatch):
     ranks[0] = RankStep(b"", b"", 0, 0, None)  # empty ids are left out, rank 0 is still set
     ranks[-3] = RankArrival(b"\x01" * 8, b"\x02" * 16, 0, 0)
     ranks[2**62] = RankArrival(b"\x03" * 8, b"\x04" * 16, 0, 0)
-    monkeypatch.setattr(correlation_output, "_otlp_wire", fast)
+    monkeypatch.setattr(correlation_output, "_otlp_read", fast)
     merged = Span(name="x")
     correlation_output._add_rank_links(merged, ranks)
-    monkeypatch.setattr(correlation_output, "_otlp_wire", None)
+    monkeypatch.setattr(correlation_output, "_otlp_read", None)
     called = Span(name="x")
     correlation_output._add_rank_links(called, ranks)
     assert merged.SerializeToString() == called.SerializeToString()
@@ -195,7 +195,7 @@ def test_the_correlators_attribute_bytes_give_the_message_key_values_gives(fast,
     the correlator takes protobuf's path, where the writer leaves a value to protobuf."""
     from flare.processors.otlp_values import key_values
 
-    monkeypatch.setattr(correlation_output, "_otlp_wire", fast)
+    monkeypatch.setattr(correlation_output, "_otlp_read", fast)
     rng = random.Random(5)
     written = refused = 0
     for _ in range(3000):
@@ -272,7 +272,7 @@ def _compacted(selected: list) -> list:
 
 
 def test_compact_step_records_match_the_reference(fast, monkeypatch):
-    monkeypatch.setattr(span_select, "_otlp_wire", fast)
+    monkeypatch.setattr(span_select, "_otlp_read", fast)
     rng = random.Random(11)
     kinds = {"compact": 0, "dict": 0}
     for _ in range(300):
@@ -293,7 +293,7 @@ def test_compact_step_records_match_the_reference(fast, monkeypatch):
 def test_compact_step_records_on_damaged_bytes(fast, monkeypatch):
     """Damaged requests: the compact pick refuses exactly what the dict pick refuses,
     and otherwise gives the dict pick's records, compacted."""
-    monkeypatch.setattr(span_select, "_otlp_wire", fast)
+    monkeypatch.setattr(span_select, "_otlp_read", fast)
     rng = random.Random(12)
     good = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
         resource={"attributes": kvs({sc.JOB_ID: "j"})},

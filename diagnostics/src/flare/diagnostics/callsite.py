@@ -13,7 +13,7 @@ import re
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in ([^\s(]+)')
 _THREAD_HEADER = re.compile(r"^[ \t]*(?:#[ \t]*)?(?:Thread|Current thread|Stack for thread)\b.*$", re.M)
-_NOT_USER = ("site-packages", "dist-packages", "/lib/python3", "<frozen", "/flare/instrumentation/",
+_NOT_USER = ("site-packages", "dist-packages", "/lib/python3", "<frozen", "/flare/instrumentation/", "/flare/wire/",
              "/torch/", "/opentelemetry/", "threading.py", "<string>")
 
 

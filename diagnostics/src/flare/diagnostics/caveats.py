@@ -6,7 +6,7 @@ it could not time (`wait_unknown`, which also withdraws the cause such labels cl
 from __future__ import annotations
 
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 STEPS_UNSEEN_TEXT = ("no step ended: steps end at a torch.optim optimizer's step() or a "
                      "flare.instrumentation.step() block, and this loop's optimizer is neither "

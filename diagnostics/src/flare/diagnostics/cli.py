@@ -219,7 +219,7 @@ def pick_job(backend: Backend, job: str | None, what: str = "job") -> str:
 def job_rows(backend: Backend) -> list[dict]:
     """Per job: ranks, first and last step numbers, and the UTC times they started and
     ended (from the train.step spans; a job with no step yet has None there)."""
-    from flare.instrumentation import semconv as sc
+    from flare.wire import semconv as sc
 
     rows = []
     for job in backend.jobs():

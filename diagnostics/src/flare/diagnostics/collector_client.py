@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def control_headers() -> dict[str, str]:

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from flare.diagnostics.model import JobData, SpanQuery, SpanReader
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def _step_aligned(names: Sequence[str]) -> bool:

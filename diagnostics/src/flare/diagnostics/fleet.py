@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from flare.diagnostics.model import DiagnosisConfig, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 UNKNOWN_HOST = "(unknown host)"
 _SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")

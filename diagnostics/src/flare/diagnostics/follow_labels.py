@@ -16,7 +16,7 @@ from flare.diagnostics.backends import Backend, BackendError
 from flare.diagnostics.columns import Table
 from flare.diagnostics.incremental import as_arrow
 from flare.diagnostics.model import Anomaly, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # Two labels of one kind, rank set and cause whose onsets lie this close are one anomaly
 # seen twice (a change point's onset moves a little as more steps arrive).

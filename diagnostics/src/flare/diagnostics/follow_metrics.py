@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from flare.diagnostics.incremental import IncrementalJobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,

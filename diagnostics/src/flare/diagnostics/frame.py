@@ -16,7 +16,7 @@ import numpy as np
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import DiagnosisConfig, JobData
 from flare.diagnostics.stats import nanmedian
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # What a rank's step is made of; `wait` is time blocked in collectives (for others).
 COMPONENTS = {

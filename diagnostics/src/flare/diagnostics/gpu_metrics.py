@@ -22,7 +22,7 @@ import numpy as np
 from flare.diagnostics.backends import attributes as typed_attributes
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import rank_resources
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 typed_attributes.register(sc.KERNEL_LAUNCH_NS, "int64")
 typed_attributes.register(sc.KERNEL_LAUNCH_DUR_US, "double")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from flare.diagnostics.model import Anomaly, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 TOP = 5
 MIN_DELTA_MS = 1.0

@@ -19,7 +19,7 @@ from flare.diagnostics.backends.arrow import ArrowJobData
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import JobData, SpanQuery, SpanReader
 from flare.exporters.store import spans_table
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # A rank that has not reported a step this many steps after the others is not waited
 # for: its steps are closed anyway (rank_missing reports it).

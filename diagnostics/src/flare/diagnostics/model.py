@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from flare.diagnostics.columns import Table
-from flare.instrumentation import semconv
+from flare.wire import semconv
 
 KINDS = semconv.ANOMALY_KINDS
 CAUSES = semconv.CAUSES

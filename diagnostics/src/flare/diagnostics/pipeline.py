@@ -20,7 +20,7 @@ from flare.diagnostics.live_alerts import withdrawn as withdrawn  # re-exported:
 from flare.diagnostics.merging import merge as merge  # (and re-exported: tests)
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.exporters import store as flare_store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 @dataclasses.dataclass

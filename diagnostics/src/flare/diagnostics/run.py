@@ -30,7 +30,7 @@ from flare.diagnostics.hotspots import CaptureRequests
 from flare.diagnostics.model import DiagnosisConfig
 from flare.diagnostics.output import DEFAULT_STORE, UserError, emit
 from flare.instrumentation import opamp_agent
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 LIVE_INTERVAL_S = 2.0
 

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from flare.exporters.store import spans_table
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 @dataclasses.dataclass

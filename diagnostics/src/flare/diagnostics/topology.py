@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 
 from flare.diagnostics.model import JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 FIRST_STEPS = 5  # steps read for it: enough for every rank to have reported one
 

@@ -21,7 +21,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from flare.diagnostics.model import Anomaly
 from flare.exporters import store as flare_store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 SERVICE = sc.DIAGNOSTICS_SERVICE
 EvidenceLinks = Mapping[str, Sequence[tuple[str, str]]]  # anomaly key → (trace_id, span_id) hex
@@ -175,7 +175,7 @@ def send_otlp(
 
 
 def _send_http(url: str, request: trace_service_pb2.ExportTraceServiceRequest, timeout_s: float) -> None:
-    from flare.instrumentation import http_client
+    from flare.wire import http_client
 
     context = http_client.tls_context() if url.startswith("https:") else None
     client = http_client.HttpClient(url, timeout_s, context)

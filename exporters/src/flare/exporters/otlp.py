@@ -32,9 +32,9 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from flare.instrumentation import http_client
-from flare.instrumentation.http_client import HttpClient, TransportError
 from flare.processors import options
+from flare.wire import http_client
+from flare.wire.http_client import HttpClient, TransportError
 
 log = logging.getLogger("flare.exporters.otlp")
 FAILING_LOG_EVERY_S = 30.0  # a target that keeps failing is logged at most this often

@@ -2,7 +2,7 @@
 
 This is the hot path of ingest: every span the collector stores passes through
 `SpanColumns.add_payload` once. With the C decoder (the wire module's `SpanBuilder`,
-flare.instrumentation._otlp_wire, the normal case) a request's spans go from the wire
+flare.instrumentation._otlp_read, the normal case) a request's spans go from the wire
 straight into Arrow buffers; the pure-Python
 reference below (`add_request_python`, used where no compiler was available and as
 the fallback) gives the same values and is written for CPython speed, which is why it
@@ -25,13 +25,13 @@ from typing import Any
 import pyarrow as pa
 
 from flare.exporters import store
-from flare.instrumentation import semconv
 from flare.processors.otlp_values import as_int, plain
+from flare.wire import semconv
 
 try:  # the C decoder built with the wire module; the Python code below is its reference
-    from flare.instrumentation import _otlp_wire
+    from flare.processors import _otlp_read
 except ImportError:  # no compiler where it was installed: same output, ~10x slower
-    _otlp_wire = None
+    _otlp_read = None
 
 # Events or links kept per span (as the C decoder's MAX_ITEMS); what a span had beyond
 # them, plus what its sender dropped (OTLP's dropped_*_count), is written into its
@@ -200,7 +200,7 @@ class SpanColumns:
     """Accumulates spans of many requests; `table()` makes the store's Arrow table.
 
     The C decoder writes the span columns straight into Arrow buffers (a
-    `_otlp_wire.SpanBuilder`); the Python reference appends to lists. Each run of
+    `_otlp_read.SpanBuilder`); the Python reference appends to lists. Each run of
     requests decoded one way is a chunk of the table, in arrival order.
     """
 
@@ -214,7 +214,7 @@ class SpanColumns:
     decoder_fallbacks = 0  # process-wide: requests the C decoder refused, the reference took
 
     def __init__(self) -> None:
-        self._builder: Any = None  # _otlp_wire.SpanBuilder while C-decoded spans come in
+        self._builder: Any = None  # _otlp_read.SpanBuilder while C-decoded spans come in
         self._lists: _ListColumns | None = None  # while reference-decoded spans come in
         self._chunks: list[dict[str, pa.Array]] = []  # earlier runs, in order
         self._rows = 0
@@ -237,7 +237,7 @@ class SpanColumns:
 
     def add_request(self, request: Any) -> int:
         """Append every span of an `ExportTraceServiceRequest`; returns the count."""
-        if _otlp_wire is not None:
+        if _otlp_read is not None:
             try:
                 return self.add_payload(request.SerializeToString())
             except ValueError:
@@ -252,13 +252,13 @@ class SpanColumns:
 
         Raises ValueError for bytes that are not one; nothing is appended then.
         """
-        if _otlp_wire is None:
+        if _otlp_read is None:
             return self.add_request_python(_parse_request(payload))
         builder = self._builder
         if builder is None or self._lists is not None or builder.nbytes() > _SEAL_BYTES:
             self._seal()
             if builder is None:
-                builder = self._builder = _otlp_wire.SpanBuilder()
+                builder = self._builder = _otlp_read.SpanBuilder()
         try:
             resources = builder.decode(payload)
         except ValueError:

@@ -31,9 +31,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from flare.instrumentation import semconv
 from flare.instrumentation.backward_records import BackwardRecords, add_backward
-from flare.instrumentation.bandwidth import busbw_gbps
 from flare.instrumentation.callsite import caller_site, format_site
 from flare.instrumentation.collective_install import CallSpec, wrap_distributed
 from flare.instrumentation.ddp_gradients import DdpGradients
@@ -42,6 +40,8 @@ from flare.instrumentation.patching import Patches
 from flare.instrumentation.process_groups import PgInfo, ProcessGroups
 from flare.instrumentation.recorded_collectives import RecordedCollectives
 from flare.instrumentation.runtime import Runtime
+from flare.wire import semconv
+from flare.wire.bandwidth import busbw_gbps
 
 _log = logging.getLogger(__name__)
 

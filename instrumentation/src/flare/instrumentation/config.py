@@ -10,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from flare.instrumentation import semconv
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import threading
 import time
 from types import MappingProxyType
 
-from flare.instrumentation import semconv
 from flare.instrumentation.operations import Operation
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.runtime import SLOW_CHILD_NS, Runtime
+from flare.wire import semconv
 
 _NO_ATTRIBUTES = MappingProxyType({})  # a fetch in flight has none
 

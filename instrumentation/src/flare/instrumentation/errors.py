@@ -25,9 +25,9 @@ import threading
 import time
 import traceback
 
-from flare.instrumentation import semconv
 from flare.instrumentation.callsite import frame_site, traceback_site
 from flare.instrumentation.runtime import Runtime
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 FATAL_SIGNALS = (signal.SIGTERM, signal.SIGABRT)

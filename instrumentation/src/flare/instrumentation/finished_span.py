@@ -31,8 +31,8 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
-from flare.instrumentation import sdk_adapter as sdk
 from flare.instrumentation.otlp_encoding import EncodedSpan, Unsupported, encode_finished
+from flare.wire import sdk_adapter as sdk
 
 _log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)

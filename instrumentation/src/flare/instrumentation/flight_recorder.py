@@ -10,8 +10,8 @@ import math
 import os
 import pickle
 
-from flare.instrumentation import semconv
 from flare.instrumentation.config import FLIGHT_RECORDER_BUFFER
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from flare.instrumentation import sdk_adapter as sdk
+from flare.wire import sdk_adapter as sdk
 
 _log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import gc
 import sys
 import time
 
-from flare.instrumentation import semconv
 from flare.instrumentation.runtime import Runtime
+from flare.wire import semconv
 
 # How long the main thread may stay in the hook before the Ctrl-C is raised anyway.
 _LEAVE_HOOK_S = 1.0

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-from flare.instrumentation import semconv
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from typing import Any
 
 from opentelemetry import trace
 
-from flare.instrumentation import kernel_taxonomy as taxonomy
-from flare.instrumentation import semconv
+from flare.wire import kernel_taxonomy as taxonomy
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 MAX_SPANS_PER_WINDOW = int(os.environ.get("FLARE_KERNEL_MAX_SPANS", "20000"))

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from flare.instrumentation.sdk_adapter import major_minor
+from flare.wire.sdk_adapter import major_minor
 
 _log = logging.getLogger(__name__)
 

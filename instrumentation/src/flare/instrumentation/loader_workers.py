@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from flare.instrumentation import native_stacks
+from flare.wire import pyspy_dump
 
 _LOADER_FILE = os.path.join("torch", "utils", "data", "dataloader.py")
 TIMEOUT_S = 5.0
@@ -56,8 +57,8 @@ def worker_stacks(pids: list[int]) -> str | None:
             continue
         if done.returncode != 0:
             continue
-        found = (native_stacks.thread_frames(done.stdout, "MainThread")
-                 or native_stacks.thread_frames(done.stdout, None))
+        found = (pyspy_dump.thread_frames(done.stdout, "MainThread")
+                 or pyspy_dump.thread_frames(done.stdout, None))
         frames = [_FRAME.match(line) for line in found]
         lines = [f'  File "{m.group(2)}", line {m.group(3)} in {m.group(1)}' for m in frames if m]
         if lines:

@@ -56,21 +56,3 @@ def dump_native(pid: int | None = None) -> str | None:
                      reason[:200])
         return None
     return done.stdout[:MAX_CHARS]
-
-
-def thread_frames(dump: str | None, thread: str | None) -> list[str]:
-    """The frames of one thread (its name, or the first thread) in a py-spy dump,
-    innermost first: `function (file:line)` for Python, `function (library)` for C."""
-    if not dump:
-        return []
-    frames: list[str] = []
-    inside = False
-    for line in dump.splitlines():
-        if line.startswith("Thread "):
-            if inside:
-                break
-            inside = thread is None or f'"{thread}"' in line
-            continue
-        if inside and line.startswith("    ") and line.strip():
-            frames.append(line.strip())
-    return frames

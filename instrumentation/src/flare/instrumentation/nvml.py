@@ -35,7 +35,7 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from flare.instrumentation import semconv
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 DEFAULT_INTERVAL_S = 5.0

@@ -36,7 +36,7 @@ import secrets
 import threading
 import time
 
-from flare.instrumentation import http_client, semconv
+from flare.wire import http_client, semconv
 
 _log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class CaptureAgent:
     def __init__(self, endpoint: str, identity, capture, interval_s: float) -> None:
         from opentelemetry.util.re import parse_env_headers
 
-        from flare.instrumentation.sdk_adapter import opamp
+        from flare.wire.sdk_adapter import opamp
 
         headers = parse_env_headers(_env("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS") or "",
                                     liberal=True)
@@ -176,7 +176,7 @@ class CaptureAgent:
             delay = 0.0 if self._full_state else self.interval_s
 
     def _on_reply(self, reply) -> None:
-        from flare.instrumentation.sdk_adapter import opamp_protocol
+        from flare.wire.sdk_adapter import opamp_protocol
 
         opamp_pb2 = opamp_protocol()
         if reply.HasField("error_response"):
@@ -190,7 +190,7 @@ class CaptureAgent:
 
     # ------------------------------------------------------------ what the collector asks
     def _on_remote_config(self, remote) -> None:
-        from flare.instrumentation.sdk_adapter import opamp_protocol
+        from flare.wire.sdk_adapter import opamp_protocol
 
         opamp_pb2 = opamp_protocol()
         status, error = opamp_pb2.RemoteConfigStatuses_APPLIED, ""
@@ -265,7 +265,7 @@ class CaptureAgent:
 def _transport():
     """The OpAMP client's transport on Flare's HTTP client (one kept-alive connection)."""
 
-    from flare.instrumentation.sdk_adapter import opamp
+    from flare.wire.sdk_adapter import opamp
 
     client = opamp()
     messages, OpAMPException = client.messages, client.OpAMPException

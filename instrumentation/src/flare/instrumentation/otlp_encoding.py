@@ -24,7 +24,10 @@ import logging
 import struct
 from collections.abc import Sequence
 
-_pack_double = struct.Struct("<d").pack
+from flare.wire.otlp_values import Unsupported, write_attributes
+from flare.wire.otlp_values import length_delimited as _field
+from flare.wire.otlp_values import varint as _varint
+
 _pack_fixed64 = struct.Struct("<Q").pack
 _pack_fixed32 = struct.Struct("<I").pack
 
@@ -33,104 +36,6 @@ _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200  # SpanFlags masks
 
 _log = logging.getLogger(__name__)
 
-
-class Unsupported(Exception):
-    """A value this writer does not encode: the span goes through the SDK encoder."""
-
-
-_SMALL = [bytes((i,)) for i in range(0x80)]
-
-
-def _varint(value: int) -> bytes:
-    if value < 0x80:
-        return _SMALL[value]
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(tag: bytes, payload: bytes) -> bytes:
-    """A length-delimited field: tag, length, payload."""
-    return tag + _varint(len(payload)) + payload
-
-
-_KEYS: dict[str, bytes] = {}  # attribute key -> its KeyValue.key field, ready to write
-
-
-def _key_field(key: str) -> bytes:
-    field = _KEYS.get(key)
-    if field is None:
-        if type(key) is not str:
-            raise Unsupported
-        data = key.encode()
-        field = _field(b"\x0a", data) if data else b""
-        if len(_KEYS) < 4096:  # attribute keys are few; never grow without bound
-            _KEYS[key] = field
-    return field
-
-
-def _any_value(value) -> bytes:
-    """The serialized AnyValue of one attribute value (the SDK's `_encode_value`)."""
-    kind = type(value)
-    if kind is float:
-        return b"\x21" + _pack_double(value)
-    if kind is int:
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise Unsupported
-        return b"\x18" + _varint(value if value >= 0 else value + (1 << 64))
-    if kind is str:
-        return _field(b"\x0a", value.encode())
-    if kind is bool:
-        return b"\x10\x01" if value else b"\x10\x00"
-    if kind is tuple or kind is list:
-        return _field(b"\x2a", b"".join([_field(b"\x0a", _any_value(item)) for item in value]))
-    if value is None:
-        return b""
-    if kind is bytes:
-        return _field(b"\x3a", value)
-    raise Unsupported  # subclasses, mappings, anything else: the SDK decides
-
-
-def _py_attributes(attributes, tag: int) -> bytes:
-    """Repeated KeyValue fields; the usual value kinds are written inline. The reference
-    for `_otlp_wire.attributes` (C), which is used when it is built."""
-    if not attributes:
-        return b""
-    tag = _SMALL[tag]
-    parts = []
-    append = parts.append
-    for key, value in attributes.items():
-        field = _KEYS.get(key) or _key_field(key)
-        kind = type(value)
-        if kind is float:  # AnyValue{double_value}: 9 bytes
-            field += b"\x12\x09\x21" + _pack_double(value)
-        elif kind is int and 0 <= value < 0x80:
-            field += b"\x12\x02\x18" + _SMALL[value]
-        elif kind is bool:
-            field += b"\x12\x02\x10\x01" if value else b"\x12\x02\x10\x00"
-        else:
-            field += _field(b"\x12", _any_value(value))
-        size = len(field)
-        append(tag + (_SMALL[size] if size < 0x80 else _varint(size)) + field)
-    return b"".join(parts)
-
-
-# Flare's one OTLP attribute writer, `write_attributes(mapping, tag) -> bytes`: the
-# repeated KeyValue field `tag` (0x4A: Span.attributes) of each item of `mapping`, as the
-# SDK encodes it; Unsupported (or UnicodeEncodeError) for what only the SDK's encoder
-# writes. The collector's correlator writes its spans' attributes with it too. In C
-# (~5x faster) where the wire module was built at install, else the reference above.
-try:
-    from flare.instrumentation import _otlp_wire
-except ImportError:
-    _otlp_wire = None
-    write_attributes = _py_attributes
-else:
-    _otlp_wire.init(Unsupported)
-    write_attributes = _otlp_wire.attributes
 
 _KINDS: dict | None = None
 
@@ -319,7 +224,7 @@ def encode_request(spans: Sequence, fast: bool = True) -> bytes:
     """The serialized `ExportTraceServiceRequest` for `spans`, equal to the SDK's
     `encode_spans(spans)` once parsed. `fast=False` encodes every span with the SDK,
     except those handed over already written (`EncodedSpan`), taken as they are."""
-    from flare.instrumentation.sdk_adapter import sdk_span_encoders
+    from flare.wire.sdk_adapter import sdk_span_encoders
 
     encode_resource, encode_scope, sdk_encode_span = sdk_span_encoders()
 
@@ -400,7 +305,7 @@ def matches_sdk(spans: Sequence) -> bool:
 def writer_matches_sdk() -> bool:
     """Whether the installed SDK encodes the probe spans byte for byte as this writer
     does (checked once per process); both exporters use the SDK's encoder if not."""
-    from flare.instrumentation.sdk_adapter import internals_ok
+    from flare.wire.sdk_adapter import internals_ok
 
     if not internals_ok():  # the probe reads the SDK's internal encoder
         return False

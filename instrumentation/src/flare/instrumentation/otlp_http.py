@@ -36,9 +36,10 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
 )
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from flare.instrumentation import http_client, otlp_encoding
-from flare.instrumentation import sdk_adapter as sdk
-from flare.instrumentation.http_client import HttpClient, Reply, TransportError
+from flare.instrumentation import otlp_encoding
+from flare.wire import http_client
+from flare.wire import sdk_adapter as sdk
+from flare.wire.http_client import HttpClient, Reply, TransportError
 
 _log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from flare.instrumentation import semconv
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import logging
 import sys
 import time
 
-from flare.instrumentation import semconv
 from flare.instrumentation.callsite import caller_site, format_site
 from flare.instrumentation.patching import Patches
 from flare.instrumentation.runtime import Runtime
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 

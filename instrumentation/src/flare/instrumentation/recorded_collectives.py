@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 
-from flare.instrumentation import semconv
-from flare.instrumentation.bandwidth import busbw_gbps
 from flare.instrumentation.flight_recorder import (
     FlightRecorder,
     entry_bytes,
@@ -15,6 +13,8 @@ from flare.instrumentation.flight_recorder import (
     entry_pg_name,
     op_name,
 )
+from flare.wire import semconv
+from flare.wire.bandwidth import busbw_gbps
 
 # The tracker's logger: what is said here keeps the name it always had.
 _log = logging.getLogger("flare.instrumentation.collectives")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from opentelemetry.sdk.resources import Resource, ResourceDetector
 
-from flare.instrumentation import semconv
 from flare.instrumentation.identity import current_identity, in_training_rank
-from flare.instrumentation.sdk_adapter import torch_supported
+from flare.wire import semconv
+from flare.wire.sdk_adapter import torch_supported
 
 
 class FlareResourceDetector(ResourceDetector):

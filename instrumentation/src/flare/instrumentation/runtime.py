@@ -20,7 +20,7 @@ from collections import deque
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from flare.instrumentation import semconv
+from flare.wire import semconv
 from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
 from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.identity import ProcessIdentity

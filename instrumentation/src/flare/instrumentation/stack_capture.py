@@ -29,9 +29,10 @@ import sys
 import threading
 import time
 
-from flare.instrumentation import semconv, worker_capture
+from flare.instrumentation import worker_capture
 from flare.instrumentation.callsite import user_frame
 from flare.instrumentation.runtime import Runtime
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 

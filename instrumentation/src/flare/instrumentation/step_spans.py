@@ -7,9 +7,9 @@ from __future__ import annotations
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from flare.instrumentation import semconv
 from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
 from flare.instrumentation.step_records import StepRecord
+from flare.wire import semconv
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 

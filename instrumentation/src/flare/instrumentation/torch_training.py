@@ -22,13 +22,14 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.sdk.resources import Resource
 
 import flare.instrumentation as flare_instrumentation
-from flare.instrumentation import flight_recorder, opamp_agent, semconv
+from flare.instrumentation import flight_recorder, opamp_agent
 from flare.instrumentation.callsite import add_plumbing_dir
 from flare.instrumentation.config import FlareConfig
 from flare.instrumentation.flush_deadline import FlushDeadline
 from flare.instrumentation.identity import current_identity, in_training_rank
 from flare.instrumentation.runtime import Runtime
 from flare.instrumentation.version import __version__
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 _INSTRUMENTS = ("torch >= 2.1",)
@@ -104,7 +105,7 @@ def _adopt_flare_resource(provider, identity) -> None:
     step's trace id from it. Flare's attributes are merged into the SDK provider's
     resource, which its tracers take when created (there is no public setter); tracers
     made before keep the old one. The spans keep their own rank attributes too."""
-    from flare.instrumentation import sdk_adapter as sdk
+    from flare.wire import sdk_adapter as sdk
 
     current = sdk.provider_resource(provider)
     if not isinstance(current, Resource) or not sdk.internals_ok():

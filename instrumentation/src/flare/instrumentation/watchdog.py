@@ -20,12 +20,13 @@ import time
 
 from opentelemetry.trace import Status, StatusCode
 
-from flare.instrumentation import identity, launcher, loader_workers, native_stacks, semconv
+from flare.instrumentation import identity, launcher, loader_workers, native_stacks
 from flare.instrumentation.callsite import all_thread_stacks, format_site, frame_site
 from flare.instrumentation.config import HANG_STEP_MULTIPLE, HANG_TIMEOUT_FLOOR_S
 from flare.instrumentation.operations import Operation
 from flare.instrumentation.runtime import Runtime
 from flare.instrumentation.step_hooks import OP_BACKWARD
+from flare.wire import semconv
 
 _log = logging.getLogger(__name__)
 # Hang checks, heartbeats and the flag-file poll: each tick runs cold (the watchdog

@@ -64,7 +64,7 @@ from google.protobuf.message import DecodeError
 
 from flare.collector.config import OpampConfig
 from flare.collector.telemetry import Counters, Refusals
-from flare.instrumentation.sdk_adapter import opamp_protocol
+from flare.wire.sdk_adapter import opamp_protocol
 
 opamp_pb2 = opamp_protocol()
 
@@ -76,7 +76,7 @@ CONFIG_NAME = "flare"  # the one file of Flare's remote config map
 DEFAULT_GONE_AFTER_S = 15.0
 DEFAULT_STEPS = 20
 MAX_STEPS = 1000
-# (flare.instrumentation.semconv spells the same names for the ranks and the CLI)
+# (flare.wire.semconv spells the same names for the ranks and the CLI)
 AGENT_KEY_HEADER = "X-Flare-Agent-Key"
 JOB_TOKEN_HEADER = "X-Flare-Job-Token"
 OPERATOR_TOKEN_HEADER = "X-Flare-Operator-Token"

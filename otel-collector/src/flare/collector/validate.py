@@ -19,8 +19,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 try:  # the same test on the wire bytes, in C (one pass, no protobuf objects)
-    from flare.instrumentation._otlp_wire import check_span_ids as _check_span_ids
-    from flare.instrumentation._otlp_wire import check_traces_strict as _check_traces_strict
+    from flare.processors._otlp_read import check_span_ids as _check_span_ids
+    from flare.processors._otlp_read import check_traces_strict as _check_traces_strict
 except ImportError:  # no compiler where flare-instrumentation was installed
     _check_span_ids = _check_traces_strict = None
 
@@ -37,7 +37,7 @@ class Checked:
 
 def _wire_schema(root, counted) -> tuple[tuple[bytes, ...], int] | None:
     """The message types under `root` as `check_traces_strict` reads them: per type, a
-    code per field number (see _otlp_wire.c), and the index of type `counted`. None if
+    code per field number (see csrc/otlp_read), and the index of type `counted`. None if
     a type does not fit the codes."""
     from google.protobuf.descriptor import FieldDescriptor as F
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from flare.instrumentation import semconv as sc
 from flare.processors.correlation_state import JobState, RankHealth, in_bitmap
 from flare.processors.correlation_windows import (
     ARRIVAL_ENTRY_BYTES,
@@ -24,6 +23,7 @@ from flare.processors.correlation_windows import (
 )
 from flare.processors.otlp_values import as_float, as_int
 from flare.processors.span_select import COMPACT_STEP_FIELDS, SpanRecord
+from flare.wire import semconv as sc
 
 _PG_MEMBER_LIMIT = 65536  # distinct (pg, rank) memberships remembered per job
 _PG_NAME_LISTS_LIMIT = 1024  # distinct PG-name lists shared per job

@@ -13,8 +13,6 @@ from typing import Any
 
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 
-from flare.instrumentation import semconv as sc
-from flare.instrumentation.otlp_encoding import Unsupported, write_attributes
 from flare.processors.correlation_windows import (
     CollectiveWindow,
     PgSummary,
@@ -25,7 +23,9 @@ from flare.processors.correlation_windows import (
     summary_collective_attributes,
 )
 from flare.processors.otlp_values import derived_span_id, key_values
-from flare.processors.span_select import _otlp_wire
+from flare.processors.span_select import _otlp_read
+from flare.wire import semconv as sc
+from flare.wire.otlp_values import Unsupported, write_attributes
 
 SCOPE_NAME = "flare.processors.rank_correlation"
 
@@ -62,12 +62,12 @@ def _wire(attrs: dict[str, Any], ranks: dict[int, Any] | None = None) -> bytes |
     beyond int64, text that is not UTF-8): the caller builds them with protobuf then,
     which gives the same message or the same error. None values are left out, as
     `key_values` leaves them out."""
-    if _otlp_wire is None:
+    if _otlp_read is None:
         return None
     try:
         wire = write_attributes({k: v for k, v in attrs.items() if v is not None}, _SPAN_ATTRIBUTES)
         if ranks is not None:
-            wire += _otlp_wire.rank_links(ranks, sc.RANK)
+            wire += _otlp_read.rank_links(ranks, sc.RANK)
     except (Unsupported, TypeError, ValueError, OverflowError):
         return None
     return wire
@@ -77,9 +77,9 @@ def _add_rank_links(span: Span, ranks: dict[int, Any]) -> None:
     """One link per rank of a window, in rank order, to the rank's span, carrying
     `flare.rank`. The C picker writes them as wire bytes merged in one call (three
     protobuf calls per link were the emission's largest cost at many ranks)."""
-    if _otlp_wire is not None:
+    if _otlp_read is not None:
         try:
-            span.MergeFromString(_otlp_wire.rank_links(ranks, sc.RANK))
+            span.MergeFromString(_otlp_read.rank_links(ranks, sc.RANK))
             return
         except (TypeError, ValueError, OverflowError):
             pass  # not the ints and bytes the picker gives: the reference below

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # Rough resident cost of the Python objects behind one entry; the byte budget only
 # needs the right order of magnitude to stop unbounded growth.

@@ -42,7 +42,6 @@ from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from flare.instrumentation import semconv as sc
 from flare.processors.base import Processor
 from flare.processors.correlation_closing import WindowCloser
 from flare.processors.correlation_config import CorrelationConfig
@@ -51,6 +50,7 @@ from flare.processors.correlation_output import SCOPE_NAME
 from flare.processors.correlation_state import JobState, RankHealth
 from flare.processors.correlation_windows import Window
 from flare.processors.span_select import Selection
+from flare.wire import semconv as sc
 
 __all__ = ["SCOPE_NAME", "JobState", "RankCorrelation", "RankHealth"]
 

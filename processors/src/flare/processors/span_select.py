@@ -3,7 +3,7 @@
 The correlator sees every span the collector receives but reads only a few span
 names and a few attribute keys. Through the protobuf Python API every attribute
 access allocates, so the wire module's `select_spans` (flare.instrumentation.
-_otlp_wire) scans the serialized request instead and materialises only what is
+_otlp_read) scans the serialized request instead and materialises only what is
 wanted; `select_python` below is the reference it must match (tests/processors/
 test_span_select.py) and what runs where the extension was not built.
 
@@ -26,9 +26,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from flare.processors.otlp_values import pick
 
 try:
-    from flare.instrumentation import _otlp_wire
+    from flare.processors import _otlp_read
 except ImportError:  # built without a C compiler: same records, slower
-    _otlp_wire = None
+    _otlp_read = None
 
 SpanRecord = tuple[str, bytes, bytes, int, int, dict[str, Any]]
 
@@ -93,7 +93,7 @@ class Selection:
     def select(
         self, request: ExportTraceServiceRequest, compact: bool = False
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
-        if _otlp_wire is None:
+        if _otlp_read is None:
             return self.select_python(request)
         try:
             return self.select_payload(request.SerializeToString(), compact)
@@ -107,7 +107,7 @@ class Selection:
         self, request: ExportTraceServiceRequest, payload: bytes, compact: bool = False
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         """`select` from the bytes `request` arrived as (no re-serialising)."""
-        if _otlp_wire is None:
+        if _otlp_read is None:
             return self.select_python(request)
         try:
             return self.select_payload(payload, compact)
@@ -122,14 +122,14 @@ class Selection:
     ) -> list[tuple[dict[str, Any], list[SpanRecord]]]:
         """Records from the bytes; with `compact` (and a `step` spec), qualifying step
         spans in the compact form (module docstring)."""
-        if _otlp_wire is None:
+        if _otlp_read is None:
             return self.select_python(ExportTraceServiceRequest.FromString(payload))
         if compact and self.step is not None:
-            return _otlp_wire.select_spans(
+            return _otlp_read.select_spans(
                 payload, self.names, self.prefix, self.excluded, self.skip_scope,
                 self.span_keys, self.resource_keys, self.step,
             )
-        return _otlp_wire.select_spans(
+        return _otlp_read.select_spans(
             payload, self.names, self.prefix, self.excluded, self.skip_scope,
             self.span_keys, self.resource_keys,
         )

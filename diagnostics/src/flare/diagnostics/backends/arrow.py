@@ -20,7 +20,7 @@ from flare.diagnostics.backends.attributes import BITMASK_ATTRIBUTES, python_val
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import SpanQuery, SpanReader
 from flare.exporters.store import SPAN_SCHEMA
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 Fetch = Callable[[Sequence[str], "int | None", "int | None", "Sequence[int] | None"], pa.Table]
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 
 from flare.diagnostics.columns import is_list_type, list_value_type
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 _DOUBLE = "double"
 _INT = "int64"

@@ -31,7 +31,7 @@ from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.backends.clickhouse_engines import Chdb, Http
 from flare.diagnostics.columns import Column, Table, list_value_type
 from flare.diagnostics.model import SpanQuery, SpanReader
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 DEFAULT_TABLE = "otel_traces"
 # The columns Flare reads; a table without them is not the exporter's traces table.

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from flare.diagnostics.backends.base import BackendError
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 class Chdb:

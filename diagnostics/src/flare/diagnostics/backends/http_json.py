@@ -1,6 +1,6 @@
 """JSON over HTTP(S) for the diagnosis backends (Jaeger, Tempo, the collector's control
 channel): TLS, mTLS and a bearer token from the `FLARE_BACKEND_*` settings, on Flare's one
-HTTP client (`flare.instrumentation.http_client`), every failure a BackendError."""
+HTTP client (`flare.wire.http_client`), every failure a BackendError."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from flare.diagnostics.backends.base import BackendError
-from flare.instrumentation import http_client
-from flare.instrumentation import semconv as sc
+from flare.wire import http_client
+from flare.wire import semconv as sc
 
 
 class JsonClient:
     """JSON over HTTP(S) with TLS, mTLS and a bearer token, on Flare's HTTP client
-    (`flare.instrumentation.http_client`).
+    (`flare.wire.http_client`).
 
     One connection is reused across requests (a diagnosis makes hundreds); a dropped
     connection is reopened once before the error reaches the user.

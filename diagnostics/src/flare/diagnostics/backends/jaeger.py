@@ -25,7 +25,7 @@ from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.backends.http_json import JsonClient
 from flare.diagnostics.backends.json_rows import SpanRows, add_jaeger_json, add_otlp_json, hex_id
 from flare.diagnostics.backends.time_windows import StepClock, rfc3339, split_window
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 _JAEGER_OWN_SERVICES = {"jaeger-query", "jaeger-all-in-one", "jaeger", "jaeger-collector"}
 _MIN_WINDOW_NS = 1_000_000  # below 1 ms a full answer cannot be split further

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from flare.diagnostics.backends.base import BackendError
 from flare.exporters import store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 
 def hex_id(value: Any, nbytes: int) -> str:

@@ -33,7 +33,7 @@ from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import SpanQuery, SpanReader
 from flare.exporters import store as flare_store
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # (The store module offers its columns without pyarrow as SPAN_SQL_COLUMNS.)
 _SPAN_COLUMN_NAMES = tuple(column[0] for column in getattr(flare_store, "SPAN_SQL_COLUMNS", None)

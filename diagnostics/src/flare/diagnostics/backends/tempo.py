@@ -28,7 +28,7 @@ from flare.diagnostics.backends.base import BackendError
 from flare.diagnostics.backends.http_json import JsonClient
 from flare.diagnostics.backends.json_rows import SpanRows, add_otlp_json, hex_id
 from flare.diagnostics.backends.time_windows import StepClock, split_window
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 _MIN_WINDOW_NS = 2_000_000_000  # Tempo's search window is in whole seconds
 _MAX_LIMIT = 20_000

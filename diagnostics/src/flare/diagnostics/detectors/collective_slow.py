@@ -20,7 +20,7 @@ from flare.diagnostics import frame as frames
 from flare.diagnostics.causes import host_busy
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
 from flare.diagnostics.stats import change_point, nanmedian
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 _MIN_SHIFT = 0.25  # transfer time per byte up by at least this much
 _MIN_COMM_SHARE = 0.05  # and communication a visible share of the step

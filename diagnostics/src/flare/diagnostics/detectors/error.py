@@ -13,7 +13,7 @@ import re
 
 from flare.diagnostics.callsite import user_callsite, user_frames
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 # Failures that a peer's death causes (gloo/NCCL transport errors, launcher signals).
 _CONSEQUENCE = re.compile(

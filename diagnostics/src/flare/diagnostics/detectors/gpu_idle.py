@@ -14,7 +14,7 @@ import numpy as np
 
 from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 MIN_VOID_SHARE = 0.40  # GPU idle for at least 40% of a step
 PEER_EXCESS = 0.15  # a rank idling 15 points above the median rank stands out

@@ -16,7 +16,7 @@ import numpy as np
 
 from flare.diagnostics import frame as step_frame
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import kernel_taxonomy as taxonomy
+from flare.wire import kernel_taxonomy as taxonomy
 
 CLOCK_DROP = 0.85
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from flare.diagnostics.callsite import user_callsite, user_frames
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import native_stacks
-from flare.instrumentation import semconv as sc
+from flare.wire import pyspy_dump
+from flare.wire import semconv as sc
 
 _ATTRS = (sc.HANG_OPERATION, sc.HANG_STACKS, sc.HANG_PG, sc.HANG_SEQ, sc.HANG_COLL_OP,
           sc.HANG_ELAPSED_S, sc.HANG_TIMEOUT_S, sc.CODE_CALLSITE, sc.HANG_NATIVE_STACKS, sc.HANG_THREAD,
@@ -102,7 +102,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         evidence["worker_frames"] = user_frames(worker_stacks)
     if culprit_dump is not None and culprit_dump.get(sc.HANG_NATIVE_STACKS):
         # py-spy's C/C++ frames under the Python ones, where the rank could run it
-        evidence["native_frames"] = native_stacks.thread_frames(
+        evidence["native_frames"] = pyspy_dump.thread_frames(
             culprit_dump[sc.HANG_NATIVE_STACKS], culprit_dump.get(sc.HANG_THREAD))[:NATIVE_FRAMES]
     return [Anomaly(
         kind="hang", ranks=culprits, cause=cause, first_step=first_step, last_step=None,

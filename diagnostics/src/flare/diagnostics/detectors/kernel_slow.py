@@ -21,8 +21,8 @@ import numpy as np
 from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.columns import Table
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import kernel_taxonomy as taxonomy
-from flare.instrumentation import semconv as sc
+from flare.wire import kernel_taxonomy as taxonomy
+from flare.wire import semconv as sc
 
 PEER_FACTOR = 1.3
 PEAK_FRACTION = 0.10

@@ -18,7 +18,7 @@ import numpy as np
 
 from flare.diagnostics import gpu_metrics as gm
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 MIN_HOST_WAIT_SHARE = 0.20
 SHIFT_FACTOR = 4.0  # median issue latency 4x below peers' (or own earlier) median

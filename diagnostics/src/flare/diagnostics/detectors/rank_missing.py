@@ -10,7 +10,7 @@ from the start. Ranks whose failure the error detector explains are left to it. 
 from __future__ import annotations
 
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, is_imported
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 _DEFAULT_INTERVAL_S = 10.0
 

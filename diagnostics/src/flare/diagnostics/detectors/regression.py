@@ -23,7 +23,7 @@ from flare.diagnostics import frame as frames
 from flare.diagnostics.frame import COMPONENT_CAUSE
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData, rank_resources
 from flare.diagnostics.stats import nanmedian
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 
 _NAMES = {"dataloader": "data loading", "compute": "compute", "gc": "garbage collection",
           "pycall": "Python hot calls", "checkpoint": "checkpoint saves",

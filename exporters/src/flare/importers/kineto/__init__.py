@@ -3,7 +3,7 @@
     result = import_directory("traces/", "store.duckdb", job="llama-run-7")
     result.files_imported, result.spans, result.errors  # per-file errors, never raised
 
-What becomes what (span names and attributes from `flare.instrumentation.semconv`):
+What becomes what (span names and attributes from `flare.wire.semconv`):
 - `ProfilerStep#N`          → `train.step` with `flare.step` = N
 - GPU kernel/memcpy/memset  → `kernel` (category, stream, device, issue latency = GPU
                               start − CPU launch via the correlation id, launch time,

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from flare.importers.kineto.limits import Limits
-from flare.instrumentation import kernel_taxonomy as taxonomy
+from flare.wire import kernel_taxonomy as taxonomy
 
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _GPU_CAT_NAMES = {cat: cat for cat in _GPU_CATS}  # the one copy of each kept

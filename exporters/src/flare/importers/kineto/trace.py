@@ -31,8 +31,8 @@ from flare.importers.kineto.events import (
 )
 from flare.importers.kineto.json_stream import StreamingTrace, open_text
 from flare.importers.kineto.limits import Limits, TraceError, format_size
-from flare.instrumentation import bandwidth, semconv
-from flare.instrumentation import kernel_taxonomy as taxonomy
+from flare.wire import bandwidth, semconv
+from flare.wire import kernel_taxonomy as taxonomy
 
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _SPAN_KIND_INTERNAL = 1
