@@ -7,6 +7,15 @@ collectives, hot functions) reports into it; it alone creates `train.step` spans
 Engineer-facing API (used by the GPU layer, documented in docs/instrumentation.md):
 `tracer`, `rank`, `local_rank`, `job_id`, `add_step_listener`, `remove_step_listener`,
 `request_detail`, `step_context`, `span_attributes`.
+
+Here: the step boundaries (`begin_step`, `end_step`, `step_boundary`: the per-step path)
+and the decision which steps are detail steps. The runtime's other parts are base
+classes of it, each in a module of its own, so that none costs the hooks a call more:
+the step span made on the training thread (`step_span`, `step_context`;
+live_step_span.py), the spans left to the finisher thread (`drain`, `run_later`;
+deferred_steps.py), the children of a step (`wants_child`, `emit_child`;
+step_children.py) and a failed or abandoned step (`fail_step`, `abandon_step`;
+step_failure.py).
 """
 
 from __future__ import annotations
@@ -18,25 +27,28 @@ import time
 from collections import deque
 
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from flare.wire import semconv
-from flare.instrumentation.config import SLOW_CHILD_MS, FlareConfig
-from flare.instrumentation.finished_span import FinishedSpans, PendingStepSpan
+from flare.instrumentation.config import FlareConfig
+from flare.instrumentation.deferred_steps import DeferredSteps
+from flare.instrumentation.finished_span import FinishedSpans
 from flare.instrumentation.identity import ProcessIdentity
+from flare.instrumentation.live_step_span import LiveStepSpan
 from flare.instrumentation.operations import Operations
+from flare.instrumentation.step_children import SLOW_CHILD_NS as SLOW_CHILD_NS
+from flare.instrumentation.step_children import StepChildren
+from flare.instrumentation.step_failure import StepFailure
 from flare.instrumentation.step_finisher import StepFinisher
 from flare.instrumentation.step_listeners import StepListeners
 from flare.instrumentation.step_records import StepRecord, StepTotals
-from flare.instrumentation.step_spans import build_summary, emit_deferred
 from flare.instrumentation.thread_clock import ProcessClock, ThreadClock
 
 _log = logging.getLogger(__name__)
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-SLOW_CHILD_NS = int(SLOW_CHILD_MS * 1e6)
 
 
-class Runtime:
+class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
+    """One rank's step in progress and its boundaries (the base classes: the step span,
+    its deferral, its children and its failure; their state is set here)."""
+
     def __init__(self, tracer: trace.Tracer, identity: ProcessIdentity, config: FlareConfig,
                  span_attributes: dict):
         self.tracer = tracer
@@ -143,44 +155,6 @@ class Runtime:
         self.step_open = True
         self._notify_start()
 
-    def _step_parent(self, step: int | None = None) -> SpanContext:
-        job = self.identity.job_id
-        step = self.step_number if step is None else step
-        return SpanContext(trace_id=semconv.step_trace_id(job, step),
-                           span_id=semconv.step_root_span_id(job, step),
-                           is_remote=True, trace_flags=_SAMPLED)
-
-    def _label_step(self, attributes: dict, step: int) -> None:
-        """The step number and the rank attributes every step span carries."""
-        attributes[semconv.STEP] = step
-        attributes.update(self.span_attributes)
-
-    def _start_step_span(self, attributes: dict):
-        self._label_step(attributes, self.step_number)
-        root = NonRecordingSpan(self._step_parent())
-        return self.tracer.start_span(semconv.SPAN_STEP, context=trace.set_span_in_context(root),
-                                      start_time=self.step_start_ns, attributes=attributes)
-
-    @property
-    def step_span(self):
-        """The span of the step in progress (created now if it does not exist yet)."""
-        if not self.step_open:
-            return None
-        with self._lock:
-            if self._step_span is None:
-                self._step_span = self._start_step_span({})
-            return self._step_span
-
-    @property
-    def step_context(self):
-        """OTel Context holding the step span, for children (None between steps)."""
-        span = self.step_span
-        if span is None:
-            return None
-        if self._step_context is None:
-            self._step_context = trace.set_span_in_context(span)
-        return self._step_context
-
     def end_step(self, end_ns: int | None = None, record: StepRecord | None = None) -> None:
         if not self.step_open:
             return
@@ -201,33 +175,6 @@ class Runtime:
         self.step_open = False
         self._step_span = None
         self._step_context = None
-
-    def _deferrable(self) -> bool:
-        """Whether the step in progress can have its span (and a detail step's
-        children) built later by the finisher: processors that export in batches
-        anyway (handing a span over a second later changes nothing they see)."""
-        finished = self._finished
-        if finished is None:
-            return False
-        # finished.asynchronous(), with its usual answer read inline (this runs cold)
-        return (finished._asynchronous and finished.unchanged()) or finished.asynchronous()
-
-    def _defer_span(self) -> PendingStepSpan | None:
-        """The stand-in the step-end listeners see for a deferred step span (its
-        context is computed only if something asks for it); the finisher thread builds
-        the attributes and hands the span over (drain() on every flush). None when the
-        span must be finished now."""
-        if not self._deferrable():
-            return None
-        step, finished = self.step_number, self._finished
-        with self._lock:
-            if self._step_span is not None:  # a hang report or an error made it
-                return None
-            self._step_span = PendingStepSpan(
-                lambda: SpanContext(semconv.step_trace_id(self.identity.job_id, step),
-                                    finished.new_span_id(),
-                                    is_remote=False, trace_flags=_SAMPLED), {})
-            return self._step_span
 
     def step_boundary(self, now_ns: int) -> None:
         """End the step in progress at `now_ns` and begin the next one there: what the
@@ -308,15 +255,6 @@ class Runtime:
         self._advance(now_ns, cpu)
         self._notify_start()
 
-    def _notify_end(self, deferred: PendingStepSpan) -> list:
-        """The step-end listeners, given the stand-in of the deferred span; returns the
-        step's children (those listeners may add some), for the finisher to emit."""
-        detail, listeners = self.step_detail, self.listeners
-        listeners.notify(listeners.on_end if detail else listeners.on_end_ordinary,
-                         self.step_number, detail, deferred)
-        children, self._children = self._children, []
-        return children
-
     def _advance(self, now_ns: int, cpu: tuple) -> None:
         """Close the step in progress at `now_ns` and open the next one there, with the
         same clocks (no listener calls)."""
@@ -350,120 +288,6 @@ class Runtime:
         listeners.notify(listeners.on_start if self.step_detail else listeners.on_start_ordinary,
                          self.step_number, self.step_detail)
 
-    def _finish_now(self, record: StepRecord, end_ns: int) -> None:
-        summary = build_summary(record, self.summary_adders)
-        finished = self._finished
-        with self._lock:
-            span = self._step_span
-            if span is not None:
-                span.set_attributes(summary)
-            elif finished is not None and finished.usable():
-                # Nothing needed the span during the step: it is emitted finished, with
-                # a pending stand-in (same context) for the listeners and children.
-                self._label_step(summary, self.step_number)
-                parent = self._step_parent()
-                context = SpanContext(parent.trace_id, finished.new_span_id(),
-                                      is_remote=False, trace_flags=_SAMPLED)
-                span = self._step_span = PendingStepSpan(lambda: context, summary)
-            else:
-                span = self._step_span = self._start_step_span(summary)
-        self._emit_step_end(span, end_ns)
-        if isinstance(span, PendingStepSpan):
-            finished.emit(semconv.SPAN_STEP, parent, span.get_span_context().span_id,
-                          summary, self.step_start_ns, end_ns)
-        else:
-            span.end(end_time=end_ns)
-
-    # ------------------------------------------------------------ deferred step spans
-    def drain(self, spans_only: bool = False) -> bool:
-        """Hand every deferred step span over now (Flare's flushes: before the SDK's);
-        `StepFinisher.drain`."""
-        return self.finisher.drain(spans_only)
-
-    def run_later(self, work) -> None:
-        """Run `work()` off the training thread (`StepFinisher.run_later`)."""
-        self.finisher.run_later(work)
-
-    def stop_finisher(self) -> None:
-        """Drain, then stop the finisher thread (uninstrument, exit)."""
-        self.finisher.stop()
-
-    def _emit_deferred(self, record: StepRecord, pending: PendingStepSpan | None,
-                       children: list) -> None:
-        """The finisher thread's work for one step (step_spans.emit_deferred)."""
-        emit_deferred(self._finished, self.identity.job_id, self.span_attributes,
-                      self.summary_adders, record, pending, children)
-
-    def _emit_step_end(self, span, end_ns: int) -> None:
-        """Listeners, then the step's buffered children, while `span` is still open."""
-        listeners = self.listeners
-        listeners.notify(listeners.on_end if self.step_detail else listeners.on_end_ordinary,
-                         self.step_number, self.step_detail, span)
-        children, self._children = self._children, []
-        if children:
-            context = trace.set_span_in_context(span)
-            for name, start, end, attributes in children:
-                # a collection can also run inside this bookkeeping, after end_ns was taken
-                start, end = min(start, end_ns), min(end, end_ns)
-                # dict(): one atomic copy, as the CUDA event poller may still add keys
-                attributes = dict(attributes)
-                attributes[semconv.STEP] = self.step_number  # queries filter children by step
-                child = self.tracer.start_span(name, context=context, start_time=start,
-                                               attributes=attributes)
-                child.end(end_time=end)
-
-    def abandon_step(self) -> None:
-        """Forget an open step that will never complete (never exported: not ended)."""
-        self._children = []
-        self.step_open = False
-        self._step_span = None
-        self._step_context = None
-
-    def fail_step(self, exception: BaseException | None, description: str,
-                  callsite: str | None, extra: dict | None = None) -> None:
-        """Mark the step in progress ERROR (or emit flare.error outside a step) and end it."""
-        if self.step_open:
-            span = self.step_span
-        else:
-            attributes = dict(self.span_attributes)
-            attributes[semconv.STEP] = self.step_number
-            span = self.tracer.start_span(semconv.SPAN_ERROR, attributes=attributes)
-        span.set_status(Status(StatusCode.ERROR, description))
-        if exception is not None:
-            span.record_exception(exception, escaped=True)
-        if callsite:
-            span.set_attribute(semconv.CODE_CALLSITE, callsite)
-        for key, value in (extra or {}).items():
-            span.set_attribute(key, value)
-        if self.step_open:
-            self.end_step()
-        else:
-            span.end()
-
     def median_step_s(self) -> float | None:
         recent = list(self.recent_step_s)
         return statistics.median(recent) if recent else None
-
-    # ------------------------------------------------------------ children
-    def wants_child(self, start_ns: int, end_ns: int) -> bool:
-        """Whether `emit_child` would keep a child spanning these times (hooks ask
-        first, so that ordinary steps do not build attributes only to drop them)."""
-        return self.step_open and (self.step_detail or end_ns - start_ns >= SLOW_CHILD_NS)
-
-    def emit_child(self, name: str, start_ns: int, end_ns: int, attributes: dict,
-                   keep_start: bool = False) -> None:
-        """A child of the current step: always on detail steps, otherwise only when slow.
-        Emitted when the step ends (children of a step that never ends are dropped).
-        `keep_start`: a call that began in an earlier step (it ran the optimizer step
-        itself) keeps its real start instead of being cut to this step's; whether it is
-        slow is still judged by its part in this step (a function that is the whole
-        step is not a slow call of every step)."""
-        inside = max(start_ns, self.step_start_ns)
-        if not self.wants_child(inside, end_ns):
-            return
-        if self.span_attributes:
-            attributes.update(self.span_attributes)
-        # A collection can start while begin_step itself allocates: keep children inside.
-        if not keep_start:
-            start_ns = inside
-        self._children.append((name, start_ns, max(start_ns, end_ns), attributes))
