@@ -10,59 +10,48 @@ import json
 import threading
 from typing import Any
 
+from flare.collector import rank_gauges as gauges
 from flare.diagnostics.incremental import IncrementalJobData
 from flare.wire import semconv as sc
 
 
-def rank_gauges(data: IncrementalJobData, recent_steps: int = 10,
-                culprit_steps: int = 100) -> list[tuple[str, dict[str, str], float]]:
+def rank_gauges(data: IncrementalJobData, recent_steps: int = gauges.RECENT_STEPS,
+                culprit_steps: int = gauges.CULPRIT_STEPS) -> list[gauges.Sample]:
     """The per-rank gauges of the Grafana dashboard, from the follow window.
 
-    Same names and meaning as the collector's `query_api.RankGauges`, so the dashboard
-    works with either scrape target: mean step time and collective wait over the last
-    `recent_steps` complete steps, and each rank's share of the last `culprit_steps`
-    steps in which it was the culprit by the correlator's own rule
-    (`correlation_windows.culprit`: least collective wait, ARCHITECTURE §4).
+    What they are is `flare.collector.rank_gauges`, shared with the collector's
+    `query_api.RankGauges`, so the dashboard works with either scrape target; this
+    fetches the window's rows for it: each rank's step time and collective wait in the
+    last `recent_steps` complete steps, and the culprit of each of the last
+    `culprit_steps` complete steps that more than one rank reported. The window may not
+    hold the correlator's `train.step.ranks` spans, so the culprit is recomputed by the
+    correlator's own rule (`correlation_windows.culprit`: least collective wait, ties
+    to the later finisher, ARCHITECTURE §4).
     """
     last = data.complete_step
     if last < 0:
         return []
     wait_key = sc.STEP_COLLECTIVE_WAIT_MS
-    table = data.step_summary([wait_key], first_step=max(0, last - culprit_steps + 1),
-                              last_step=last)
+    first = max(0, last - max(recent_steps, culprit_steps) + 1)
+    table = data.step_summary([wait_key], first_step=first, last_step=last)
     if table.num_rows == 0:
         return []
     from flare.processors.correlation_windows import RankStep, culprit
 
-    rows = table.to_pylist()
-    out: list[tuple[str, dict[str, str], float]] = []
-    recent: dict[int, list[tuple[float, float | None]]] = {}
+    steps: list[gauges.RankSteps] = []
     by_step: dict[int, dict[int, RankStep]] = {}
-    for row in rows:
-        if row["step"] > last - recent_steps:
-            recent.setdefault(row["rank"], []).append((row["duration_ms"], row[wait_key]))
-        wait = row[wait_key]
-        by_step.setdefault(row["step"], {})[row["rank"]] = RankStep(
-            b"", b"", int(row["start_ns"]), int(row["end_ns"]),
-            None if wait is None or wait != wait else float(wait))
-    # The culprit of a step as the collector's correlator names it (least collective
-    # wait, ties to the later finisher), so both scrape targets show the same gauge.
-    least = {step: culprit(ranks)[0] for step, ranks in by_step.items() if len(ranks) > 1}
-    for rank, values in sorted(recent.items()):
-        labels = {"flare_job": data.job, "rank": str(rank)}
-        out.append(("flare_rank_step_seconds", labels,
-                    sum(d for d, _ in values) / len(values) / 1e3))
-        waits = [w for _, w in values if w is not None]
-        if waits:
-            out.append(("flare_rank_wait_seconds", labels, sum(waits) / len(waits) / 1e3))
-    if least:
-        counts: dict[int, int] = {}
-        for rank in least.values():
-            counts[rank] = counts.get(rank, 0) + 1
-        for rank, count in sorted(counts.items()):
-            out.append(("flare_rank_culprit_ratio", {"flare_job": data.job, "rank": str(rank)},
-                        count / len(least)))
-    return out
+    for row in table.to_pylist():
+        step, rank, wait = row["step"], row["rank"], row[wait_key]
+        if step > last - recent_steps:
+            steps.append(gauges.RankSteps(data.job, rank, 1, row["duration_ms"],
+                                          int(wait is not None), 0.0 if wait is None else wait))
+        if step > last - culprit_steps:
+            by_step.setdefault(step, {})[rank] = RankStep(
+                b"", b"", int(row["start_ns"]), int(row["end_ns"]),
+                None if wait is None or wait != wait else float(wait))
+    culprits = [gauges.StepCulprits(data.job, culprit(ranks)[0])
+                for ranks in by_step.values() if len(ranks) > 1]
+    return gauges.samples(steps, culprits)
 
 
 class FollowMetrics:
@@ -80,8 +69,19 @@ class FollowMetrics:
         self.window_rows = 0
         self.fetched_rows = 0
         self.pending = 0
-        self.rank_gauges: list[tuple[str, dict[str, str], float]] = []
+        self.rank_gauges: list[gauges.Sample] = []
         self.anomalies_by_rank: dict[tuple[str, str, str], int] = {}  # (job, kind, rank)
+
+    def dashboard_samples(self) -> list[gauges.Sample]:
+        """The dashboard's gauges this service serves, as `rank_gauges.samples` gives
+        them: the window's per-rank gauges and the anomalies written so far."""
+        with self.lock:
+            return self._dashboard_samples()
+
+    def _dashboard_samples(self) -> list[gauges.Sample]:
+        return list(self.rank_gauges) + gauges.samples(anomalies=[
+            gauges.AnomalyCount(job, kind, (rank,), count)
+            for (job, kind, rank), count in self.anomalies_by_rank.items()])
 
     def prometheus(self) -> str:
         from flare.collector.telemetry import Family, render
@@ -105,11 +105,7 @@ class FollowMetrics:
                     ({"kind": kind}, self.anomalies.get(kind, 0))
                     for kind in sorted({*sc.ANOMALY_KINDS, *self.anomalies})]),
             }
-            samples = list(self.rank_gauges) + [
-                ("flare_anomalies", {"flare_job": job, "kind": kind, "rank": rank}, float(count))
-                for (job, kind, rank), count in sorted(self.anomalies_by_rank.items())
-            ]
-            for name, labels, value in samples:
+            for name, labels, value in self._dashboard_samples():
                 families.setdefault(name, Family("gauge", [])).points.append((labels, value))
         return render(families)
 

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import unquote
 
+from flare.collector import rank_gauges
 from flare.collector.trace_json import (
     KIND_NAMES,
     jaeger_model_traces,
@@ -415,48 +416,50 @@ _ROUTES = {
 class RankGauges:
     """Per-rank gauges for Prometheus and the Grafana dashboard, read from the store.
 
-    A gauge source for `Collector.register_gauge_source`: each scrape returns, per job
-    and rank, the mean step time and collective wait over the last `recent_steps`
-    complete steps, each rank's share of the last `culprit_steps` steps in which the
-    correlator named it the culprit, and the write-back anomalies by kind and rank.
-    Names start with `flare_` so the registry keeps them as they are:
-
-        flare_rank_step_seconds{flare_job,rank}   flare_rank_wait_seconds{flare_job,rank}
-        flare_rank_culprit_ratio{flare_job,rank}  flare_anomalies{flare_job,kind,rank}
+    A gauge source for `Collector.register_gauge_source`. What the gauges are (names,
+    labels, windows, arithmetic) is `flare.collector.rank_gauges`, shared with the
+    follow service; this is the part that fetches the store's rows for it: per job and
+    rank, the totals of the last `recent_steps` complete steps (summed in SQL), the
+    culprits the correlator named in `train.step.ranks` spans (`flare.ranks.culprit`)
+    over the last `culprit_steps` steps, counted in SQL, and the write-back anomalies.
 
     A scrape that finds the store held by a flush answers the previous values rather
     than waiting.
     """
 
-    def __init__(self, store_path: str, recent_steps: int = 10, culprit_steps: int = 100,
+    def __init__(self, store_path: str, recent_steps: int = rank_gauges.RECENT_STEPS,
+                 culprit_steps: int = rank_gauges.CULPRIT_STEPS,
                  lookback_s: float = 900.0) -> None:
         self.store_path = store_path
         self.recent_steps = recent_steps
         self.culprit_steps = culprit_steps
         self.lookback_s = lookback_s
-        self._last: list[tuple[str, dict[str, str], float]] = []
+        self._last: list[rank_gauges.Sample] = []
 
-    def __call__(self) -> list[tuple[str, dict[str, str], float]]:
+    def __call__(self) -> list[rank_gauges.Sample]:
         try:
             con = store.open_reader(self.store_path, timeout_s=0.5)
         except store.StoreError:
             return self._last
         try:
             since = int((time.time() - self.lookback_s) * 1e9)
-            samples = self._steps(con, since) + self._culprits(con, since) + self._anomalies(con)
+            samples = rank_gauges.samples(self._steps(con, since), self._culprits(con, since),
+                                          self._anomalies(con))
         finally:
             con.close()
         self._last = samples
         return samples
 
-    def _steps(self, con: Any, since: int) -> list[tuple[str, dict[str, str], float]]:
+    def _steps(self, con: Any, since: int) -> list[rank_gauges.RankSteps]:
+        # The last complete step is the one before the newest: a later rank may still
+        # send the newest.
         wait = "TRY_CAST(json_extract(attributes, '$.\"flare.step.collective_wait_ms\"') AS DOUBLE)"
         rows = con.execute(
             f"""
             WITH latest AS (
                 SELECT job, max(step) AS last FROM spans
                 WHERE name = 'train.step' AND start_ns >= ? AND step IS NOT NULL GROUP BY job)
-            SELECT s.job, s.rank, avg(s.duration_ns) / 1e9, avg({wait}) / 1e3
+            SELECT s.job, s.rank, count(s.duration_ns), sum(s.duration_ns) / 1e6, count({wait}), sum({wait})
             FROM spans s JOIN latest l ON s.job = l.job
             WHERE s.name = 'train.step' AND s.start_ns >= ? AND s.rank IS NOT NULL
               AND s.step BETWEEN l.last - ? AND l.last - 1
@@ -464,40 +467,31 @@ class RankGauges:
             """,
             [since, since, self.recent_steps],
         ).fetchall()
-        out = []
-        for job, rank, step_s, wait_s in rows:
-            labels = {"flare_job": str(job), "rank": str(rank)}
-            out.append(("flare_rank_step_seconds", labels, float(step_s)))
-            if wait_s is not None:
-                out.append(("flare_rank_wait_seconds", labels, float(wait_s)))
-        return out
+        return [rank_gauges.RankSteps(str(job), int(rank), int(steps), float(step_ms or 0.0),
+                                      int(waits), float(wait_ms or 0.0))
+                for job, rank, steps, step_ms, waits, wait_ms in rows]
 
-    def _culprits(self, con: Any, since: int) -> list[tuple[str, dict[str, str], float]]:
+    def _culprits(self, con: Any, since: int) -> list[rank_gauges.StepCulprits]:
         culprit = "TRY_CAST(json_extract(attributes, '$.\"flare.ranks.culprit\"') AS INTEGER)"
         rows = con.execute(
             f"""
             WITH recent AS (
-                SELECT job, step, {culprit} AS culprit,
+                SELECT job, {culprit} AS culprit,
                        row_number() OVER (PARTITION BY job ORDER BY step DESC) AS age
                 FROM spans WHERE name = 'train.step.ranks' AND start_ns >= ?)
-            SELECT job, culprit, count(*) / (SELECT count(*) FROM recent r2
-                                             WHERE r2.job = recent.job AND r2.age <= ?)
-            FROM recent WHERE age <= ? AND culprit IS NOT NULL GROUP BY job, culprit
+            SELECT job, culprit, count(*) FROM recent WHERE age <= ? GROUP BY job, culprit
             """,
-            [since, self.culprit_steps, self.culprit_steps],
+            [since, self.culprit_steps],
         ).fetchall()
-        return [("flare_rank_culprit_ratio", {"flare_job": str(j), "rank": str(r)}, float(v))
-                for j, r, v in rows]
+        return [rank_gauges.StepCulprits(str(job), None if rank is None else int(rank), int(n))
+                for job, rank, n in rows]
 
-    def _anomalies(self, con: Any) -> list[tuple[str, dict[str, str], float]]:
-        counts: dict[tuple[str, str, str], int] = {}
+    def _anomalies(self, con: Any) -> list[rank_gauges.AnomalyCount]:
+        out = []
         for job, text in con.execute(
             "SELECT job, attributes FROM spans WHERE name = 'flare.anomaly'"
         ).fetchall():
             attrs = json_field(text, {})
-            kind = str(attrs.get("flare.anomaly.kind", "unknown"))
-            for rank in attrs.get("flare.anomaly.ranks") or ["none"]:
-                key = (str(job), kind, str(rank))
-                counts[key] = counts.get(key, 0) + 1
-        return [("flare_anomalies", {"flare_job": j, "kind": k, "rank": r}, float(n))
-                for (j, k, r), n in counts.items()]
+            out.append(rank_gauges.AnomalyCount(str(job), str(attrs.get("flare.anomaly.kind", "unknown")),
+                                                attrs.get("flare.anomaly.ranks") or ()))
+        return out
