@@ -38,7 +38,7 @@ if ! "$PY" -c "import flare.diagnostics.cli, flare.instrumentation.kernels" 2>/d
   if [ -n "${FLARE_WHEELS:-}" ]; then
     "${PIP[@]}" --no-index --no-deps "$FLARE_WHEELS"/*.whl || exit 2
   fi
-  "${PIP[@]}" --no-deps --no-build-isolation -e instrumentation -e processors -e exporters \
+  "${PIP[@]}" --no-deps --no-build-isolation -e wire -e instrumentation -e processors -e exporters \
     -e otel-collector -e diagnostics || exit 2
   PY="$VENV/bin/python"
 fi
@@ -73,7 +73,7 @@ if [ "$BACKEND" = gloo ]; then
   "$PY" - "$NSTORE" <<'PY' || STATUS=1
 import sys
 from flare.diagnostics.backends.store import StoreBackend
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 job = StoreBackend(sys.argv[1]).job_data("gpu-nccl")
 kernels = job.spans([sc.SPAN_KERNEL], attributes=[sc.KERNEL_CATEGORY, sc.KERNEL_NAME])
 comm = [n for n, c in zip(kernels.column(sc.KERNEL_NAME).to_pylist(),
@@ -127,7 +127,7 @@ for FW in lightning deepspeed; do
   "$PY" - "$FSTORE" "gpu-$FW" "$OUT/diagnosis-$FW.json" <<'PY' || STATUS=1
 import json, sys
 from flare.diagnostics.backends.store import StoreBackend
-from flare.instrumentation import semconv as sc
+from flare.wire import semconv as sc
 job = StoreBackend(sys.argv[1]).job_data(sys.argv[2])
 steps = sorted(set(job.spans([sc.SPAN_STEP], columns=["step"]).column("step").to_pylist()))
 calls = job.spans([sc.SPAN_PYTHON_CALL], attributes=[sc.PHASE]).column(sc.PHASE).to_pylist()
