@@ -14,6 +14,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from flare.instrumentation import otlp_encoding
+from flare.wire import sdk_adapter as sdk
 
 
 class FlareOTLPGrpcSpanExporter(OTLPSpanExporter):
@@ -25,12 +26,7 @@ class FlareOTLPGrpcSpanExporter(OTLPSpanExporter):
         # The written request goes to gRPC as it is (a stub without a serializer), not
         # parsed into the protobuf object the SDK's stub would serialize again. Where
         # the SDK keeps its channel and stub under other names, the request is parsed.
-        self._sends_bytes = False
-        if (self._fast and getattr(self, "_channel", None) is not None
-                and hasattr(self, "_stub") and hasattr(self, "_client")):
-            self._stub = _BytesTraceStub  # what a reconnection builds its client from
-            self._client = _BytesTraceStub(self._channel)
-            self._sends_bytes = True
+        self._sends_bytes = self._fast and sdk.send_grpc_bytes(self, _BytesTraceStub)
 
     @property
     def writes_otlp_encoding(self) -> bool:
@@ -38,13 +34,19 @@ class FlareOTLPGrpcSpanExporter(OTLPSpanExporter):
         Flare hands over already written (`otlp_encoding.EncodedSpan`)."""
         return self._fast
 
-    def _translate_data(self, data: Sequence) -> ExportTraceServiceRequest | bytes:
+    def translate(self, data: Sequence) -> ExportTraceServiceRequest | bytes:
+        """The request for `data`, as the SDK exporter's request hook returns it (routed
+        here by `sdk_adapter.route_grpc_encoding`): Flare's bytes, or the SDK's
+        encoding where the writer does not match the SDK."""
         if not self._fast:
             return encode_spans(data)
         request = otlp_encoding.encode_request(data)
         if self._sends_bytes:
             return request
         return ExportTraceServiceRequest.FromString(request)
+
+
+sdk.route_grpc_encoding(FlareOTLPGrpcSpanExporter, "translate")
 
 
 class _BytesTraceStub:

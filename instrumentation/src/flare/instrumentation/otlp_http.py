@@ -15,8 +15,8 @@ Everything but the encoding and the transport is the SDK's `OTLPSpanExporter` (e
 headers, compression, timeout, retries with backoff and Retry-After, the size limit,
 the environment variables it reads). The transport is `http_client` behind the SDK's
 transport interface, with the same TLS settings (`certificate_file`, client certificate
-and key): where the SDK takes a transport (its private `_transport` argument) and is a
-version `sdk_adapter` knows; elsewhere the SDK's own (requests) is kept. Not the SDK's own
+and key): where the SDK takes a transport (a private argument: `sdk_adapter.
+offer_transport`) and is a version `sdk_adapter` knows; elsewhere the SDK's own (requests) is kept. Not the SDK's own
 urllib3 transport, because stopping the exporter must end a request in flight
 (`http_client.HttpClient.close`); per request they cost about the same CPU, half of
 requests' (`benchmarks/http_transport_cost.py`).
@@ -81,7 +81,7 @@ if BaseHTTPTransport is not None:
             self._closed = False
             self._lock = threading.Lock()
 
-        def _client(self, scheme: str, netloc: str) -> HttpClient:
+        def _origin_client(self, scheme: str, netloc: str) -> HttpClient:
             origin = f"{scheme}://{netloc}"
             with self._lock:
                 client = self._clients.get(origin)
@@ -96,7 +96,7 @@ if BaseHTTPTransport is not None:
             parts = urlsplit(url)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             try:
-                reply = self._client(parts.scheme, parts.netloc).request(
+                reply = self._origin_client(parts.scheme, parts.netloc).request(
                     method, target, data, headers, timeout)
             except Exception as error:  # unreachable, TLS, timeout, a bad reply or header
                 return _Result(error=error)
@@ -135,15 +135,14 @@ class FlareOTLPHttpSpanExporter(_SdkHttpSpanExporter):
     def __init__(self, endpoint=None, certificate_file=None, client_key_file=None,
                  client_certificate_file=None, headers=None, timeout=None, compression=None,
                  session=None, **kwargs):
-        if session is None and "_transport" not in kwargs and _accepts_transport():
-            kwargs["_transport"] = HttpClientTransport(
-                *_tls_settings(certificate_file, client_key_file, client_certificate_file))
+        if session is None and _accepts_transport():
+            sdk.offer_transport(kwargs, lambda: HttpClientTransport(
+                *_tls_settings(certificate_file, client_key_file, client_certificate_file)))
         super().__init__(endpoint, certificate_file, client_key_file, client_certificate_file,
                          headers, timeout, compression, session, **kwargs)
         # Flare's writer, where the SDK exporter is of the shape this export mirrors
-        self._fast = (otlp_encoding.writer_matches_sdk() and hasattr(self, "_client")
-                      and hasattr(self, "_max_request_size")
-                      and hasattr(getattr(self, "_metrics", None), "export_operation"))
+        self._parts = sdk.http_export_parts(self) if otlp_encoding.writer_matches_sdk() else None
+        self._fast = self._parts is not None
 
     @property
     def writes_otlp_encoding(self) -> bool:
@@ -152,24 +151,24 @@ class FlareOTLPHttpSpanExporter(_SdkHttpSpanExporter):
         return self._fast
 
     def export(self, spans: Sequence) -> SpanExportResult:
-        if not self._fast or self._shutdown:
+        if not self._fast or sdk.exporter_shut_down(self):
             return super().export(spans)
         # What the SDK's export does after encoding, with the request Flare wrote.
-        with self._metrics.export_operation(len(spans)) as result:
+        client, limit, metrics = self._parts
+        with metrics.export_operation(len(spans)) as result:
             try:
                 data = otlp_encoding.encode_request(spans)
             except Exception as error:
                 _log.error("Failed to encode span batch: %s", error)
                 result.error = error
                 return SpanExportResult.FAILURE
-            limit = self._max_request_size
             if limit and limit > 0 and len(data) > limit:
                 _log.warning("Dropping span batch: serialized size %d bytes exceeds "
                              "max_request_size %d bytes.", len(data), limit)
                 result.error = ValueError(f"request of {len(data)} bytes exceeds "
                                           f"max_request_size {limit}")
                 return SpanExportResult.FAILURE
-            outcome = self._client.export(data)
+            outcome = client.export(data)
             if not outcome.success:
                 result.error = outcome.error
                 if outcome.status_code is not None:

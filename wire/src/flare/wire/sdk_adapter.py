@@ -24,10 +24,13 @@ One warning line says so, once per process. Torch outside `instruments` (`torch>
 is said the same way by the resource detector, since the auto-instrumentation then skips
 the instrumentor without a word.
 
-Two uses are not accessors: `otlp_grpc.FlareGrpcSpanExporter` overrides the SDK
-exporter's `_translate_data` hook (a subclass can only do that in itself; gated by
-`otlp_encoding.writer_matches_sdk`, which asks `internals_ok()`), and the beta OpAMP
-client's package is itself named `opentelemetry._opamp` (`opamp()` below).
+The OTLP exporters' private parts are reached here too: the HTTP exporter's transport
+argument, client, size limit and export metrics (`otlp_http`, which writes the request
+itself and then does what the SDK's export does), and the gRPC exporter's request hook,
+channel and stub (`otlp_grpc`). Callers take them only where
+`otlp_encoding.writer_matches_sdk()` (which asks `internals_ok()`) holds, else the SDK
+exporter runs as it is. The beta OpAMP client's package is itself named
+`opentelemetry._opamp` (`opamp()` below).
 """
 
 from __future__ import annotations
@@ -247,6 +250,49 @@ def accepts_transport(exporter_class) -> bool:
         return "_transport" in inspect.signature(exporter_class.__init__).parameters
     except (TypeError, ValueError):
         return False
+
+
+def offer_transport(kwargs: dict, make) -> None:
+    """Give an OTLP/HTTP exporter's constructor the transport `make()` builds, through its
+    private `_transport` argument, unless the caller gave one (callers ask
+    `accepts_transport` first)."""
+    if "_transport" not in kwargs:
+        kwargs["_transport"] = make()
+
+
+def http_export_parts(exporter) -> tuple | None:
+    """What the SDK's OTLP/HTTP span exporter uses after encoding a request: (its client,
+    whose `export(bytes)` sends with retries; its request size limit; its export metrics,
+    `export_operation(n)`), or None where the exporter is of another shape."""
+    client = getattr(exporter, "_client", None)
+    metrics = getattr(exporter, "_metrics", None)
+    if (client is None or not hasattr(exporter, "_max_request_size")
+            or not hasattr(metrics, "export_operation")):
+        return None
+    return client, exporter._max_request_size, metrics
+
+
+def exporter_shut_down(exporter) -> bool:
+    """Whether an SDK OTLP exporter's `shutdown()` has run."""
+    return bool(getattr(exporter, "_shutdown", False))
+
+
+def route_grpc_encoding(exporter_class, method_name: str) -> None:
+    """Make the SDK OTLP/gRPC exporter's request hook (`_translate_data`, which its export
+    calls with the spans) the method `method_name` of `exporter_class`, a subclass."""
+    exporter_class._translate_data = getattr(exporter_class, method_name)
+
+
+def send_grpc_bytes(exporter, stub_class) -> bool:
+    """Have an SDK OTLP/gRPC exporter send requests through `stub_class(channel)` (also
+    what its reconnection builds its client from); False, nothing changed, where the
+    exporter keeps its channel and stub under other names."""
+    channel = getattr(exporter, "_channel", None)
+    if channel is None or not hasattr(exporter, "_stub") or not hasattr(exporter, "_client"):
+        return False
+    exporter._stub = stub_class
+    exporter._client = stub_class(channel)
+    return True
 
 
 # ---------------------------------------------------------------- OpAMP
