@@ -3,7 +3,7 @@ whether a step's span can be deferred, the stand-in its step-end listeners see w
 want one, and the finisher's callback that builds the span (`step_spans.emit_deferred`);
 with the runtime's handles on the finisher (`drain`, `run_later`, `stop_finisher`).
 
-`step_boundary` queues the usual step itself, inline, without any of this; what is here
+`step_boundary` queues the usual step itself, without any of this; what is here
 runs on the other boundaries (a listener wants the step's end, a detail step) and in
 `end_step`. `DeferredSteps` is a base class of `Runtime`: the state is the runtime's,
 and the finisher holds the bound `_emit_deferred`.
@@ -29,10 +29,7 @@ class DeferredSteps:
         children) built later by the finisher: processors that export in batches
         anyway (handing a span over a second later changes nothing they see)."""
         finished = self._finished
-        if finished is None:
-            return False
-        # finished.asynchronous(), with its usual answer read inline (this runs cold)
-        return (finished._asynchronous and finished.unchanged()) or finished.asynchronous()
+        return finished is not None and finished.asynchronous()
 
     def _defer_span(self) -> PendingStepSpan | None:
         """The stand-in the step-end listeners see for a deferred step span (its

@@ -179,10 +179,10 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
     def step_boundary(self, now_ns: int) -> None:
         """End the step in progress at `now_ns` and begin the next one there: what the
         optimizer hook does after every step. The usual case (an ordinary step whose
-        span nothing asked for, batch processors only) runs as one straight pass over
-        the training thread's bookkeeping, since this code runs right after the
-        optimizer step, with cold caches, where every call and lookup is paid several
-        times over; anything else takes `end_step` then `begin_step`."""
+        span nothing asked for, batch processors only) queues the step for the
+        finisher and advances to the next one without any listener call (`_capture`,
+        `_advance`: written out inline here they saved no measurable time in situ,
+        hook_cost_in_situ.py, 2026-12-05); anything else takes `_boundary_general`."""
         if not self.step_open:
             self.begin_step(now_ns)
             return
@@ -192,18 +192,12 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
             self._boundary_general(now_ns)
             return
         # The usual case: no listener wants the ending step (so no stand-in span), its
-        # span is deferred to the finisher. Written out in one frame (_capture and
-        # _advance inline). The switch to the next step happens under the lock: a
-        # thread asking for the step span (a hang report, an error) gets either this
-        # step's, made by the SDK (and the step is then finished now), or the next one's.
+        # span is deferred to the finisher. The switch to the next step happens under
+        # the lock: a thread asking for the step span (a hang report, an error) gets
+        # either this step's, made by the SDK (and the step is then finished now), or
+        # the next one's.
         cpu = (self.process_clock.read(), *self.thread_clock.read())
-        totals = self.totals
-        reader = self.sequence_reader
-        if reader is not None:
-            totals.seq_end = reader()
-        start_ns = self.step_start_ns
-        step = self.step_number
-        record = StepRecord(step, start_ns, now_ns, totals, self.step_start_cpu_ns, cpu, False)
+        record = self._capture(now_ns, cpu)
         finisher = self.finisher
         queue = finisher.deferred
         with self._lock:
@@ -212,34 +206,19 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
                 if len(queue) >= finisher.wake_at:
                     finisher.full()
                 queue.append((record, None, ()))
-                self.recent_step_s.append((now_ns - start_ns) / 1e9)
-                self.last_step_end_ns = now_ns
-                step += 1
-                self.step_number = step
-                # _decide_detail, inline (the usual answer: no)
-                every = self._detail_every
-                detail = ((every > 0 and step % every == 0) or self._detail_once
-                          or self.detail_toggled or self.detail_flag_present)
-                self.step_detail = detail
-                self._detail_once = False
-                self.step_start_ns = now_ns
-                self.step_start_cpu_ns = cpu
-                # the sequence numbers read at this end are the next step's start; the
-                # next step's totals come ready-made from the finisher when it can
+                # the next step's totals come ready-made from the finisher when it can
                 spare = finisher.spare_totals
-                following = spare.pop() if spare else StepTotals()
-                following.seq_start = totals.seq_end
-                self.totals = following
-                self._step_context = None
+                self._advance(now_ns, cpu, spare.pop() if spare else None)
         if not deferred:
             self.end_step(now_ns, record)
             self.begin_step(now_ns)
             return
         if finisher.thread is None:
             finisher.start()
+        detail = self.step_detail
         methods = listeners.on_start if detail else listeners.on_start_ordinary
         if methods:
-            listeners.notify(methods, step, detail)
+            listeners.notify(methods, self.step_number, detail)
 
     def _boundary_general(self, now_ns: int) -> None:
         """Every boundary but step_boundary's usual case: a deferred step with a
@@ -255,9 +234,10 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
         self._advance(now_ns, cpu)
         self._notify_start()
 
-    def _advance(self, now_ns: int, cpu: tuple) -> None:
+    def _advance(self, now_ns: int, cpu: tuple, following: StepTotals | None = None) -> None:
         """Close the step in progress at `now_ns` and open the next one there, with the
-        same clocks (no listener calls)."""
+        same clocks (no listener calls); `following`: the next step's totals, reused
+        (new ones when None)."""
         self.recent_step_s.append((now_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = now_ns
         step = self.step_number + 1
@@ -266,7 +246,10 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
         self.step_start_ns = now_ns
         self.step_start_cpu_ns = cpu
         # the sequence numbers read at this end are the next step's start
-        self.totals = StepTotals(seq_start=self.totals.seq_end)
+        if following is None:
+            following = StepTotals()
+        following.seq_start = self.totals.seq_end
+        self.totals = following
         self._children = []
         self._step_span = None
         self._step_context = None

@@ -112,14 +112,17 @@ class StepHooks:
             if (m is None or m.active or not m._handles or m.misses >= _MARKER_MISSES
                     or m.op.start_ns):  # (the op in use: a backward on another thread)
                 return hooks._hooked_backward(original, tensors, args, kwargs, totals)
-            # GraphDoneMarker.start(), inline
+            # GraphDoneMarker.start(), inline: folded into a GraphDoneMarker.start() it
+            # costs +1.8 µs per step in situ (hook_cost_in_situ.py, 2026-12-05)
             m.done_ns = 0
             m.queued = False
             m.active = True
             seq_start = totals.seq_start
             several = seq_start is not None and len(seq_start) > 1
             seqs_before = collectives.sequences_before_backward(totals) if several else None
-            # Operations.push, inline (the watchdog reads the thread's stack)
+            # Operations.push, inline (the watchdog reads the thread's stack): folded into
+            # Operations.push()/pop() costs +16 µs per step in situ (hook_cost_in_situ.py,
+            # 2026-12-05)
             stack = m.stack
             if m.stack_owner != get_ident():
                 stack = m.stack = runtime.operations.thread_stack()
@@ -148,7 +151,9 @@ class StepHooks:
                 if (sync is not None and seq_start and not several
                         and not runtime.step_detail):
                     # CollectiveTracker.record_backward's usual case, inline: one group,
-                    # one DDP wrapper (synchronising unless inside its no_sync())
+                    # one DDP wrapper (synchronising unless inside its no_sync()); folded
+                    # into CollectiveTracker.record_backward() (through _record) it costs
+                    # +16 µs per step in situ (hook_cost_in_situ.py, 2026-12-05)
                     totals.pending.append((add_backward, (
                         done_ns, end, None, None,
                         sync[1] if getattr(sync[0](), "require_backward_grad_sync", True)

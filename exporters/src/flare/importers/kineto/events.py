@@ -117,9 +117,7 @@ class Collector:
             if self.cpu_ops:
                 self.cost -= self._cpu_cost
                 self.cpu_ops, self._cpu_cost = [], 0
-            self.cost += _KERNEL_COST  # `_spend`, inline for the two commonest kinds
-            if self.cost > self.max_cost:
-                raise OverBudget
+            self._spend(_KERNEL_COST)
             self.gpu.append(Gpu(
                 self._shared.setdefault(name, name), _GPU_CAT_NAMES[cat], ts, dur,
                 int_or(args.get("stream"), -1), int_or(args.get("device"), int_or(event.get("pid"), 0)),
@@ -135,9 +133,7 @@ class Collector:
                     return self.skip(_BAD_TIME)
                 if type(tid) not in SCALARS:
                     tid = None
-                self.cost += _LAUNCH_COST
-                if self.cost > self.max_cost:
-                    raise OverBudget
+                self._spend(_LAUNCH_COST)
                 self.launches[int(correlation)] = (ts, self._shared.setdefault(tid, tid), dur)
             return
         name = event.get("name", "")
