@@ -1,5 +1,10 @@
 """Options of the test tiers (README, .ci/run).
 
+A plain `pytest` (no paths, no -m) is the fast tier: everything but the tests marked
+e2e, which start real torchrun jobs and collectors (`pytest -n 2`: a few minutes).
+Naming paths or a marker expression runs what they select, e2e included;
+`tests/run-all` runs every test, in three sessions.
+
 The e2e diagnosis scenarios run on a quiet host and on a loaded one (tests/e2e). By
 default both variants run in the one session, the loaded one beside its own busy
 processes. CI (tests/run-all) runs them as two tiers, one scenario at a time: the quiet
@@ -45,9 +50,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The e2e tests first (their order among themselves kept): each runs a real job for
-    tens of seconds, and handed out last one of them would run alone at the end while
-    the other workers sit idle."""
+    """A plain `pytest` leaves the e2e tests out (the fast tier). Otherwise the e2e tests
+    first (their order among themselves kept): each runs a real job for tens of seconds,
+    and handed out last one of them would run alone at the end while the other workers
+    sit idle."""
+    if config.args_source == config.ArgsSource.TESTPATHS and not config.option.markexpr:
+        e2e = [item for item in items if item.get_closest_marker("e2e") is not None]
+        if e2e:
+            config.hook.pytest_deselected(items=e2e)
+            items[:] = [item for item in items if item.get_closest_marker("e2e") is None]
+        return
     items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
 
 

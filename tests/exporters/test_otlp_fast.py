@@ -1,4 +1,4 @@
-"""The C decoder (the wire module's SpanBuilder) gives exactly what the Python reference gives."""
+"""The C decoder (flare.processors._otlp_read's SpanBuilder) gives exactly what the Python reference gives."""
 
 from __future__ import annotations
 

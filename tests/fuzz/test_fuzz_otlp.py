@@ -32,14 +32,14 @@ def test_every_acknowledged_mutation_is_stored_as_the_reference_reads_it(tmp_pat
 
 
 def test_the_correlators_picker_reads_what_protobuf_reads():
-    """The wire module's other reader over the same mutations: where protobuf parses the
+    """The C readers' other reader over the same mutations: where protobuf parses the
     bytes and the C picker takes them (it refuses what it reads differently, and the
     reference reads those), its records are the reference's, in both forms."""
     from flare.processors import span_select
     from flare.processors.rank_correlation import _SELECTION
 
     if span_select._otlp_read is None:
-        pytest.skip("the C wire module is not built (no compiler at install)")
+        pytest.skip("the C readers (flare.processors._otlp_read) are not built (no compiler at install)")
     compared = 0
     for _, payload in otlp_mutations.cases(3, 1500):
         try:

@@ -1,4 +1,4 @@
-"""The C wire module compiles without warnings and survives the fuzzer under ASan + UBSan."""
+"""Flare's C modules compile without warnings and survives the fuzzer under ASan + UBSan."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def build_dir(tmp_path_factory):
     try:
         sanitized.build(directory)
     except subprocess.CalledProcessError as exc:
-        pytest.fail(f"the C wire module does not build with -Werror and the sanitizers:\n{exc.stderr}")
+        pytest.fail(f"Flare's C modules do not build with -Werror and the sanitizers:\n{exc.stderr}")
     return directory
 
 

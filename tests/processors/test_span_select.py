@@ -1,4 +1,4 @@
-"""The C span picker (the wire module's select_spans) returns exactly what the Python
+"""The C span picker (flare.processors._otlp_read's select_spans) returns exactly what the Python
 reference returns; the correlator's wire writing gives what protobuf gives."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """OTLP protobuf requests → columns of the store schema.
 
 This is the hot path of ingest: every span the collector stores passes through
-`SpanColumns.add_payload` once. With the C decoder (the wire module's `SpanBuilder`,
-flare.instrumentation._otlp_read, the normal case) a request's spans go from the wire
+`SpanColumns.add_payload` once. With the C decoder (the collector's OTLP readers' `SpanBuilder`,
+flare.processors._otlp_read, the normal case) a request's spans go from the wire
 straight into Arrow buffers; the pure-Python
 reference below (`add_request_python`, used where no compiler was available and as
 the fallback) gives the same values and is written for CPython speed, which is why it
@@ -28,7 +28,7 @@ from flare.exporters import store
 from flare.processors.otlp_values import as_int, plain
 from flare.wire import semconv
 
-try:  # the C decoder built with the wire module; the Python code below is its reference
+try:  # the C decoder (flare.processors._otlp_read); the Python code below is its reference
     from flare.processors import _otlp_read
 except ImportError:  # no compiler where it was installed: same output, ~10x slower
     _otlp_read = None

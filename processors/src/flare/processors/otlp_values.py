@@ -14,7 +14,7 @@ _SCALAR_KINDS = frozenset(("string_value", "int_value", "double_value", "bool_va
 def plain(value: AnyValue, for_json: bool = False) -> Any:
     """An `AnyValue` as a Python value: arrays as tuples, maps as dicts, bytes as bytes;
     `for_json`, as JSON carries it (the store's columns): arrays as lists, bytes as
-    base64 text. The reference for the wire module's AnyValue reader, both shapes."""
+    base64 text. The reference for the C readers' AnyValue reader (csrc/otlp_read/anyvalue.c), both shapes."""
     kind = value.WhichOneof("value")
     if kind in _SCALAR_KINDS:
         return getattr(value, kind)

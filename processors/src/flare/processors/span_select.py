@@ -2,8 +2,8 @@
 
 The correlator sees every span the collector receives but reads only a few span
 names and a few attribute keys. Through the protobuf Python API every attribute
-access allocates, so the wire module's `select_spans` (flare.instrumentation.
-_otlp_read) scans the serialized request instead and materialises only what is
+access allocates, so the C readers' `select_spans` (flare.processors._otlp_read,
+csrc/otlp_read/picker.c) scans the serialized request instead and materialises only what is
 wanted; `select_python` below is the reference it must match (tests/processors/
 test_span_select.py) and what runs where the extension was not built.
 

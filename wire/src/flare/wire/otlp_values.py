@@ -105,7 +105,7 @@ def py_attributes(attributes, tag: int) -> bytes:
 # repeated KeyValue field `tag` (0x4A: Span.attributes) of each item of `mapping`, as the
 # SDK encodes it; Unsupported (or UnicodeEncodeError) for what only the SDK's encoder
 # writes. The collector's correlator writes its spans' attributes with it too. In C
-# (~5x faster) where the wire module was built at install, else the reference above.
+# (~5x faster) where `_otlp_write` was built at install, else the reference above.
 try:
     from flare.wire import _otlp_write
 except ImportError:
