@@ -147,3 +147,33 @@ def test_no_module_imports_itself_back():
         if node not in index:
             visit(node)
     assert not cycles, cycles
+
+
+def test_a_source_distribution_carries_what_its_c_is_built_from(tmp_path):
+    """An sdist takes the listed C sources by itself but not the header they include:
+    without it a wheel built from the sdist has no C module (the extensions are
+    optional, so the build would not even fail)."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    for folder in ("wire", "processors"):
+        # from a clean copy: an sdist also takes what an earlier build's egg-info listed
+        source = tmp_path / "src" / folder
+        shutil.copytree(REPO / folder, source, ignore=shutil.ignore_patterns(
+            "*.egg-info", "build", "__pycache__", "*.so"))
+        out = tmp_path / folder
+        out.mkdir()
+        subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                        "b.build_sdist(sys.argv[1])", str(out)], cwd=source, check=True,
+                       capture_output=True)
+        [sdist] = out.glob("*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            shipped = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+        tool = tomllib.loads((REPO / folder / "pyproject.toml").read_text())["tool"]["setuptools"]
+        for ext in tool["ext-modules"]:
+            needed = list(ext["sources"])
+            for directory in ext.get("include-dirs", []):
+                needed += [str(p.relative_to(REPO / folder)) for p in (REPO / folder / directory).glob("*.h")]
+            missing = [name for name in needed if name not in shipped]
+            assert not missing, f"{folder}'s sdist lacks {missing}"
