@@ -1,8 +1,9 @@
 """Options of the test tiers (README, .ci/run).
 
-A plain `pytest` (no paths, no -m) is the fast tier: everything but the tests marked
-e2e, which start real torchrun jobs and collectors (`pytest -n 2`: a few minutes).
-Naming paths or a marker expression runs what they select, e2e included;
+A plain `pytest` from the repository root (no paths, no -m, -k, --lf or --ff) is the
+fast tier: everything but the tests marked e2e, which start real torchrun jobs and
+collectors (`pytest -n 2`: about 3 minutes). Naming paths, a marker or keyword
+expression, or asking for the last failures runs what they select, e2e included;
 `tests/run-all` runs every test, in three sessions.
 
 The e2e diagnosis scenarios run on a quiet host and on a loaded one (tests/e2e). By
@@ -54,7 +55,10 @@ def pytest_collection_modifyitems(config, items):
     first (their order among themselves kept): each runs a real job for tens of seconds,
     and handed out last one of them would run alone at the end while the other workers
     sit idle."""
-    if config.args_source == config.ArgsSource.TESTPATHS and not config.option.markexpr:
+    option = config.option
+    plain = not (option.markexpr or option.keyword or getattr(option, "lf", False)
+                 or getattr(option, "failedfirst", False))
+    if config.args_source == config.ArgsSource.TESTPATHS and plain:
         e2e = [item for item in items if item.get_closest_marker("e2e") is not None]
         if e2e:
             config.hook.pytest_deselected(items=e2e)

@@ -6,8 +6,8 @@ floors and at their newest releases, end to end.
     .venv/bin/python tests/compat/check_versions.py floor --torch 2.5.1   # another torch
 
 For each arm a fresh virtual environment (under --root, default /tmp/flare-compat):
-the arm's dependency versions (`FLOORS`: exactly the lowest that the five packages'
-pyproject.toml files declare; `newest`: whatever the index has now), then the five
+the arm's dependency versions (`FLOORS`: exactly the lowest that the six packages'
+pyproject.toml files declare; `newest`: whatever the index has now), then the six
 Flare packages built from this tree (not editable: the tree's own builds stay as they
 are), then `pip check` (the declared ranges hold those versions), then a real job:
 `flare run` of a 4-rank torchrun DDP job with rank 2 slowed from step 20 — the

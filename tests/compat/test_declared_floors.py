@@ -1,7 +1,7 @@
 """The declared version floors are the tested ones.
 
 `check_versions.py` installs `FLOORS` and runs a real job on them; this keeps that
-table and the five pyproject.toml files saying the same thing, and (in CI, where the
+table and the six pyproject.toml files saying the same thing, and (in CI, where the
 package index is reachable) runs the floor arm itself. The newest arm is the dev
 set-up CI runs everything else on (requirements-dev.txt takes the newest releases).
 """

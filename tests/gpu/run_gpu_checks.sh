@@ -16,7 +16,7 @@
 # 5. benchmarks/kernel_window_overhead.py on the GPU.
 #
 # Environment: PYTHON (default python3, whose torch must see the GPU). If Flare is not
-# importable there, a venv with --system-site-packages is made and the five Flare
+# importable there, a venv with --system-site-packages is made and the six Flare
 # folders are installed into it editable; FLARE_WHEELS=DIR installs the missing
 # dependencies (opentelemetry-*, duckdb, …) from wheels in DIR instead of an index.
 # NCCL refuses two ranks on one GPU, so with a single GPU the job uses gloo on CUDA

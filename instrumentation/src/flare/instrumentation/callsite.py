@@ -11,9 +11,13 @@ import traceback
 
 from opentelemetry import trace as _otel_trace
 
-# Frames in these trees are plumbing, not the user's code: a call site skips them.
+import flare.wire
+
+# Frames in these trees are plumbing, not the user's code: a call site skips them
+# (Flare's hooks, the names and wire they call on the training thread, OpenTelemetry).
 _PLUMBING_DIRS: tuple[str, ...] = (
     os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(os.path.abspath(flare.wire.__file__)),
     os.path.dirname(os.path.dirname(os.path.abspath(_otel_trace.__file__))),
 )
 

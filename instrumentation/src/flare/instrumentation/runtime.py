@@ -232,12 +232,16 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
         record = self._capture(now_ns, cpu)
         self.finisher.queue(record, deferred, self._notify_end(deferred))
         self._advance(now_ns, cpu)
+        self._children = []
+        self._step_span = None
         self._notify_start()
 
     def _advance(self, now_ns: int, cpu: tuple, following: StepTotals | None = None) -> None:
         """Close the step in progress at `now_ns` and open the next one there, with the
         same clocks (no listener calls); `following`: the next step's totals, reused
-        (new ones when None)."""
+        (new ones when None). The step's span and children are the caller's: the usual
+        boundary has neither, and a child emitted meanwhile (a long collection inside
+        this bookkeeping) goes with the next step."""
         self.recent_step_s.append((now_ns - self.step_start_ns) / 1e9)
         self.last_step_end_ns = now_ns
         step = self.step_number + 1
@@ -250,8 +254,6 @@ class Runtime(LiveStepSpan, DeferredSteps, StepChildren, StepFailure):
             following = StepTotals()
         following.seq_start = self.totals.seq_end
         self.totals = following
-        self._children = []
-        self._step_span = None
         self._step_context = None
 
     def _capture(self, end_ns: int, cpu: tuple | None = None) -> StepRecord:

@@ -21,7 +21,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 try:  # the same test on the wire bytes, in C (one pass, no protobuf objects)
     from flare.processors._otlp_read import check_span_ids as _check_span_ids
     from flare.processors._otlp_read import check_traces_strict as _check_traces_strict
-except ImportError:  # no compiler where flare-instrumentation was installed
+except ImportError:  # no compiler where flare-processors was installed
     _check_span_ids = _check_traces_strict = None
 
 _ZERO_TRACE = bytes(16)
