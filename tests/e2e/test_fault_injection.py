@@ -158,8 +158,11 @@ def test_raise_is_an_error_on_the_first_rank_to_fail(store, host):
     _record("raise", f"error rank 1 at {errors[0]['callsite']}", None)
 
 
-def test_regression_against_baseline_names_communication(store, host):
-    if host not in HEALTHY:  # run alone: the baseline first, on the same host
+def test_regression_against_baseline_names_communication(request, store, host):
+    # Run alone: the baseline first, on the same host. A rerun makes its own baseline:
+    # the first try's may have run in a disturbed minute, and a comparison with it would
+    # fail again for the baseline's sake (seen: both tries of one run, one baseline).
+    if host not in HEALTHY or getattr(request.node, "execution_count", 1) > 1:
         _healthy(store, host)
     run = FlareRun(store, "extra_comm", "extra_comm", host=host)
     run.finish()
