@@ -96,3 +96,28 @@ def test_no_module_but_the_adapter_spells_an_sdk_private_name():
             if private and not code.lstrip().startswith("def "):
                 found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_an_untested_sdk_keeps_its_otlp_exporters_as_they_are(untested_sdk):
+    """Outside the tested SDK versions the exporters' private parts are left alone: no
+    request hook routed, no stub replaced, no export mirrored (the SDK's own paths)."""
+
+    class Exporter:
+        _client = object()
+        _channel = object()
+        _stub = None
+        _max_request_size = 0
+        _metrics = type("Metrics", (), {"export_operation": None})()
+
+        def _translate_data(self, data):
+            return "sdk"
+
+        def flare(self, data):
+            return "flare"
+
+    sdk_adapter.route_grpc_encoding(Exporter, "flare")
+    exporter = Exporter()
+    assert exporter._translate_data([]) == "sdk"
+    assert sdk_adapter.http_export_parts(exporter) is None
+    assert sdk_adapter.send_grpc_bytes(exporter, lambda channel: "stub") is False
+    assert exporter._stub is None

@@ -263,7 +263,10 @@ def offer_transport(kwargs: dict, make) -> None:
 def http_export_parts(exporter) -> tuple | None:
     """What the SDK's OTLP/HTTP span exporter uses after encoding a request: (its client,
     whose `export(bytes)` sends with retries; its request size limit; its export metrics,
-    `export_operation(n)`), or None where the exporter is of another shape."""
+    `export_operation(n)`), or None where the exporter is of another shape or the SDK
+    is outside the tested versions (the exporter then exports as the SDK does)."""
+    if not internals_ok():
+        return None
     client = getattr(exporter, "_client", None)
     metrics = getattr(exporter, "_metrics", None)
     if (client is None or not hasattr(exporter, "_max_request_size")
@@ -279,14 +282,19 @@ def exporter_shut_down(exporter) -> bool:
 
 def route_grpc_encoding(exporter_class, method_name: str) -> None:
     """Make the SDK OTLP/gRPC exporter's request hook (`_translate_data`, which its export
-    calls with the spans) the method `method_name` of `exporter_class`, a subclass."""
-    exporter_class._translate_data = getattr(exporter_class, method_name)
+    calls with the spans) the method `method_name` of `exporter_class`, a subclass;
+    outside the tested SDK versions the SDK's own hook stays (the public path)."""
+    if internals_ok():
+        exporter_class._translate_data = getattr(exporter_class, method_name)
 
 
 def send_grpc_bytes(exporter, stub_class) -> bool:
     """Have an SDK OTLP/gRPC exporter send requests through `stub_class(channel)` (also
     what its reconnection builds its client from); False, nothing changed, where the
-    exporter keeps its channel and stub under other names."""
+    exporter keeps its channel and stub under other names, or the SDK is outside the
+    tested versions."""
+    if not internals_ok():
+        return False
     channel = getattr(exporter, "_channel", None)
     if channel is None or not hasattr(exporter, "_stub") or not hasattr(exporter, "_client"):
         return False
