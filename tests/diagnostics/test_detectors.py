@@ -119,6 +119,29 @@ def test_fail_slow_waits_until_the_slowdown_persists_and_dates_it_exactly():
     assert seen[42] == [] and seen[45] == [([2], 40)], seen
 
 
+
+# Rank 1's own time (step minus collective wait, ms) in a healthy 2-rank Lightning job
+# on a quiet host, steps 9-54: three slower steps around rank 0's checkpoint save at 50,
+# then back. Read as a change over the last six steps it labelled the job "fail_slow".
+_LIGHTNING_RANK1_MS = [10.7, 11.0, 10.2, 9.5, 9.1, 9.0, 9.0, 9.2, 9.5, 9.0, 9.0, 16.3, 8.9,
+                       9.4, 9.1, 9.2, 8.8, 9.1, 4.6, 9.8, 8.6, 9.5, 8.9, 8.9, 8.9, 8.2, 8.8,
+                       9.0, 8.5, 9.4, 11.4, 15.3, 9.5, 9.1, 8.7, 10.6, 9.0, 8.6, 9.1, 9.9,
+                       12.6, 14.6, 12.9, 10.2, 9.2, 9.9]
+
+
+def test_a_ranks_change_must_hold_for_the_persistence_steps():
+    import numpy as np
+
+    config = DiagnosisConfig()
+    bump = np.array(_LIGHTNING_RANK1_MS)
+    assert fail_slow.significant(fail_slow.change_point(bump, 5), config)  # what misled it
+    assert fail_slow._own_change(bump, 5, config) is None
+    held = bump.copy()
+    held[-3:] = [12.8, 13.1, 12.7]  # the same onset, slower to the end: a change that holds
+    point = fail_slow._own_change(held, 5, config)
+    assert point is not None and point.index == len(held) - 6
+
+
 def _all_reduce_dumps(ranks, t: int) -> list:
     """Hang dumps of `ranks` waiting in the world's all-reduce (seq 61) at step 20."""
     return [_span(sc.SPAN_HANG, r, 20, t + r, {
