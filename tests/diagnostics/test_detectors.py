@@ -109,14 +109,23 @@ def test_fail_slow_waits_until_the_slowdown_persists_and_dates_it_exactly():
     # Live following diagnoses the job as it grows and never rewrites a label. With
     # two slow steps only, the best split took two normal steps into the later segment
     # and dated the onset at 38; the label must wait, then start at 40.
-    table = job_spans("j", 4, 60, (Fault("compute", 2, 40),))
-    config = DiagnosisConfig()
-    seen = {}
-    for last in range(40, 46):
-        found = fail_slow.detect(_job(table.filter(pa.compute.less_equal(table["step"], last))), config)
-        seen[last] = [(a.ranks, a.first_step) for a in found]
-    assert all(labels in ([], [([2], 40)]) for labels in seen.values()), seen
-    assert seen[42] == [] and seen[45] == [([2], 40)], seen
+    # It waits for `min_persist_s` of the job's time too: 70-ms steps, 15 of them.
+    table = job_spans("j", 4, 70, (Fault("compute", 2, 40),))
+    steps = table.filter(pa.compute.equal(table["name"], sc.SPAN_STEP))
+    slow_s = 0.0  # the job's time since the onset: the median rank's step
+    for step in range(40, 70):
+        durations = steps.filter(pa.compute.equal(steps["step"], step))["duration_ns"].to_pylist()
+        slow_s += sorted(durations)[len(durations) // 2] / 1e9
+        if slow_s >= 1.0:
+            break
+    for config, labelled in ((DiagnosisConfig(min_persist_s=0), 44), (DiagnosisConfig(), step)):
+        seen = {}
+        for last in range(40, 70):
+            found = fail_slow.detect(_job(table.filter(pa.compute.less_equal(table["step"], last))), config)
+            seen[last] = [(a.ranks, a.first_step) for a in found]
+        assert all(labels in ([], [([2], 40)]) for labels in seen.values()), seen
+        first = min(last for last, labels in seen.items() if labels)
+        assert abs(first - labelled) <= 1, (first, labelled, seen)
 
 
 
@@ -469,3 +478,16 @@ def test_a_slow_rank_hidden_behind_a_slower_one_is_named_too(seed):
     alone = pipeline.diagnose(_job(job_spans("one", 4, 100, faults[1:], seed=seed, hiccups=0.05)),
                               DiagnosisConfig(), warn=lambda _: None).anomalies
     assert [(a.kind, a.ranks) for a in alone] == [("straggler", [2])], [a.summary for a in alone]
+
+
+def test_a_straggler_must_last_min_persist_s_of_the_jobs_time():
+    # The same ten last slow steps of a 40-step job: a host's hiccup in a job of 5-ms
+    # steps (0.1 s in all; a healthy 2-rank job was labelled so), a straggler in one of
+    # 100-ms steps (1.3 s).
+    def found(base_ms):
+        faults = (Fault("compute", 0, 30, extra_ms=base_ms * 0.3),)
+        table = job_spans("j", 2, 40, faults, base_ms=base_ms, comm_ms=base_ms / 8)
+        return [(a.ranks, a.first_step) for a in straggler.detect(_job(table), DiagnosisConfig())]
+
+    assert found(5.0) == []
+    assert found(100.0) == [([0], 30)]

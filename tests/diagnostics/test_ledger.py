@@ -328,20 +328,24 @@ def test_a_job_wide_slowdown_without_more_work_is_the_host_not_compute():
 
 
 
+# These synthetic jobs are short (a fraction of a second slowed): the tests below judge
+# the cause, not the persistence in seconds (DiagnosisConfig.min_persist_s).
+_ANY_LENGTH = DiagnosisConfig(min_persist_s=0)
+
 def test_job_wide_compute_that_burnt_no_more_cpu_is_the_host_even_asleep():
     """A CPU-only job whose every rank's compute grew while its training threads burnt no
     more CPU and the run queue shows only a part of it (the rest asleep: the GIL of a
     descheduled thread, page faults; a healthy 2-rank job on a busy CI host): the host,
     not `fail_slow [] compute`. The same growth with more CPU burnt stays the job's."""
     faults = tuple(f for r in range(2) for f in (Fault("host", r, 10, 3.0), Fault("asleep", r, 10, 5.0)))
-    diagnosis = diagnose(_job(job_spans("j", 2, 20, faults, base_ms=10.0)))
+    diagnosis = diagnose(_job(job_spans("j", 2, 20, faults, base_ms=10.0)), _ANY_LENGTH)
     assert diagnosis.anomalies == []
     [row] = diagnosis.host_contention
     assert (row["ranks"], row["first_step"]) == ([], 10)
     assert 2.0 < row["runqueue_delta_ms"] < 3.5 and 4.0 < row["asleep_delta_ms"] < 6.5, row
     assert "ms/step asleep" in render(diagnosis)
     burnt = diagnose(_job(job_spans("j", 2, 20, tuple(Fault("compute", r, 10, 8.0) for r in range(2)),
-                                    base_ms=10.0)))
+                                    base_ms=10.0)), _ANY_LENGTH)
     assert [(a.kind, a.cause, a.first_step) for a in burnt.anomalies] == [("fail_slow", "compute", 10)]
 
 def test_a_rank_slow_and_stalling_is_counted_once_in_where_the_time_went():
@@ -584,9 +588,9 @@ def test_a_short_episode_in_a_long_run_is_no_label_and_its_live_alert_says_why()
     from flare.diagnostics.pipeline import withdrawn
 
     episode = (Fault("compute", 1, 25, 15.0, to_step=38),)
-    [live] = [a for a in diagnose(_job(job_spans("j", 4, 50, episode))).anomalies]
+    [live] = [a for a in diagnose(_job(job_spans("j", 4, 50, episode)), _ANY_LENGTH).anomalies]
     assert (live.kind, live.ranks) == ("straggler", [1]) and live.impact >= 0.01
-    final = diagnose(_job(job_spans("j", 4, 600, episode)))
+    final = diagnose(_job(job_spans("j", 4, 600, episode)), _ANY_LENGTH)
     assert final.anomalies == []
     [why] = withdrawn([live], final.anomalies, blips=final.blips)
     assert why["reason"].startswith("a short episode: steps 25-3") and "under the 1% a label needs" in why["reason"], why
@@ -714,10 +718,11 @@ def test_one_ranks_late_slowdown_without_more_work_is_the_host_not_compute():
     (tier-1 rerun, fresh clone). The same growth burnt as CPU stays the rank's."""
     for seed in range(3):
         idle = diagnose(_job(job_spans("j", 2, 40, (Fault("host", 0, 32, 2.0), Fault("asleep", 0, 32, 5.0)),
-                                       base_ms=8.0, seed=seed)))
+                                       base_ms=8.0, seed=seed)), _ANY_LENGTH)
         assert idle.anomalies == [], [(a.kind, a.ranks, a.cause) for a in idle.anomalies]
         assert [(row["ranks"], 4.0 < row["asleep_delta_ms"] < 6.5) for row in idle.host_contention] == [([0], True)]
-        busy = diagnose(_job(job_spans("j", 2, 40, (Fault("compute", 0, 32, 7.0),), base_ms=8.0, seed=seed)))
+        busy = diagnose(_job(job_spans("j", 2, 40, (Fault("compute", 0, 32, 7.0),), base_ms=8.0, seed=seed)),
+                        _ANY_LENGTH)
         assert [(a.kind, a.ranks, a.cause, a.first_step) for a in busy.anomalies] == [("fail_slow", [0], "compute", 32)]
 
 

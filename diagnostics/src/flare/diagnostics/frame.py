@@ -116,6 +116,17 @@ class StepFrame:
             return int(self.step_counts[columns].sum())
         return int(columns.size * self.bucket)
 
+    def wall_ms(self, columns: np.ndarray) -> float:
+        """How long these columns' steps took the job: the median rank's step time
+        times the real steps each column holds."""
+        columns = np.asarray(columns, dtype=np.int64)
+        if columns.size == 0:
+            return 0.0
+        step_ms = np.nanmedian(self.duration[:, columns].astype(np.float64), axis=0)
+        counts = (self.step_counts[columns] if self.step_counts is not None
+                  else np.full(columns.size, float(self.bucket)))
+        return float(np.nansum(step_ms * counts))
+
     def row(self, rank: int) -> int:
         return int(np.searchsorted(self.ranks, rank))
 

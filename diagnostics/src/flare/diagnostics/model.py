@@ -197,6 +197,12 @@ class DiagnosisConfig:
     stopped_by_user: bool = False
     # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
     min_persist_steps: int = 5
+    # Added: ...and a slowdown (fail-slow, collective-slow) or a straggler this many seconds of the job's
+    # time as well. A host's hiccups — a checkpoint's write-back, another process
+    # starting, an evaluation's first batches — last a fraction of a second, which is
+    # five steps and more of a job with 15-ms steps (healthy jobs labelled over their
+    # last 6-25 steps, 0.12-0.38 s; injected faults lasted 1.6 s and more).
+    min_persist_s: float = 1.0
     # Added: a straggler must be the culprit of this many steps (5 labelled 1-s CPU-starvation
     # bursts on a shared host as stragglers).
     straggler_min_steps: int = 10

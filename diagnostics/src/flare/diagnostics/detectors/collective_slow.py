@@ -37,7 +37,7 @@ def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
 def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     spans = job.spans(["collective.*"], [sc.COLL_PG, sc.COLL_SEQ, sc.COLL_BYTES, sc.COLL_OP,
                                          sc.COLL_SOURCE, sc.COLL_BUSBW_GBPS],
-                      columns=["rank", "step", "duration_ns"])
+                      columns=["rank", "step", "start_ns", "duration_ns"])
     if spans.num_rows == 0:
         return []
     # Past warm-up only: a job's first collectives (a model's parameters broadcast at
@@ -47,8 +47,9 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     first_warm = _first_warm_step(job, config)
     # (pg, seq) → the last arrival's time (the least duration) and the bytes moved.
     by_call: dict[tuple[str, int], list] = {}
-    for rank, step, duration, pg, seq, size, op, source, busbw in zip(
-            spans["rank"].to_pylist(), spans["step"].to_pylist(), spans["duration_ns"].to_pylist(),
+    for rank, step, start, duration, pg, seq, size, op, source, busbw in zip(
+            spans["rank"].to_pylist(), spans["step"].to_pylist(), spans["start_ns"].to_pylist(),
+            spans["duration_ns"].to_pylist(),
             spans[sc.COLL_PG].to_pylist(), spans[sc.COLL_SEQ].to_pylist(),
             spans[sc.COLL_BYTES].to_pylist(), spans[sc.COLL_OP].to_pylist(),
             spans[sc.COLL_SOURCE].to_pylist(), spans[sc.COLL_BUSBW_GBPS].to_pylist(),
@@ -61,13 +62,15 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
             # no completion recorded (gloo): the span ends with the enclosing backward,
             # so its length is the rest of the backward's compute, not a transfer time
             continue
-        entry = by_call.setdefault((pg, seq), [duration, size, step, op, set()])
+        entry = by_call.setdefault((pg, seq), [duration, size, step, op, set(), start or 0])
         entry[0] = min(entry[0], duration)
         entry[4].add(rank)
-    groups: dict[str, list[tuple[int, float, int | None, str | None, int]]] = {}
-    for (pg, seq), (duration, size, step, op, ranks) in by_call.items():
+        entry[5] = max(entry[5], (start or 0) + duration)
+    groups: dict[str, list[tuple[int, float, int | None, str | None, int, int]]] = {}
+    for (pg, seq), (duration, size, step, op, ranks, end) in by_call.items():
         if len(ranks) >= 2:
-            groups.setdefault(pg, []).append((seq, size / (duration / 1e9) / 1e9, step, op, len(ranks)))
+            groups.setdefault(pg, []).append((seq, size / (duration / 1e9) / 1e9, step, op,
+                                              len(ranks), end))
     anomalies = []
     for pg, calls in sorted(groups.items()):
         calls.sort()
@@ -79,6 +82,8 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         stepped = [c[2] for c in calls if c[2] is not None]
         if stepped and len({c[2] for c in calls[point.index:] if c[2] is not None}) < 2:
             continue  # a change within one step is no lasting slowdown
+        if (calls[-1][5] - calls[point.index - 1][5]) / 1e9 < config.min_persist_s:
+            continue  # nor one shorter than a host's hiccup (DiagnosisConfig.min_persist_s)
         before = float(np.median(gbps[:point.index]))
         after = float(np.median(gbps[point.index:]))
         first_step = next((c[2] for c in calls[point.index:] if c[2] is not None), None)
@@ -128,6 +133,8 @@ def _whole_job(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
     point = change_point(cost, persist)
     if (point is None or point.shift < _MIN_SHIFT or point.score < config.fail_slow_min_score
             or point.consistency < config.change_min_consistency):
+        return []
+    if frame.wall_ms(warm[point.index:]) < config.min_persist_s * 1e3:
         return []
     onset = int(warm[point.index])
     after = warm >= onset

@@ -54,7 +54,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         if point is None:
             return []
     point = _settled(point, job_time, persist)
-    if point is None:
+    if point is None or frame.wall_ms(warm[point.index:]) < config.min_persist_s * 1e3:
         return []
     onset = int(warm[point.index])
     before, after = warm[warm < onset], warm[warm >= onset]
