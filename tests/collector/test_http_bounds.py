@@ -277,3 +277,26 @@ def test_health_open_is_validated(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().count("\n") == 0 and "health_open" in result.stderr
     assert time.monotonic() - started < 10
+
+
+def test_a_client_that_goes_away_unanswered_is_no_warning(collector, caplog):
+    """A rank that exits as its last export is answered resets the connection: the
+    server's write fails, which is the client's leaving, not a failure to tell the user
+    of (`flare run` printed "OTLP/HTTP connection from 127.0.0.1 failed: [Errno 32]
+    Broken pipe" after a job now and then). The server answers the next client."""
+    import logging
+    import struct
+
+    caplog.set_level(logging.DEBUG, logger="flare.collector.http_server")
+    request = _head("POST", "/v1/traces", f"Content-Length: {len(BODY)}\r\n", True).encode() + BODY
+    for _ in range(20):
+        sock = _connect(collector.http_endpoint, timeout_s=5)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        sock.sendall(request)
+        sock.close()
+    with _connect(collector.http_endpoint, timeout_s=5) as sock:
+        sock.sendall(request)
+        assert _read_reply(sock)[0] == 200
+    said = [r for r in caplog.records if r.name == "flare.collector.http_server"]
+    assert not [r for r in said if r.levelno >= logging.WARNING], [r.getMessage() for r in said]
+    assert any("went away" in r.getMessage() for r in said)  # the resets did reach the server

@@ -108,8 +108,14 @@ class Server(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address) -> None:
         # One line instead of the stdlib's traceback on stderr.
+        error = sys.exc_info()[1]
         self.owner.counters.add("connection_errors", transport=self.owner.transport)
-        log.warning("%s connection from %s failed: %s", self.owner.label, client_address[0], sys.exc_info()[1])
+        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            # The client went away before it read the answer (a rank exiting as its
+            # last export is answered): counted, but no failure to tell the user of.
+            log.debug("%s client %s went away: %s", self.owner.label, client_address[0], error)
+            return
+        log.warning("%s connection from %s failed: %s", self.owner.label, client_address[0], error)
 
     def finish_request(self, request, client_address) -> None:
         # The TLS handshake runs here, on the connection's own thread, so a slow or
