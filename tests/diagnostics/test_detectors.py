@@ -256,7 +256,8 @@ def test_callsite_formats():
     assert user_callsite(None) is None
 
 
-def _group_calls(source: str | None = None, busbw: float | None = None, step_of=lambda seq: seq) -> list[dict]:
+def _group_calls(source: str | None = None, busbw: float | None = None, step_of=lambda seq: seq,
+                 every_ns: int = 10**8) -> list[dict]:
     t = 1_800_000_000_000_000_000
     rows = []
     for seq in range(24):
@@ -269,7 +270,7 @@ def _group_calls(source: str | None = None, busbw: float | None = None, step_of=
                 attributes[sc.COLL_SOURCE] = source
             if busbw is not None:
                 attributes[sc.COLL_BUSBW_GBPS] = busbw
-            row = _span("collective.all_reduce", rank, step_of(seq), t + seq * 10**8 + rank, attributes)
+            row = _span("collective.all_reduce", rank, step_of(seq), t + seq * every_ns + rank, attributes)
             row["duration_ns"] = int(ms * 1e6)
             rows.append(row)
     return rows
@@ -312,6 +313,21 @@ def test_collective_slow_per_process_group():
     assert found[0].cause == "communication" and found[0].first_step == 12
     assert found[0].evidence["pg"] == "7"
     assert found[0].evidence["gbps_after"] < 0.6 * found[0].evidence["gbps_before"]
+
+
+def test_a_process_groups_slowdown_must_last_min_persist_s():
+    # The same twelve slower collectives, one every 100 ms (1.2 s: a slowdown) or every
+    # 20 ms (0.24 s: a host's hiccup, DiagnosisConfig.min_persist_s).
+    from flare.diagnostics.detectors import collective_slow
+
+    def found(every_ns):
+        rows = _group_calls(every_ns=every_ns)
+        return [a.first_step for a in collective_slow.detect(
+            _job(pa.concat_tables([job_spans("j", 4, 24), _extra(rows)])), DiagnosisConfig())
+            if a.evidence.get("pg") == "7"]
+
+    assert found(10**8) == [12]
+    assert found(2 * 10**7) == []
 
 
 def test_hang_waits_for_late_dumps_before_blaming_the_silent():
