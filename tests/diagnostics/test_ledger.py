@@ -740,3 +740,33 @@ def test_a_frame_holds_at_most_max_frame_cells_cells():
     small = DiagnosisConfig(max_frame_cells=40)
     frame = frames.load(_job(job_spans("j", 4, 60, (), base_ms=8.0)), small)
     assert frame.bucket == 6 and frame.duration.size <= 40
+
+
+def test_a_step_that_sleeps_in_the_jobs_own_code_is_the_job_not_the_host():
+    """Every rank's step grows by 40 ms that burn no CPU while the run queue stays flat:
+    the job's own code waits (a sleep, blocking I/O). Read before as the host, "+41.5
+    ms/step asleep", and no label (one process, `time.sleep(0.04)` per step, seen);
+    without run-queue wait no busy host stands behind it (causes.cpu_only_idle)."""
+    faults = tuple(Fault("asleep", r, 20, 40.0) for r in range(2))
+    diagnosis = diagnose(_job(job_spans("j", 2, 60, faults, base_ms=10.0)))
+    assert [(a.kind, a.ranks, a.cause, a.first_step) for a in diagnosis.anomalies] == [
+        ("fail_slow", [], "compute", 20)]
+    assert "burning no more CPU: the step waits" in diagnosis.anomalies[0].summary
+    assert diagnosis.host_contention == []
+
+
+def test_compute_shared_with_torchs_intra_op_threads_is_compute_not_starvation():
+    """A matmul from step 100 in one process with two OpenMP threads (per-step means,
+    measured): the other thread burns +40.8 ms, as a GIL holder would, but the training
+    thread burns +39.5 ms itself — it computes, it is not kept waiting. Cause compute,
+    not "starved of CPU" (seen). With the training thread's CPU flat, it is starvation."""
+    from flare.diagnostics.causes import attribute
+
+    parts = {"dataloader": 0.1, "gc": 0.0, "pycall": 0.0, "checkpoint": 0.0, "evaluation": 0.0}
+    past = {**parts, "compute": 1.2, "other_cpu": 0.0, "thread_cpu": 1.4}
+    now = {**parts, "compute": 42.4, "other_cpu": 40.8, "thread_cpu": 40.9}
+    medians = {k: v for k, v in now.items() if k in (*parts, "compute")}
+    before = {k: v for k, v in past.items() if k in (*parts, "compute")}
+    assert attribute(medians, before, 0.5, 42.5, 1.3, now, past).cause == "compute"
+    starved = {**now, "thread_cpu": 1.5}
+    assert attribute(medians, before, 0.5, 42.5, 1.3, starved, past).cause == "cpu"

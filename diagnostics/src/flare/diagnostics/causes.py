@@ -87,11 +87,22 @@ _OTHER_CPU_MIN_SHARE = 0.25
 _OTHER_CPU_MIN_MS = 2.0
 
 
+# ...while the training thread's own CPU grew by less than this share of it (or by less
+# than _OTHER_CPU_MIN_MS): a thread that holds the GIL keeps the training thread waiting,
+# off the CPU; torch's intra-op threads share the step's own work with it, and it burns
+# as long as they do (one process, 2 OpenMP threads, a matmul from step 100: compute
+# +41 ms/step, the training thread +39.5 ms and the others +40.8 ms of CPU — read as
+# "starved of CPU", cause cpu).
+_OWN_CPU_MAX_SHARE = 0.5
+
+
 def _python_side_starved(subject_mean: dict[str, float], reference_mean: dict[str, float]) -> bool:
     other = subject_mean.get("other_cpu", math.nan) - reference_mean.get("other_cpu", math.nan)
+    own = subject_mean.get("thread_cpu", math.nan) - reference_mean.get("thread_cpu", math.nan)
     compute_growth = subject_mean["compute"] - reference_mean["compute"]
-    if math.isfinite(other) and other >= max(_OTHER_CPU_MIN_MS,
-                                             _OTHER_CPU_MIN_SHARE * compute_growth):
+    if (math.isfinite(other) and other >= max(_OTHER_CPU_MIN_MS, _OTHER_CPU_MIN_SHARE * compute_growth)
+            and not (math.isfinite(own)
+                     and own >= max(_OTHER_CPU_MIN_MS, _OWN_CPU_MAX_SHARE * compute_growth))):
         return True
     grew = subject_mean["dataloader"] - reference_mean["dataloader"]
     ratio = (subject_mean["dataloader"] + 1.0) / (reference_mean["dataloader"] + 1.0)
@@ -208,12 +219,25 @@ def cpu_only_idle(frame: StepFrame, now: dict[str, float], past: dict[str, float
     however little of it the run queue shows (a healthy 2-rank job on a busy CI host:
     steps 8 -> 14 ms, thread CPU flat at 5 ms, run queue under half of it: "fail_slow []
     compute"). Not on a GPU job (an SM clock reported): a GPU's slower kernels burn no
-    CPU of the rank either, and they are the job's."""
+    CPU of the rank either, and they are the job's. Nor without the run queue showing
+    some of it (IDLE_RUNQUEUE_SHARE): a step that sleeps, blocks on I/O or waits on a
+    lock in the job's own code burns no CPU either, and no busy host stands behind it
+    (one process, `time.sleep(0.04)` in every step from step 100: steps 2 -> 42 ms, run
+    queue +0.1 ms — read as "the host, +41.5 ms/step asleep", no label)."""
     if frame.thread_cpu is None or not np.isfinite(frame.thread_cpu).any():
         return False
     if np.isfinite(frame.sm_clock_mhz).any():
         return False
+    waited = now.get("runqueue", math.nan) - past.get("runqueue", math.nan)
+    if not (math.isfinite(waited) and waited >= IDLE_RUNQUEUE_SHARE * slowdown_ms):
+        return False
     return slowdown_ms > 0 and not work_grew(now, past, slowdown_ms)
+
+
+# A slowdown without more CPU burnt is the host's only if the ranks also waited for a
+# CPU this share of it (`cpu_only_idle`): on the busy hosts seen the run queue showed
+# 29-45 % of it, the rest asleep; a job's own sleep shows ~0 %.
+IDLE_RUNQUEUE_SHARE = 0.1
 
 # Slower collectives are the host's when the ranks waited for a CPU at least this share
 # of the slowdown per step (`host_busy`).

@@ -121,6 +121,7 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig) -> list[Anomaly]:
         f"({point.before:.1f} → {point.after:.1f} ms/step), driven by {who}"
         + (f": {grew} time grew by {why.deltas_ms[grew]:.1f} ms/step" if why.cause != "unknown" else "")
         + _starved_text(why.cause, mean_now, mean_past)
+        + _waiting_text(frame, why.cause, mean_now, mean_past, slowdown_ms)
     )
     runqueue_delta = mean_now["runqueue"] - mean_past["runqueue"]
     if starved:
@@ -229,6 +230,19 @@ def _cause_onset(frame: frames.StepFrame, rows: list[int], warm: np.ndarray,
         return onset
     candidate = int(warm[rise])
     return candidate if candidate - onset <= _ONSET_TOLERANCE else onset
+
+
+def _waiting_text(frame: frames.StepFrame, cause: str, mean_now: dict[str, float],
+                  mean_past: dict[str, float], slowdown_ms: float) -> str:
+    """Compute time that grew on a CPU-only job while the ranks burnt no more CPU, and no
+    busy host behind it (causes.cpu_only_idle): the step waits in the job's own code."""
+    if cause != "compute" or not math.isfinite(mean_now.get("thread_cpu", math.nan)):
+        return ""
+    if np.isfinite(frame.sm_clock_mhz).any():  # a GPU's slower kernels burn no CPU either
+        return ""
+    if work_grew(mean_now, mean_past, slowdown_ms):
+        return ""
+    return ", burning no more CPU: the step waits (a sleep, blocking I/O or a lock in its code)"
 
 
 def _starved_text(cause: str, mean_now: dict[str, float], mean_past: dict[str, float]) -> str:
