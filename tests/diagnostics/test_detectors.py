@@ -175,6 +175,22 @@ def test_hang_culprit_is_the_rank_outside_the_collective():
         "hang at step 20 (steps end at optimizer.step(): step 20 began when step 19's returned): ")
 
 
+def test_a_hangs_time_runs_on_to_the_stuck_ranks_last_heartbeat():
+    # The watchdog dumps at 10 s into the step; the ranks' heartbeats go on saying how
+    # long the step has been open until the job is stopped: the hang lasted that long
+    # (a ~29 s hang read 14.3 s, the dump's figure, seen), not a heartbeat from before.
+    base = job_spans("j", 4, 20)
+    t = 1_800_000_000_000_000_000
+    dumps = [{**d, "attributes": json.dumps({**json.loads(d["attributes"]), sc.HANG_ELAPSED_S: 10.0})}
+             for d in _all_reduce_dumps((0, 1, 3), t)]
+    dumps.append(_span(sc.SPAN_HANG, 2, 20, t + 9, {sc.HANG_OPERATION: "train.step",
+                                                     sc.HANG_STACKS: MAIN_STACK, sc.HANG_ELAPSED_S: 10.0}))
+    beats = [_span(sc.SPAN_HEARTBEAT, r, 20, t + k * 5 * 10**9 + r, {sc.HEARTBEAT_STEP_OPEN_S: 10.0 + 5 * k})
+             for r in range(4) for k in range(-1, 4)]
+    found = hang.detect(_job(pa.concat_tables([base, _extra(dumps + beats)])), DiagnosisConfig())
+    assert [(a.ranks, a.evidence["elapsed_s"]) for a in found] == [([2], 25.0)]
+
+
 def test_a_hang_in_a_dataloader_worker_is_input_at_the_workers_line():
     base = job_spans("j", 4, 20)
     t = 1_800_000_000_000_000_000
