@@ -523,3 +523,10 @@ def test_a_straggler_must_last_min_persist_s_of_the_jobs_time():
 
     assert found(5.0) == []
     assert found(100.0) == [([0], 30)]
+
+
+def test_one_victim_of_a_hang_waits_for_it():
+    # "rank 0 wait for it in broadcast" read a new user's 2-rank hang report
+    text = hang._victims_text([0], {("broadcast", "0", 5): [0]})
+    assert text == "rank 0 waits for it in broadcast (process group 0, seq 5)"
+    assert hang._victims_text([0, 1], {}) == "ranks 0, 1 wait for it"

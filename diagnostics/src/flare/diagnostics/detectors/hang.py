@@ -131,7 +131,7 @@ def _victims_text(victims: list[int], waiting_on: dict[tuple, list[int]]) -> str
         if waiting_on:
             (op, pg, seq), _ = next(iter(waiting_on.items()))
             where = f" in {op} (process group {pg}, seq {seq})"
-        return f"{ranks(victims)} wait for it{where}"
+        return f"{ranks(victims)} wait{'' if len(victims) > 1 else 's'} for it{where}"
     parts = [f"{ranks(group)} wait{'' if len(group) > 1 else 's'} in {op} (process group {pg}, seq {seq})"
              for (op, pg, seq), group in sorted(waiting_on.items(), key=lambda kv: (-len(kv[1]), kv[1]))]
     elsewhere = [r for r in victims if not any(r in group for group in waiting_on.values())]
