@@ -770,3 +770,15 @@ def test_compute_shared_with_torchs_intra_op_threads_is_compute_not_starvation()
     assert attribute(medians, before, 0.5, 42.5, 1.3, now, past).cause == "compute"
     starved = {**now, "thread_cpu": 1.5}
     assert attribute(medians, before, 0.5, 42.5, 1.3, starved, past).cause == "cpu"
+
+
+def test_a_straggler_that_waits_in_its_own_code_says_it_burns_no_more_cpu():
+    """Rank 1 sleeps 60 ms in every step from step 20 (a new user's `time.sleep` in a
+    callback): compute, as its own step's time, but the words say it burnt no more CPU
+    — "its compute is slower" alone sent the reader to its maths."""
+    diagnosis = diagnose(_job(job_spans("j", 4, 60, (Fault("asleep", 1, 20, 60.0),))))
+    [label] = diagnosis.anomalies
+    assert (label.kind, label.ranks, label.cause) == ("straggler", [1], "compute")
+    assert "its compute is slower without burning more CPU: it waits" in label.summary
+    burnt = diagnose(_job(job_spans("j", 4, 60, (Fault("compute", 1, 20, 60.0),))))
+    assert "without burning more CPU" not in burnt.anomalies[0].summary
