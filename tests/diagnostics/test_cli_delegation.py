@@ -63,3 +63,34 @@ def test_import_kineto_with_a_truncated_file_keeps_the_good_one_and_fails(tmp_pa
     assert "rank1.json.gz" in result.stderr and "Traceback" not in result.stderr
     report = _flare("diagnose", "--store", str(store), "--format", "json")
     assert report.returncode == 0 and json.loads(report.stdout)["job"] == "partial"
+
+
+def test_the_print_config_command_the_collector_help_shows_works():
+    """Seen: the help said "`flare collector --print-config NAME` shows it", which fails
+    (--print-config is a flag; the name goes to --config)."""
+    import re
+
+    shown = re.search(r"`(flare collector [^`]*)` shows it",
+                      " ".join(_flare("collector", "--help").stdout.split()))
+    assert shown, "the help names no command that shows a shipped configuration"
+    result = _flare(*shown.group(1).replace("NAME", "embedded").split()[1:])
+    assert result.returncode == 0, result.stderr
+    assert "receivers:" in result.stdout
+
+
+def test_the_docs_command_list_has_every_command_and_shipped_config():
+    """Seen: docs/diagnostics.md's command list left out `flare job-token`, and its
+    `collector --config` choices left out `secure`."""
+    import argparse
+    import re
+
+    from flare.collector import shipped
+    from flare.diagnostics.cli import _parser
+
+    docs = (Path(__file__).parents[2] / "docs" / "diagnostics.md").read_text()
+    listing = docs.split("## Commands", 1)[1].split("```", 2)[1]
+    listed = set(re.findall(r"^flare ([a-z-]+)", listing, re.MULTILINE))
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert listed == set(commands.choices)
+    choices = re.search(r"^flare collector --config (\S+)", listing, re.MULTILINE).group(1).split("|")
+    assert choices == ["FILE", *shipped.NAMES]

@@ -217,3 +217,74 @@ def test_flare_jobs_lists_every_job_with_its_steps_and_times(tmp_path, capsys):
     assert text[0].startswith("JOB") and [line.split()[0] for line in text[1:]] == ["alpha", "beta"]
     assert main(["jobs", "--store", str(tmp_path / "missing.duckdb")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_an_unknown_backend_scheme_is_named_with_the_known_ones(tmp_path):
+    """Seen: `--backend bogus:xyz` said "store bogus:xyz does not exist", read as a path."""
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--backend",
+                             "bogus:xyz"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "flare: error: unknown backend scheme 'bogus' in 'bogus:xyz' (known: store, jaeger, tempo, "
+        "clickhouse, chdb): use store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
+        "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
+    # a store whose file name holds a colon is still a store
+    _store(tmp_path / "odd:name.duckdb", job_spans("a", 2, 8))
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "jobs", "--backend",
+                             "odd:name.duckdb"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1].split()[0] == "a"
+
+
+@pytest.mark.parametrize("command", ["jobs", "diagnose"])
+def test_a_sqlite_file_is_not_a_store_and_nothing_is_downloaded(tmp_path, command):
+    """Seen: a SQLite file as the store made DuckDB download its sqlite_scanner extension
+    (a 3 s wait, then an IO Error about the download). HOME is the test's own, so an
+    extension installed on this machine cannot hide that."""
+    import os
+    import sqlite3
+
+    path = tmp_path / "sq.duckdb"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE t (x)")
+    con.commit()
+    con.close()
+    before = path.read_bytes()
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", command, "--store", str(path)],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"flare: error: {path} is not a Flare store: it is a SQLite database file"
+    assert not (tmp_path / ".duckdb").exists()  # no extension fetched
+    assert path.read_bytes() == before
+
+
+def test_a_line_waited_on_reads_waiting_in_and_the_heading_says_only_what_follows(tmp_path, capsys):
+    """Seen: "at waiting in /tmp/x.py:24 in my_slow_sleep" under a label whose captured
+    line was one its rank was blocked on, and a "Where the time went" heading naming
+    "framework phase" rows when no phase row followed."""
+    from flare.wire import semconv as sc
+
+    rows = {k: [] for k in ("job", "trace_id", "span_id", "name", "start_ns", "end_ns", "duration_ns",
+                            "rank", "step", "attributes")}
+    for step in range(30, 40):  # rank 2 (the straggler) and a peer, captured
+        for rank, frames in ((2, {"waiting in /tmp/x.py:24 in my_slow_sleep": 6, "x.py:5 in main": 1}),
+                             (0, {"x.py:5 in main": 1})):
+            for key, value in (("job", "slow"), ("trace_id", f"{step:016x}{rank:016x}"),
+                               ("span_id", f"{step:08x}{rank:08x}"), ("name", sc.SPAN_CAPTURE),
+                               ("start_ns", 1), ("end_ns", 2), ("duration_ns", 1), ("rank", rank),
+                               ("step", step)):
+                rows[key].append(value)
+            rows["attributes"].append(json.dumps({sc.CAPTURE_FRAMES: list(frames),
+                                                  sc.CAPTURE_SAMPLES: list(frames.values()),
+                                                  sc.CAPTURE_INTERVAL_MS: 10.0}))
+    path = _store(tmp_path / "c.duckdb", job_spans("slow", 4, 60, (Fault("compute", 2, 20),)),
+                  flare_store.spans_table(rows))
+    assert main(["diagnose", "--store", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "      waiting in /tmp/x.py:24 in my_slow_sleep: +60 ms/step" in out, out
+    assert "at waiting in" not in out
+    assert "Where the time went (time the other ranks waited, by culprit):" in out, out
+    html = tmp_path / "r.html"
+    assert main(["diagnose", "--store", str(path), "--format", "html", "-o", str(html)]) == 0
+    assert "<br>waiting in <code>/tmp/x.py:24 in my_slow_sleep" in html.read_text()

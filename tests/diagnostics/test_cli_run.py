@@ -256,3 +256,80 @@ def test_an_unwritable_report_path_is_refused_before_the_job_runs(tmp_path):
     assert result.stderr.strip() == (
         f"flare: error: cannot write {tmp_path / 'no' / 'r.txt'}: no directory {tmp_path / 'no'}")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("job", [["--job", "x"], []], ids=["with-job", "without-job"])
+@pytest.mark.parametrize("store", ["empty", "random", "directory"])
+def test_a_store_that_is_not_a_store_is_one_line_with_or_without_job(tmp_path, store, job):
+    """Seen: with --job, an empty file, random bytes or a directory as the store gave a
+    traceback (BackendError from the check for a reused job name); without, one line."""
+    path = tmp_path / "s.duckdb"
+    if store == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"" if store == "empty" else bytes(range(256)) * 20)
+    before = None if store == "directory" else path.read_bytes()
+    marker = tmp_path / "ran"
+    result = _run(["--store", str(path), *job, "--", sys.executable, "-c",
+                   f"open({str(marker)!r}, 'w').close()"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flare: error: "), result.stderr
+    assert ("is not a regular file" if store == "directory" else "is not a Flare store") in lines[0]
+    assert not marker.exists()  # the command never ran
+    if before is not None:
+        assert path.read_bytes() == before  # nothing written over what was there
+
+
+def test_a_script_that_is_not_executable_is_said_so(tmp_path):
+    """Seen: `flare run -- ./script.py` on a file without its x bit said "command not
+    found: ./script.py" although the file is there."""
+    script = tmp_path / "script.py"
+    script.write_text("#!/bin/sh\ntrue\n")
+    script.chmod(0o644)
+    result = _run(["--", "./script.py"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "flare: error: cannot run ./script.py: permission denied (it is not executable: "
+        "chmod +x it, or run it with its interpreter)"]
+    result = _run(["--", str(tmp_path)], cwd=tmp_path, timeout=60)
+    assert result.stderr.strip() == f"flare: error: cannot run {tmp_path}: it is a directory"
+    assert not (tmp_path / ".flare").exists()  # refused before the store was made
+
+
+def test_a_store_in_a_missing_directory_is_refused_and_nothing_is_created(tmp_path):
+    """Seen: `--store nodir/x.duckdb` made the directory (the collector creates it), where
+    diagnose and import-kineto call a mistyped path an error."""
+    marker = tmp_path / "ran"
+    store = tmp_path / "nodir" / "x.duckdb"
+    result = _run(["--store", str(store), "--", sys.executable, "-c",
+                   f"open({str(marker)!r}, 'w').close()"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"flare: error: the directory {tmp_path / 'nodir'} of store {store} does not exist")
+    assert not (tmp_path / "nodir").exists() and not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_job_name_is_refused(tmp_path, name):
+    """Seen: `--job ""` ran the job under a generated name, not the one meant."""
+    result = _run(["--job", name, "--", "true"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"flare: error: --job {name!r} is empty: name the job, or "
+                                     "leave --job out for a generated name")
+    assert not (tmp_path / ".flare").exists()
+
+
+def test_a_store_path_with_a_colon_is_a_file_not_a_duckdb_extension(tmp_path):
+    """Seen: `--store sqlite:new.duckdb` made DuckDB read "sqlite:" as its extension's
+    prefix and wait for a download of it. HOME is the test's own, so an extension
+    installed on this machine cannot hide that."""
+    import os
+
+    result = subprocess.run([FLARE, "run", "--store", "sqlite:new.duckdb", "--no-diagnose", "--", "true"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "download" not in result.stderr
+    assert (tmp_path / "sqlite:new.duckdb").is_file() and not (tmp_path / ".duckdb").exists()

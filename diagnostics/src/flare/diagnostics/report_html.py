@@ -20,6 +20,7 @@ from flare.diagnostics import frame as frames
 from flare.diagnostics.model import DiagnosisConfig, JobData
 from flare.diagnostics.pipeline import Diagnosis
 from flare.diagnostics.stats import nanmedian
+from flare.wire import semconv as sc
 
 _MAX_ROWS = 256
 _MAX_COLS = 600
@@ -121,7 +122,11 @@ def _anomaly_table(diagnosis: Diagnosis) -> str:
     for a in diagnosis.anomalies:
         steps = "" if a.first_step is None else f"{a.first_step}–{'' if a.last_step is None else a.last_step}"
         evidence = json.dumps(a.to_json()["evidence"], indent=2)
-        extra = f"<br>at <code>{_e(a.callsite)}</code>" if a.callsite else ""
+        extra = ""
+        if a.callsite:  # (a line waited on reads "waiting in …", not "at waiting in …")
+            waited = a.callsite.startswith(sc.CAPTURE_WAITING)
+            line = a.callsite[len(sc.CAPTURE_WAITING):] if waited else a.callsite
+            extra = f"<br>{'waiting in' if waited else 'at'} <code>{_e(line)}</code>"
         traces = "".join(f"<li><code>{_e(t)}</code></li>" for t in a.trace_ids)
         rows.append(
             f"<tr><td class='k-{_e(a.kind)}'>{_e(a.kind)}</td><td>{_e(', '.join(map(str, a.ranks)) or 'all')}</td>"

@@ -6,6 +6,7 @@ import textwrap
 import time
 
 from flare.diagnostics.pipeline import Diagnosis
+from flare.wire import semconv as sc
 
 NATIVE_SHOWN = 4  # a hang's innermost native frames in the text report
 
@@ -24,6 +25,12 @@ def _steps(first: int | None, last: int | None) -> str:
     if first is None:
         return "-"
     return f"{first}-" if last is None else (f"{first}" if first == last else f"{first}-{last}")
+
+
+def at(callsite: str) -> str:
+    """"at FILE:LINE …", or a captured line the rank was blocked on as it is ("waiting in
+    FILE:LINE …"): seen, "at waiting in /tmp/x.py:24 in my_slow_sleep"."""
+    return callsite if callsite.startswith(sc.CAPTURE_WAITING) else f"at {callsite}"
 
 
 def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
@@ -71,7 +78,7 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         for line in textwrap.wrap(a.summary, width=width - 6):
             lines.append("      " + line)
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
-            lines.append(f"      at {a.callsite}")
+            lines.append(f"      {at(a.callsite)}")
         native = a.evidence.get("native_frames")
         if native:  # a hang's C/C++ frames (py-spy): where under the Python line it waits
             lines.append("      native: " + " < ".join(native[:NATIVE_SHOWN])
@@ -141,8 +148,14 @@ def _time_table(rows: list[dict]) -> list[str]:
     """Where the time went: seconds and share of the run per culprit and cause."""
     if not rows or not any(r["seconds"] > 0 for r in rows):
         return []
-    out = ["", "Where the time went (time the other ranks waited, by culprit; "
-           "time every rank spent, by framework phase):",
+    # Each half of the heading only over rows it describes (seen: the phase half over a
+    # table without a phase row).
+    said = []
+    if any(r["kind"] != "phase" for r in rows):
+        said.append("time the other ranks waited, by culprit")
+    if any(r["kind"] == "phase" for r in rows):
+        said.append("time every rank spent, by framework phase")
+    out = ["", f"Where the time went ({'; '.join(said)}):",
            f"    {'WHO':<36} {'CAUSE':<13} {'SECONDS':>8} {'SHARE':>6}"]
     for row in rows:
         out.append(f"    {row['who'][:36]:<36} {row['cause']:<13} {row['seconds']:>8.2f} "
@@ -161,7 +174,7 @@ def live_alert_line(job: str, anomaly) -> str:
 
 def alert_line(job: str, anomaly) -> str:
     """One line for a live alert while the job runs."""
-    where = (f" at {anomaly.callsite}"
+    where = (f" {at(anomaly.callsite)}"
              if anomaly.callsite and anomaly.callsite not in anomaly.summary else "")
     since = f" from step {anomaly.first_step}" if anomaly.first_step is not None else ""
     return (f"flare: [{anomaly.kind}] ranks {_ranks(anomaly.ranks)} cause {anomaly.cause}"

@@ -76,10 +76,14 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(own)
     if not command:
         return _usage_error("no command to run (put it after --)")
-    if shutil.which(command[0]) is None:
-        raise UserError(f"command not found: {command[0]}")
+    if args.job is not None and not args.job.strip():
+        # (seen: `--job ""` ran under a generated name, not the one the user meant to give)
+        raise UserError(f"--job {args.job!r} is empty: name the job, or leave --job out "
+                        "for a generated name")
+    _check_command(command[0])
     if args.output:  # found out before the job runs, not after it (the report is lost)
         _check_writable(args.output)
+    _check_store_directory(args.store)
     if args.job:
         _refuse_existing_job(args.store, args.job)
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
@@ -199,6 +203,31 @@ def _speaks_http1(connection: socket.socket, host: str, port: int) -> bool:
         return False
 
 
+def _check_command(name: str) -> None:
+    """CMD can be run: a file that exists but is not executable is said as such (seen:
+    `./train.py` without its x bit read "command not found")."""
+    if shutil.which(name) is not None:
+        return
+    if os.sep in name and os.path.isdir(name):
+        raise UserError(f"cannot run {name}: it is a directory")
+    if shutil.which(name, mode=os.F_OK) is not None:  # there, but without the x bit
+        raise UserError(f"cannot run {name}: permission denied (it is not executable: "
+                        f"chmod +x it, or run it with its interpreter)")
+    raise UserError(f"command not found: {name}")
+
+
+def _check_store_directory(path: str) -> None:
+    """A --store whose directory is missing is refused, as `flare diagnose` and `flare
+    import-kineto` refuse it: the collector would make the directory (seen: a mistyped
+    path left a new directory behind). Only the default store's (.flare) is made."""
+    if path == DEFAULT_STORE:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise UserError(f"the directory {directory} of store {path} {what}")
+
+
 def _check_writable(path: str) -> None:
     """-o FILE can be written: its directory exists and is writable (and so is the
     file, if it exists). Nothing is created before the report is."""
@@ -219,10 +248,13 @@ def _refuse_existing_job(store_path: str, job: str) -> None:
         return
     from flare.diagnostics.backends.store import StoreBackend
 
-    backend = StoreBackend(store_path)
+    try:
+        backend = StoreBackend(store_path)
+    except BackendError as exc:  # not a store, a directory (seen: a traceback): one line
+        raise UserError(str(exc)) from None
     try:
         found = job in backend.jobs()
-    except Exception:  # not a store, locked, damaged: the collector's start says which
+    except Exception:  # damaged past its header: the collector's start says so
         found = False
     finally:
         backend.close()
@@ -499,6 +531,6 @@ class LiveMonitor:
                     and not anomaly.evidence.get("capture_pending")):
                 self.located[identity] = anomaly.callsite
                 print(f"{time.strftime('%H:%M:%S')} flare: [{anomaly.kind}] ranks "
-                      f"{','.join(map(str, anomaly.ranks))} at {anomaly.callsite}",
+                      f"{','.join(map(str, anomaly.ranks))} {report_text.at(anomaly.callsite)}",
                       file=self.out, flush=True)
         return fresh

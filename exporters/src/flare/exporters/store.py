@@ -166,10 +166,43 @@ def _check_regular(path: Path) -> None:
             raise StoreError(f"store {candidate} is not a regular file")
 
 
+# The first bytes of a SQLite database: DuckDB opens such a file through its sqlite
+# extension, downloading it first when it is not installed.
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_not_sqlite(path: Path) -> None:
+    """Refuse a SQLite database before DuckDB sees it (seen: `flare jobs --store` on
+    one waited ~2 s for a download of the sqlite_scanner extension, then failed with
+    DuckDB's download error). Checked here rather than by opening DuckDB with extension
+    auto-loading off: that configuration differs from a plain `duckdb.connect`'s, and
+    DuckDB refuses two configurations of one file in one process (clickhouse.load_store
+    opens the store plainly while a StoreBackend may hold it)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(_SQLITE_HEADER))
+    except OSError:
+        return  # (missing or unreadable: DuckDB says which)
+    if head == _SQLITE_HEADER:
+        raise StoreError(f"{path} is not a Flare store: it is a SQLite database file")
+
+
+def _duckdb_path(path: Path) -> str:
+    """`path` as DuckDB must be given it: a relative path whose first part holds a colon
+    goes with "./", or DuckDB reads "NAME:…" as a database of its NAME extension (seen:
+    `--store sqlite:x.duckdb` waited for a download of the sqlite extension; `odd:x.duckdb`
+    could not be opened at all). Other paths as given: a path spelt differently would be a
+    second DuckDB instance of the same file in one process."""
+    if not path.is_absolute() and path.parts and ":" in path.parts[0]:
+        return os.path.join(os.curdir, str(path))
+    return str(path)
+
+
 def _connect(path: Path, read_only: bool) -> duckdb.DuckDBPyConnection:
     _check_regular(path)
+    _check_not_sqlite(path)
     try:
-        return duckdb.connect(str(path), read_only=read_only)
+        return duckdb.connect(_duckdb_path(path), read_only=read_only)
     except (duckdb.IOException, duckdb.ConnectionException) as exc:
         text = str(exc)
         # Another process holds the file ("lock"), or this process holds it with the

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, metavar="FILE|NAME",
                         help="collector configuration in the otelcol shape: a file, or one "
                              f"shipped with Flare by name ({', '.join(shipped.NAMES)}; "
-                             "`flare collector --print-config NAME` shows it)")
+                             "`flare collector --config NAME --print-config` shows it)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the configuration --config names and exit")
     parser.add_argument("--insecure-expose", action="store_true",

@@ -8,6 +8,8 @@ HTTP stack.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from flare.diagnostics.backends.base import Backend, BackendError
@@ -19,6 +21,12 @@ _HTTP_SCHEMES = {
     "jaeger": ("flare.diagnostics.backends.jaeger", "JaegerBackend"),
     "tempo": ("flare.diagnostics.backends.tempo", "TempoBackend"),
 }
+_FORMS = ("store:PATH, jaeger+http(s)://HOST:PORT, tempo+http(s)://HOST:PORT, "
+          "clickhouse+http(s)://HOST:PORT/DB or chdb:PATH")
+_KNOWN_SCHEMES = ("store", "jaeger", "tempo", "clickhouse", "chdb")
+# `NAME:` or `NAME+TRANSPORT:` at the start of a spec (two letters at least: not a
+# drive letter).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9.-]+)(\+[A-Za-z0-9.-]*)?:")
 
 
 def open_backend(spec: str, **opts: Any) -> Backend:
@@ -41,11 +49,16 @@ def open_backend(spec: str, **opts: Any) -> Backend:
         from flare.diagnostics.backends.clickhouse import ClickHouseBackend
 
         return ClickHouseBackend(spec, **opts)
-    if "://" in spec:
-        raise BackendError(
-            f"unknown backend {spec!r}: use store:PATH, jaeger+http(s)://HOST:PORT, "
-            "tempo+http(s)://HOST:PORT, clickhouse+http(s)://HOST:PORT/DB or chdb:PATH"
-        )
+    scheme = _SCHEME.match(spec)
+    # A spec with a scheme that is not store's, unless it is a file that exists (a bare
+    # path may hold a colon): `bogus:xyz` was read as a store path and said "store
+    # bogus:xyz does not exist", hiding that the scheme was wrong.
+    if (scheme and scheme.group(1) != "store" and not os.path.exists(spec)) or "://" in spec:
+        name = scheme.group(1) if scheme else spec.split("://")[0]
+        if name in _KNOWN_SCHEMES:
+            raise BackendError(f"backend {spec!r} is not one Flare reads: use {_FORMS}")
+        raise BackendError(f"unknown backend scheme {name!r} in {spec!r} (known: "
+                           f"{', '.join(_KNOWN_SCHEMES)}): use {_FORMS}")
     from flare.diagnostics.backends.store import StoreBackend
 
     path = spec[len("store:"):] if spec.startswith("store:") else spec
