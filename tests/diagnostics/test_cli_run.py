@@ -280,6 +280,8 @@ def test_a_store_that_is_not_a_store_is_one_line_with_or_without_job(tmp_path, s
     assert not marker.exists()  # the command never ran
     if before is not None:
         assert path.read_bytes() == before  # nothing written over what was there
+    # refused before the collector starts: no write-ahead log folder left beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.duckdb"]
 
 
 def test_a_script_that_is_not_executable_is_said_so(tmp_path):

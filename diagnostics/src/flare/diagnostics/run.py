@@ -84,8 +84,7 @@ def main(argv: list[str]) -> int:
     if args.output:  # found out before the job runs, not after it (the report is lost)
         _check_writable(args.output)
     _check_store_directory(args.store)
-    if args.job:
-        _refuse_existing_job(args.store, args.job)
+    _check_existing_store(args.store, args.job)
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     forward_protocol = None
     if args.otlp_forward:
@@ -240,9 +239,11 @@ def _check_writable(path: str) -> None:
         raise UserError(f"cannot write {path}: permission denied")
 
 
-def _refuse_existing_job(store_path: str, job: str) -> None:
-    """A second run under the name of a job already in the store would mix the two
-    runs' steps (step numbers start at 0 again) into one job: its diagnosis, and any
+def _check_existing_store(store_path: str, job: str | None) -> None:
+    """A store that exists is a store, before the collector starts (which leaves its
+    write-ahead log folder beside whatever file it was given, seen); and `job` is not in
+    it: a second run under the name of a job already in the store would mix the two
+    runs' steps (step numbers start at 0 again) into one job, its diagnosis, and any
     later --baseline-job against it, would read averages of both."""
     if not os.path.exists(store_path):
         return
@@ -253,7 +254,7 @@ def _refuse_existing_job(store_path: str, job: str) -> None:
     except BackendError as exc:  # not a store, a directory (seen: a traceback): one line
         raise UserError(str(exc)) from None
     try:
-        found = job in backend.jobs()
+        found = job is not None and job in backend.jobs()
     except Exception:  # damaged past its header: the collector's start says so
         found = False
     finally:
