@@ -335,3 +335,47 @@ def test_a_store_path_with_a_colon_is_a_file_not_a_duckdb_extension(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "download" not in result.stderr
     assert (tmp_path / "sqlite:new.duckdb").is_file() and not (tmp_path / ".duckdb").exists()
+
+
+def test_a_job_its_user_stopped_reads_the_same_from_the_store_later(tmp_path):
+    """Ctrl-C twice while rank 0 hangs: flare run's report knows the user stopped the
+    job; a later `flare diagnose` of the store read the stop's echoes as failures (seen:
+    "rank 0 died without an error at step 30: killed by a signal (SIGKILL…)", and
+    "fail_slow [1] cpu" over the step the stop stretched). The stop is stored."""
+    import signal
+    import time
+
+    train = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+    store = tmp_path / "s.duckdb"
+    flare = subprocess.Popen(
+        [FLARE, "run", "--store", str(store), "--job", "stopped", "--format", "json", "-o",
+         str(tmp_path / "run.json"), "--", str(Path(sys.executable).with_name("torchrun")),
+         "--nproc_per_node", "2", str(train), "--steps", "200", "--fault", "hang",
+         "--fault-rank", "0", "--fault-from", "30"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True)
+    try:
+        for line in flare.stdout:  # the job's own output (the report goes to -o)
+            if "step 0 loss" in line:
+                break
+        time.sleep(3.0)  # past step 30: rank 0 hangs, rank 1 waits for it
+        flare.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        flare.send_signal(signal.SIGINT)  # "Ctrl-C again to force"
+        flare.communicate(timeout=120)
+    finally:
+        if flare.poll() is None:
+            flare.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert flare.returncode == 130, stderr[-2000:]
+    con = flare_store.open_reader(store)
+    try:
+        stops = con.execute("SELECT attributes->>'flare.run.signal' FROM spans "
+                            "WHERE job = 'stopped' AND name = 'flare.run.stop'").fetchall()
+    finally:
+        con.close()
+    assert stops == [("SIGINT",)]
+    later = subprocess.run([FLARE, "diagnose", "--store", str(store), "--job", "stopped", "--format", "json"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    labels = [[(a["kind"], a["ranks"], a["cause"]) for a in json.loads(text)["anomalies"]]
+              for text in ((tmp_path / "run.json").read_text(), later.stdout)]
+    assert labels[0] == labels[1] == [], labels

@@ -782,3 +782,14 @@ def test_a_straggler_that_waits_in_its_own_code_says_it_burns_no_more_cpu():
     assert "its compute is slower without burning more CPU: it waits" in label.summary
     burnt = diagnose(_job(job_spans("j", 4, 60, (Fault("compute", 1, 20, 60.0),))))
     assert "without burning more CPU" not in burnt.anomalies[0].summary
+
+
+def test_the_step_a_users_stop_cut_short_is_read_by_no_detector():
+    """The step each rank was in when its user stopped the job ends at the stop (rank 1
+    of a stopped 2-rank job: 6.1 s to its SIGTERM, seen read as "fail_slow [1] cpu"): no
+    detector reads it once the job is known to be stopped."""
+    frame = frames.load(_job(job_spans("j", 2, 40)), DiagnosisConfig())
+    ended = frames.warm_mask(frame, DiagnosisConfig())
+    stopped = frames.warm_mask(frame, DiagnosisConfig(stopped_by_user=True))
+    assert ended[-1] and not stopped[-1]
+    assert (ended[:-1] == stopped[:-1]).all()

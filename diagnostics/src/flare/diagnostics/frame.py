@@ -143,6 +143,18 @@ WARMUP_WINDOW = 5
 
 
 def warm_mask(frame: StepFrame, config: DiagnosisConfig) -> np.ndarray:
+    """The columns a detector reads: past warm-up (`_past_warm_up`), and, in a job its
+    user stopped (`config.stopped_by_user`), not the last one — the step the stop cut
+    short or stretched (seen: a 2-rank job stopped while rank 0 hung, rank 1's last step
+    6.1 s to its SIGTERM, read as "fail_slow [1] cpu 22-30")."""
+    warm = _past_warm_up(frame, config)
+    if config.stopped_by_user and warm.size > 1:
+        warm = warm.copy()
+        warm[-1] = False
+    return warm
+
+
+def _past_warm_up(frame: StepFrame, config: DiagnosisConfig) -> np.ndarray:
     """The columns past warm-up: the first `warmup_steps`, and beyond them while the job
     is still settling from a slow start (a compiled model's first steps, recompiles, a
     new schedule's first all-gathers), so baselines and change points start at steady

@@ -193,7 +193,9 @@ class DiagnosisConfig:
     # A rank is a straggler when the others wait for it at least this share of a step.
     straggler_min_impact: float = 0.05
     # Added: the job was stopped by its user (Ctrl-C under `flare run`): failures that are
-    # only consequences (signals, KeyboardInterrupt, closed connections) are that stop.
+    # only consequences (signals, KeyboardInterrupt, closed connections) are that stop, and
+    # the step each rank was in is cut short or stretched by it (frame.warm_mask). Set by
+    # `flare run`, and read back from the job's `flare.run.stop` span (pipeline.diagnose).
     stopped_by_user: bool = False
     # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
     min_persist_steps: int = 5

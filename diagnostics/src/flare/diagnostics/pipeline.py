@@ -101,6 +101,8 @@ def diagnose(
 ) -> Diagnosis:
     config = config or DiagnosisConfig()
     cached = CachedJobData(job)
+    if not config.stopped_by_user and _stopped_by_user(cached):
+        config = dataclasses.replace(config, stopped_by_user=True)
     if config.baseline is not None and not isinstance(config.baseline, CachedJobData):
         config = dataclasses.replace(config, baseline=CachedJobData(config.baseline))
     errors: dict[str, str] = {}
@@ -129,6 +131,16 @@ def diagnose(
                      host_contention=[merging.host_row(a) for a in host], wait_unknown=unknown,
                      contention_unknown=caveats.contention_unknown(cached, config),
                      blips=blips, steps_unseen=caveats.steps_unseen(cached))
+
+
+def _stopped_by_user(job: JobData) -> bool:
+    """Whether `flare run` recorded that its user stopped the job (run._record_stop)."""
+    try:
+        return job.spans([sc.SPAN_RUN_STOP], columns=["start_ns"], limit=1).num_rows > 0
+    except Exception as exc:  # a backend that cannot say: read as a job that ended itself
+        if flare_store.is_interrupt(exc):
+            raise KeyboardInterrupt from exc
+        return False
 
 
 def _time_lost(job: JobData, config: DiagnosisConfig, anomalies: list[Anomaly]) -> list[dict]:

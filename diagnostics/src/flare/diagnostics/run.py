@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     capture = None if args.no_diagnose else CaptureRequests(collector.opamp.request_capture, job)
     monitor = None if args.no_diagnose else LiveMonitor(args.store, job, on_alert=capture.on_alert)
     child = None
-    stopped: list[int] = []  # the signal flare run got and passed on (Ctrl-C, SIGTERM)
+    stopped: list[int] = []  # the signal flare run got and passed on (Ctrl-C, SIGTERM), its time
     try:
         # A JSON or HTML report on stdout stays parseable: the job's own stdout goes to
         # stderr then.
@@ -123,6 +123,8 @@ def main(argv: list[str]) -> int:
         if child is not None and child.poll() is None:
             child.kill()
     collector.flush()
+    if stopped:
+        _record_stop(collector, job, writeback_endpoint, stopped[0], stopped[1])
     if not args.no_diagnose:
         _final_report(args, collector, job, writeback_endpoint,
                       stopped_by_user=bool(stopped), status=status,
@@ -364,7 +366,7 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
     as `opentelemetry-instrument` does at start, is lost)."""
     interrupts = [0]
     last_signal = [0.0]
-    stopped = [] if stopped is None else stopped  # the signal that stopped the job
+    stopped = [] if stopped is None else stopped  # the signal that stopped the job, its time
 
     def send_next() -> None:
         interrupts[0] += 1
@@ -377,7 +379,8 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
 
     def forward(signum: int, _frame) -> None:
         if interrupts[0] == 0:
-            stopped.append(signum)  # (the caller's to know: the job did not end on its own)
+            stopped.extend((signum, time.time_ns()))  # (the caller's to know: the job
+            # did not end on its own, and when it was stopped)
             what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
             # (a new line first on a terminal: the shell has echoed ^C on this one)
             print(f"{chr(10) if sys.stderr.isatty() else ''}flare: {what}; stopping the job "
@@ -403,6 +406,17 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
     if interrupts[0]:
         return 128 + stopped[0]  # 130 after Ctrl-C, 143 after SIGTERM, as a shell reports
     return code if code >= 0 else 128 - code
+
+
+def _record_stop(collector, job: str, endpoint: str, signum: int, time_ns: int) -> None:
+    """Store that the user stopped the job (a `flare.run.stop` span): `flare diagnose`
+    later reads it as this run's report does (seen: a job stopped with Ctrl-C twice read
+    clean here, and "rank 0 died without an error ... SIGKILL" from the store)."""
+    try:
+        writeback.send_otlp(endpoint, writeback.stop_span(job, signal.Signals(signum).name, time_ns))
+        collector.flush()
+    except writeback.WritebackError as exc:
+        print(f"flare: the stop was not recorded in the store: {exc}", file=sys.stderr)
 
 
 def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,

@@ -104,6 +104,23 @@ def anomaly_spans(
                 for t, s in links.get(anomaly.key, ())
             ],
         ))
+    return _request(job, spans)
+
+
+def stop_span(job: str, signal_name: str, time_ns: int) -> trace_service_pb2.ExportTraceServiceRequest:
+    """The record that `flare run` stopped `job` at its user's signal (`signal_name`, at
+    `time_ns`): a later `flare diagnose` reads the job as the run's own report did
+    (DiagnosisConfig.stopped_by_user), not its stop's echoes as failures."""
+    span = trace_pb2.Span(
+        trace_id=sc.step_trace_id(job, 0).to_bytes(16, "big"),
+        span_id=sc.step_trace_id(job + "/stop", 0).to_bytes(16, "big")[8:],
+        name=sc.SPAN_RUN_STOP, kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
+        start_time_unix_nano=time_ns, end_time_unix_nano=time_ns,
+        attributes=_key_values({sc.RUN_STOP_SIGNAL: signal_name}))
+    return _request(job, [span])
+
+
+def _request(job: str, spans: list) -> trace_service_pb2.ExportTraceServiceRequest:
     resource = resource_pb2.Resource(attributes=_key_values({
         sc.SERVICE_NAME: SERVICE, sc.JOB_ID: job,
     }))

@@ -65,6 +65,8 @@ SPAN_COLLECTIVE_RANKS = "collective.ranks"  # emitted by the correlator per (pg,
 # service.name of the anomaly spans `flare diagnose` writes back: not a job
 DIAGNOSTICS_SERVICE = "flare-diagnostics"
 SPAN_ANOMALY = "flare.anomaly"  # written back by diagnostics
+SPAN_RUN_STOP = "flare.run.stop"  # `flare run` stopped the job at its user's signal
+RUN_STOP_SIGNAL = "flare.run.signal"  # SIGINT, SIGTERM: the first one it passed on
 
 # ---------------------------------------------------------------- train.step
 STEP = "flare.step"
