@@ -92,6 +92,22 @@ def test_regression_against_baseline(tmp_path, capsys):
     assert "communication" in regression[0]["summary"]
 
 
+def test_a_regression_a_straggler_explains_is_that_stragglers_evidence(tmp_path, capsys):
+    """Rank 1 slower from step 20 of a job whose baseline had no such rank: the
+    straggler is the whole of the regression against the baseline, one label (a new
+    user's sleeping rank read as a straggler, 78 %, and "regression all compute", 88 %,
+    on top). A regression with no such label stays one."""
+    path = _store(tmp_path / "r.duckdb", job_spans("base", 4, 60),
+                  job_spans("new", 4, 60, (Fault("compute", 1, 10, extra_ms=60.0),)))
+    assert main(["diagnose", "--store", str(path), "--job", "new", "--baseline-job", "base",
+                 "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(a["kind"], a["ranks"]) for a in report["anomalies"]] == [("straggler", [1])]
+    [label] = report["anomalies"]
+    assert "slower per step than baseline base" in label["evidence"]["regression"]
+    assert "; against the baseline: " in label["summary"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--store", "{tmp}/missing.duckdb"], "does not exist"),
     (["--store", "{tmp}/two.duckdb"], "holds 2 jobs; choose one with --job: a, b"),

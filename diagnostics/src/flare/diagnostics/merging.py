@@ -80,6 +80,12 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                 for straggler_label in hosts:
                     _nest_slowdown(straggler_label, anomaly)
                 continue
+        if anomaly.kind == "regression":
+            cause_of = _explained_regression(anomaly, anomalies)
+            if cause_of is not None:
+                cause_of.evidence["regression"] = anomaly.summary
+                cause_of.summary += f"; against the baseline: {anomaly.summary}"
+                continue
         if anomaly.kind == "straggler" and anomaly.evidence.get("pattern"):
             # A rank's stalls of the same cause inside its own lasting slowdown are how
             # that slowdown shows (a slow loader stalling every other step), not a
@@ -108,6 +114,24 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
         else:
             owner.evidence.setdefault("also", []).append(anomaly.summary)
     return _one_per_stretch(kept)
+
+
+# A regression against the baseline is what the job's own slowdown cost it when that
+# slowdown's impact is at least this share of the regression's.
+_REGRESSION_EXPLAINED = 0.8
+
+
+def _explained_regression(regression: Anomaly, anomalies: list[Anomaly]) -> Anomaly | None:
+    """The lasting straggler or fail-slow of this job that the regression against its
+    baseline only repeats: its impact ≥ 80 % of the regression's. A new user's rank that
+    slept from step 20 read as a straggler (78 % of the run) and as "regression all
+    compute 0-149" (88 %) on top: one problem counted twice, past 100 %."""
+    own = [a for a in anomalies if a.kind in ("straggler", "fail_slow")
+           and not a.evidence.get("pattern") and _overlap(a, regression)]
+    largest = max(own, key=lambda a: a.impact, default=None)
+    if largest is None or largest.impact < _REGRESSION_EXPLAINED * regression.impact:
+        return None
+    return largest
 
 
 def _one_per_stretch(anomalies: list[Anomaly]) -> list[Anomaly]:
