@@ -109,3 +109,24 @@ def test_a_workers_recording_that_ends_after_a_live_labels_last_step_is_its_line
     assert found[0]["frame"] == collate, found
     # a recording that ended before the label began is not its line
     assert [h["frame"] for h in hotspots._compare(rows, {2}, 251, None)] == []
+
+
+def test_a_label_whose_capture_never_came_says_when_it_was_asked_and_why():
+    """An alert 6 s before the job ended asked rank 1 for a capture; the job ended
+    before the capture's window did, and the report had no line and no word of it
+    (seen). The label now says when the capture was asked and why no line came."""
+    from flare.diagnostics.backends.arrow import ArrowJobData
+    from flare.diagnostics.pipeline import diagnose
+    from flare.diagnostics.report_text import render
+    from flare.diagnostics.synthetic import Fault, job_spans
+
+    table = job_spans("j", 4, 60, (Fault("compute", 1, 20, 60.0),))
+    diagnosis = diagnose(ArrowJobData("j", "synthetic", lambda *_: table))
+    requests = hotspots.CaptureRequests(lambda job, ranks, steps: {"asked": ranks}, "j")
+    requests.asked_at = {1: 52}  # as on_alert records it: the job's last step at the alert
+    requests.unanswered(diagnosis.anomalies, diagnosis.steps)
+    [label] = diagnosis.anomalies
+    assert label.callsite is None
+    assert label.evidence["capture"] == {"asked_at_step": 52, "window_steps": 20, "last_step": 59}
+    assert ("no line: its ranks were asked for a capture at step 52; the job ended at step 59, "
+            "before the capture's 20 steps were done") in render(diagnosis)

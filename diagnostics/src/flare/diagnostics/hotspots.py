@@ -244,6 +244,7 @@ class CaptureRequests:
         self.steps = steps
         self.asked: set[int] = set()
         self.requests: list[tuple[list[int], int | None]] = []  # (culprits, peer)
+        self.asked_at: dict[int, int] = {}  # rank → the job's last step when it was asked
 
     def on_alert(self, anomaly: Anomaly, diagnosis) -> None:
         culprits = sorted(int(r) for r in anomaly.ranks)
@@ -254,5 +255,24 @@ class CaptureRequests:
         peer = next((int(r) for r in sorted(ranks) if int(r) not in labelled), None)
         wanted = [*culprits, *([] if peer is None or peer in self.asked else [peer])]
         result = self.ask(self.job or diagnosis.job, wanted, self.steps)
-        self.asked.update(result.get("asked", []))
+        asked = result.get("asked", [])
+        self.asked.update(asked)
+        last = diagnosis.steps[1] if diagnosis.steps else None
+        if last is not None:
+            for rank in asked:
+                self.asked_at.setdefault(int(rank), int(last))
         self.requests.append((culprits, peer))
+
+    def unanswered(self, anomalies: list[Anomaly], steps: tuple[int, int] | None) -> None:
+        """Say, on each label whose ranks were asked for a capture and that still has no
+        line, when it was asked and why no line came (seen: an alert 6 s before the job
+        ended, then a report with no line and no word of the capture): evidence
+        `capture` = {"asked_at_step", "window_steps", "last_step"}."""
+        last = steps[1] if steps else None
+        for anomaly in anomalies:
+            if anomaly.callsite is not None or anomaly.kind not in self.KINDS:
+                continue
+            at = [self.asked_at[int(r)] for r in anomaly.ranks if int(r) in self.asked_at]
+            if at:
+                anomaly.evidence["capture"] = {"asked_at_step": min(at), "window_steps": self.steps,
+                                               "last_step": last}

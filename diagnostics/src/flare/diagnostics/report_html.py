@@ -127,6 +127,10 @@ def _anomaly_table(diagnosis: Diagnosis) -> str:
             waited = a.callsite.startswith(sc.CAPTURE_WAITING)
             line = a.callsite[len(sc.CAPTURE_WAITING):] if waited else a.callsite
             extra = f"<br>{'waiting in' if waited else 'at'} <code>{_e(line)}</code>"
+        elif a.evidence.get("capture"):
+            from flare.diagnostics.report_text import unanswered_capture
+
+            extra = f"<br>{_e(unanswered_capture(a.evidence['capture']))}"
         traces = "".join(f"<li><code>{_e(t)}</code></li>" for t in a.trace_ids)
         rows.append(
             f"<tr><td class='k-{_e(a.kind)}'>{_e(a.kind)}</td><td>{_e(', '.join(map(str, a.ranks)) or 'all')}</td>"

@@ -33,6 +33,14 @@ def at(callsite: str) -> str:
     return callsite if callsite.startswith(sc.CAPTURE_WAITING) else f"at {callsite}"
 
 
+def unanswered_capture(capture: dict) -> str:
+    """Why a label asked a capture of has no line (hotspots.CaptureRequests.unanswered)."""
+    asked, window, last = capture["asked_at_step"], capture["window_steps"], capture.get("last_step")
+    ran = f"the job ended at step {last}, " if last is not None else ""
+    return (f"no line: its ranks were asked for a capture at step {asked}; {ran}before the "
+            f"capture's {window} steps were done")
+
+
 def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
     steps = diagnosis.steps
     head = (f"Flare diagnosis of job {diagnosis.job} ({diagnosis.backend}), "
@@ -79,6 +87,8 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
             lines.append("      " + line)
         if a.callsite and a.callsite not in a.summary:  # (an error's summary names it)
             lines.append(f"      {at(a.callsite)}")
+        elif not a.callsite and a.evidence.get("capture"):
+            lines.append(f"      {unanswered_capture(a.evidence['capture'])}")
         native = a.evidence.get("native_frames")
         if native:  # a hang's C/C++ frames (py-spy): where under the Python line it waits
             lines.append("      native: " + " < ".join(native[:NATIVE_SHOWN])

@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     if not args.no_diagnose:
         _final_report(args, collector, job, writeback_endpoint,
                       stopped_by_user=bool(stopped), status=status,
-                      alerted=monitor.alerted if monitor else ())
+                      alerted=monitor.alerted if monitor else (), capture=capture)
     if not collector.stop(30.0):
         print("flare: the collector could not drain everything in time; the rest is kept "
               "in its write-ahead log for the next start", file=sys.stderr)
@@ -420,7 +420,8 @@ def _record_stop(collector, job: str, endpoint: str, signum: int, time_ns: int) 
 
 
 def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
-                  stopped_by_user: bool = False, status: int = 0, alerted=()) -> None:
+                  stopped_by_user: bool = False, status: int = 0, alerted=(),
+                  capture: CaptureRequests | None = None) -> None:
     from flare.diagnostics.backends.store import StoreBackend
 
     backend = None
@@ -440,6 +441,8 @@ def _final_report(args: argparse.Namespace, collector, job: str, endpoint: str,
         diagnosis.withdrawn = pipeline.withdrawn(alerted, diagnosis.anomalies, diagnosis.job_data, config,
                                                  diagnosis.blips)
         diagnosis.live_alerts = pipeline.live_alerts(alerted, diagnosis.anomalies)
+        if capture is not None:
+            capture.unanswered(diagnosis.anomalies, diagnosis.steps)
     except BackendError as exc:
         print(f"flare: cannot diagnose: {exc}", file=sys.stderr)
         return
