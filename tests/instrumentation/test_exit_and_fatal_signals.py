@@ -186,8 +186,9 @@ def test_ctrl_c_while_a_rank_imports_torch_is_one_line():
             [str(INSTRUMENT), sys.executable, "-c", "print('the script ran', flush=True)"],
             env=rank_env(dead_endpoint(), FLARE_RUN_PID=str(os.getpid())),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            # as a rank has it (a pytest-xdist worker ignores SIGINT, and a child started
-            # with it ignored never sees the Ctrl-C)
+            # as a rank has it: a suite started in the background of a script runs with
+            # SIGINT ignored (POSIX shells start background jobs so), and a child started
+            # with it ignored never sees the Ctrl-C (a fresh clone's tier 1, twice)
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and process.poll() is None:  # torch is being loaded
