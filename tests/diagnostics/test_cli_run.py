@@ -379,3 +379,29 @@ def test_a_job_its_user_stopped_reads_the_same_from_the_store_later(tmp_path):
     labels = [[(a["kind"], a["ranks"], a["cause"]) for a in json.loads(text)["anomalies"]]
               for text in ((tmp_path / "run.json").read_text(), later.stdout)]
     assert labels[0] == labels[1] == [], labels
+
+
+def test_a_stopped_job_that_sent_nothing_is_no_job_of_the_store(tmp_path):
+    """Ctrl-C of a command that sent no span (no Python, or stopped while starting):
+    the stop is not recorded, or its span alone would make the job one of the store's —
+    listed by `flare jobs`, its name refused next time."""
+    import signal
+    import time
+
+    flare = subprocess.Popen([FLARE, "run", "--job", "quiet", "--", "sleep", "120"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "collecting into" in flare.stderr.readline()
+        time.sleep(1.0)
+        flare.send_signal(signal.SIGINT)
+        _, stderr = flare.communicate(timeout=60)
+    finally:
+        if flare.poll() is None:
+            flare.kill()
+    assert flare.returncode == 130, stderr
+    assert "job quiet sent no spans" in stderr, stderr
+    con = flare_store.open_reader(tmp_path / ".flare" / "store.duckdb")
+    try:
+        assert con.execute("SELECT count(*) FROM spans").fetchone() == (0,)
+    finally:
+        con.close()

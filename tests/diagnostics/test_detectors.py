@@ -187,6 +187,8 @@ def test_a_hangs_time_runs_on_to_the_stuck_ranks_last_heartbeat():
                                                      sc.HANG_STACKS: MAIN_STACK, sc.HANG_ELAPSED_S: 10.0}))
     beats = [_span(sc.SPAN_HEARTBEAT, r, 20, t + k * 5 * 10**9 + r, {sc.HEARTBEAT_STEP_OPEN_S: 10.0 + 5 * k})
              for r in range(4) for k in range(-1, 4)]
+    # a later step's heartbeat (a rank that recovered, then a long step) is no part of it
+    beats.append(_span(sc.SPAN_HEARTBEAT, 2, 21, t + 30 * 10**9, {sc.HEARTBEAT_STEP_OPEN_S: 90.0}))
     found = hang.detect(_job(pa.concat_tables([base, _extra(dumps + beats)])), DiagnosisConfig())
     assert [(a.ranks, a.evidence["elapsed_s"]) for a in found] == [([2], 25.0)]
 

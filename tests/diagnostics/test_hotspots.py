@@ -127,6 +127,13 @@ def test_a_label_whose_capture_never_came_says_when_it_was_asked_and_why():
     requests.unanswered(diagnosis.anomalies, diagnosis.steps)
     [label] = diagnosis.anomalies
     assert label.callsite is None
-    assert label.evidence["capture"] == {"asked_at_step": 52, "window_steps": 20, "last_step": 59}
+    assert label.evidence["capture"] == {"asked_at_step": 52, "window_steps": 20, "last_step": 59,
+                                         "ended_early": True}
     assert ("no line: its ranks were asked for a capture at step 52; the job ended at step 59, "
             "before the capture's 20 steps were done") in render(diagnosis)
+    # asked early enough for the whole window: the capture ran, and no line stood out
+    requests.asked_at = {1: 30}
+    requests.unanswered(diagnosis.anomalies, diagnosis.steps)
+    assert label.evidence["capture"]["ended_early"] is False
+    assert ("no line: its ranks were captured from step 30; no line of theirs took more time "
+            "than their peer's") in render(diagnosis)

@@ -753,6 +753,13 @@ def test_a_step_that_sleeps_in_the_jobs_own_code_is_the_job_not_the_host():
         ("fail_slow", [], "compute", 20)]
     assert "burning no more CPU: the step waits" in diagnosis.anomalies[0].summary
     assert diagnosis.host_contention == []
+    # without the run queue reported (off Linux) nothing tells the two apart: the host,
+    # as before this rule
+    table = job_spans("j", 2, 60, faults, base_ms=10.0)
+    blind = table.set_column(table.schema.get_field_index("attributes"), "attributes", pa.array(
+        [a.replace('"flare.step.cpu.runqueue_ms"', '"x"') for a in table["attributes"].to_pylist()]))
+    unreported = diagnose(_job(blind))
+    assert unreported.anomalies == [] and len(unreported.host_contention) == 1
 
 
 def test_compute_shared_with_torchs_intra_op_threads_is_compute_not_starvation():

@@ -229,8 +229,8 @@ def cpu_only_idle(frame: StepFrame, now: dict[str, float], past: dict[str, float
     if np.isfinite(frame.sm_clock_mhz).any():
         return False
     waited = now.get("runqueue", math.nan) - past.get("runqueue", math.nan)
-    if not (math.isfinite(waited) and waited >= IDLE_RUNQUEUE_SHARE * slowdown_ms):
-        return False
+    if math.isfinite(waited) and waited < IDLE_RUNQUEUE_SHARE * slowdown_ms:
+        return False  # (unreported, as off Linux: no evidence either way, the rule as before)
     return slowdown_ms > 0 and not work_grew(now, past, slowdown_ms)
 
 

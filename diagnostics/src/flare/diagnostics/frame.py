@@ -122,7 +122,7 @@ class StepFrame:
         columns = np.asarray(columns, dtype=np.int64)
         if columns.size == 0:
             return 0.0
-        step_ms = np.nanmedian(self.duration[:, columns].astype(np.float64), axis=0)
+        step_ms = nanmedian(self.duration[:, columns].astype(np.float64), axis=0)
         counts = (self.step_counts[columns] if self.step_counts is not None
                   else np.full(columns.size, float(self.bucket)))
         return float(np.nansum(step_ms * counts))

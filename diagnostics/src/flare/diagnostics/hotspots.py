@@ -274,5 +274,7 @@ class CaptureRequests:
                 continue
             at = [self.asked_at[int(r)] for r in anomaly.ranks if int(r) in self.asked_at]
             if at:
-                anomaly.evidence["capture"] = {"asked_at_step": min(at), "window_steps": self.steps,
-                                               "last_step": last}
+                # ended before the window closed, or captured with no line standing out
+                anomaly.evidence["capture"] = {
+                    "asked_at_step": min(at), "window_steps": self.steps, "last_step": last,
+                    "ended_early": last is None or last - min(at) < self.steps}

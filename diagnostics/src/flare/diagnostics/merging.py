@@ -80,12 +80,6 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
                 for straggler_label in hosts:
                     _nest_slowdown(straggler_label, anomaly)
                 continue
-        if anomaly.kind == "regression":
-            cause_of = _explained_regression(anomaly, anomalies)
-            if cause_of is not None:
-                cause_of.evidence["regression"] = anomaly.summary
-                cause_of.summary += f"; against the baseline: {anomaly.summary}"
-                continue
         if anomaly.kind == "straggler" and anomaly.evidence.get("pattern"):
             # A rank's stalls of the same cause inside its own lasting slowdown are how
             # that slowdown shows (a slow loader stalling every other step), not a
@@ -113,6 +107,13 @@ def merge(anomalies: list[Anomaly]) -> list[Anomaly]:
             kept.append(anomaly)
         else:
             owner.evidence.setdefault("also", []).append(anomaly.summary)
+    # a regression against the baseline, over the labels that stayed labels
+    for regression in [a for a in kept if a.kind == "regression"]:
+        cause_of = _explained_regression(regression, kept)
+        if cause_of is not None:
+            cause_of.evidence["regression"] = regression.summary
+            cause_of.summary += f"; against the baseline: {regression.summary}"
+            kept.remove(regression)
     return _one_per_stretch(kept)
 
 

@@ -36,6 +36,9 @@ def at(callsite: str) -> str:
 def unanswered_capture(capture: dict) -> str:
     """Why a label asked a capture of has no line (hotspots.CaptureRequests.unanswered)."""
     asked, window, last = capture["asked_at_step"], capture["window_steps"], capture.get("last_step")
+    if not capture.get("ended_early", True):
+        return (f"no line: its ranks were captured from step {asked}; no line of theirs took "
+                "more time than their peer's")
     ran = f"the job ended at step {last}, " if last is not None else ""
     return (f"no line: its ranks were asked for a capture at step {asked}; {ran}before the "
             f"capture's {window} steps were done")

@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
             child.kill()
     collector.flush()
     if stopped:
-        _record_stop(collector, job, writeback_endpoint, stopped[0], stopped[1])
+        _record_stop(collector, args.store, job, writeback_endpoint, stopped[0], stopped[1])
     if not args.no_diagnose:
         _final_report(args, collector, job, writeback_endpoint,
                       stopped_by_user=bool(stopped), status=status,
@@ -408,10 +408,23 @@ def _wait(child: subprocess.Popen, on_interrupt=None, escalate_after_s: float = 
     return code if code >= 0 else 128 - code
 
 
-def _record_stop(collector, job: str, endpoint: str, signum: int, time_ns: int) -> None:
+def _record_stop(collector, store_path: str, job: str, endpoint: str, signum: int,
+                 time_ns: int) -> None:
     """Store that the user stopped the job (a `flare.run.stop` span): `flare diagnose`
     later reads it as this run's report does (seen: a job stopped with Ctrl-C twice read
-    clean here, and "rank 0 died without an error ... SIGKILL" from the store)."""
+    clean here, and "rank 0 died without an error ... SIGKILL" from the store). Only for
+    a job the store holds: the span alone would make a job that sent nothing one."""
+    from flare.diagnostics.backends.store import StoreBackend
+
+    try:
+        backend = StoreBackend(store_path)
+        try:
+            if job not in backend.jobs():
+                return
+        finally:
+            backend.close()
+    except BackendError:
+        return
     try:
         writeback.send_otlp(endpoint, writeback.stop_span(job, signal.Signals(signum).name, time_ns))
         collector.flush()

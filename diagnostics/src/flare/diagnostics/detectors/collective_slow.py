@@ -62,10 +62,11 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
             # no completion recorded (gloo): the span ends with the enclosing backward,
             # so its length is the rest of the backward's compute, not a transfer time
             continue
-        entry = by_call.setdefault((pg, seq), [duration, size, step, op, set(), start or 0])
+        entry = by_call.setdefault((pg, seq), [duration, size, step, op, set(), 0])
         entry[0] = min(entry[0], duration)
         entry[4].add(rank)
-        entry[5] = max(entry[5], (start or 0) + duration)
+        if start is not None:
+            entry[5] = max(entry[5], start + duration)
     groups: dict[str, list[tuple[int, float, int | None, str | None, int, int]]] = {}
     for (pg, seq), (duration, size, step, op, ranks, end) in by_call.items():
         if len(ranks) >= 2:
@@ -82,7 +83,8 @@ def _per_group(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
         stepped = [c[2] for c in calls if c[2] is not None]
         if stepped and len({c[2] for c in calls[point.index:] if c[2] is not None}) < 2:
             continue  # a change within one step is no lasting slowdown
-        if (calls[-1][5] - calls[point.index - 1][5]) / 1e9 < config.min_persist_s:
+        since, until = calls[point.index - 1][5], calls[-1][5]
+        if since and until and (until - since) / 1e9 < config.min_persist_s:
             continue  # nor one shorter than a host's hiccup (DiagnosisConfig.min_persist_s)
         before = float(np.median(gbps[:point.index]))
         after = float(np.median(gbps[point.index:]))

@@ -156,15 +156,18 @@ def _still_stuck_s(job: JobData, latest: dict[int, dict]) -> float:
     hang of ~29 s, stopped by Ctrl-C, read 14.3 s — the dump's figure; `flare nodes`
     charges hosts with it)."""
     beats = job.spans([sc.SPAN_HEARTBEAT], [sc.HEARTBEAT_STEP_OPEN_S], ranks=sorted(latest),
-                      columns=["rank", "start_ns"])
+                      columns=["rank", "step", "start_ns"])
     if beats.num_rows == 0:
         return 0.0
     longest = 0.0
-    for rank, start_ns, open_s in zip(beats["rank"].to_pylist(), beats["start_ns"].to_pylist(),
-                                      beats[sc.HEARTBEAT_STEP_OPEN_S].to_pylist(), strict=True):
+    for rank, step, start_ns, open_s in zip(
+            beats["rank"].to_pylist(), beats["step"].to_pylist(), beats["start_ns"].to_pylist(),
+            beats[sc.HEARTBEAT_STEP_OPEN_S].to_pylist(), strict=True):
         dump = latest.get(rank)
-        if dump is not None and open_s is not None and start_ns is not None and start_ns >= dump["start_ns"]:
-            longest = max(longest, float(open_s))
+        if (dump is None or open_s is None or start_ns is None or start_ns < dump["start_ns"]
+                or (step is not None and dump.get("step") is not None and step != dump["step"])):
+            continue  # (a later step of a rank that recovered is no part of this hang)
+        longest = max(longest, float(open_s))
     return longest
 
 
