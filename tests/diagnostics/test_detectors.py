@@ -514,19 +514,6 @@ def test_a_slow_rank_hidden_behind_a_slower_one_is_named_too(seed):
     assert [(a.kind, a.ranks) for a in alone] == [("straggler", [2])], [a.summary for a in alone]
 
 
-def test_a_straggler_must_last_min_persist_s_of_the_jobs_time():
-    # The same ten last slow steps of a 40-step job: a host's hiccup in a job of 5-ms
-    # steps (0.1 s in all; a healthy 2-rank job was labelled so), a straggler in one of
-    # 100-ms steps (1.3 s).
-    def found(base_ms):
-        faults = (Fault("compute", 0, 30, extra_ms=base_ms * 0.3),)
-        table = job_spans("j", 2, 40, faults, base_ms=base_ms, comm_ms=base_ms / 8)
-        return [(a.ranks, a.first_step) for a in straggler.detect(_job(table), DiagnosisConfig())]
-
-    assert found(5.0) == []
-    assert found(100.0) == [([0], 30)]
-
-
 def test_one_victim_of_a_hang_waits_for_it():
     # "rank 0 wait for it in broadcast" read a new user's 2-rank hang report
     text = hang._victims_text([0], {("broadcast", "0", 5): [0]})

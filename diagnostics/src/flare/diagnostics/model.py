@@ -199,7 +199,7 @@ class DiagnosisConfig:
     stopped_by_user: bool = False
     # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
     min_persist_steps: int = 5
-    # Added: ...and a slowdown (fail-slow, collective-slow) or a straggler this many seconds of the job's
+    # Added: ...and a slowdown (fail-slow, collective-slow) this many seconds of the job's
     # time as well. A host's hiccups — a checkpoint's write-back, another process
     # starting, an evaluation's first batches — last a fraction of a second, which is
     # five steps and more of a job with 15-ms steps (healthy jobs labelled over their

@@ -105,12 +105,6 @@ def find(frame: frames.StepFrame, config: DiagnosisConfig,
         # Persistence counts the steps the rank was a culprit, not the run's length.
         spans = [(a, b) for a, b in _dense_runs(mask, persist, density)
                  if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= density]
-        # ...and a host's hiccup is shorter than `min_persist_s` (a 2-rank job of 5-ms
-        # steps: rank 0 "last" over its final 10 steps, 0.06 s in all, 21 ms lost): the
-        # rank's runs together, or a short first run of a lasting one is lost and the
-        # label dated late (a GIL hog from step 40, dated 48)
-        if sum(frame.wall_ms(np.arange(a, b + 1)) for a, b in spans) < config.min_persist_s * 1e3:
-            continue
         if not spans:
             continue
         cols = np.concatenate([_trim(deviation[row], a, b) for a, b in spans])
@@ -254,12 +248,6 @@ def _hidden(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledg
         peers = [r for r in healthy if r != row]
         spans = [(a, b) for a, b in _dense_runs(mask, persist, density)
                  if mask[a:b + 1].sum() >= persist and mask[a:b + 1].mean() >= density]
-        # ...and a host's hiccup is shorter than `min_persist_s` (a 2-rank job of 5-ms
-        # steps: rank 0 "last" over its final 10 steps, 0.06 s in all, 21 ms lost): the
-        # rank's runs together, or a short first run of a lasting one is lost and the
-        # label dated late (a GIL hog from step 40, dated 48)
-        if sum(frame.wall_ms(np.arange(a, b + 1)) for a, b in spans) < config.min_persist_s * 1e3:
-            continue
         if not spans:
             continue
         cols = np.concatenate([_trim(excess, a, b) for a, b in spans])
