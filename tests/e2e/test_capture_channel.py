@@ -65,6 +65,23 @@ def _wait(predicate, what: str, timeout_s: float = 90) -> None:
         time.sleep(0.3)
 
 
+def _captured_rows(path: Path, job: str) -> int:
+    """The captured steps the store holds so far (0 before its first flush)."""
+    from flare.exporters import store as flare_store
+
+    if not path.exists():
+        return 0
+    try:
+        con = flare_store.open_reader(path)
+    except flare_store.StoreError:
+        return 0
+    try:
+        return con.execute("SELECT count(*) FROM spans WHERE job = ? AND name = 'flare.capture'",
+                           [job]).fetchone()[0]
+    finally:
+        con.close()
+
+
 def _capture(url: str, token: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(harness.BIN / "flare"), "capture", "--collector", url, *args],
                           capture_output=True, text=True, timeout=60,
@@ -107,7 +124,10 @@ def test_flare_capture_by_hand_and_a_collector_that_goes_away(tmp_path):
         assert "no live rank 7" in asked.stderr
         _wait(lambda: next(a for a in _agents(url) if a["rank"] == 1)["remote_config_status"] == "APPLIED",
               "rank 1 did not apply the capture")
-        time.sleep(3)  # a few captured steps, while the collector is there
+        # a few captured steps stored, while the collector is there (a fixed 3 s left
+        # none stored once, on a fresh clone's busy tier: the store was never written)
+        _wait(lambda: _captured_rows(tmp_path / "store.duckdb", job) > 0,
+              "no captured step was stored while the collector was there", timeout_s=60)
 
         # the collector goes away mid-capture: the capture stops, the job trains on
         collector.kill()
