@@ -166,6 +166,20 @@ def work_grew(subject_mean: dict[str, float], reference_mean: dict[str, float], 
     return bool(grew) and sum(grew) >= max(WORK_GREW_FLOOR_MS, WORK_GREW_SHARE * excess_ms)
 
 
+def waits_without_work(frame: StepFrame, cause: str, subject_mean: dict[str, float],
+                       reference_mean: dict[str, float], excess_ms: float) -> bool:
+    """Whether compute that grew on a CPU-only job (no SM clock reported) did so without
+    the subject burning more CPU than the reference (peers, or its own past), measured:
+    its own code waits — a sleep, blocking I/O, a lock (a new user's `time.sleep` per
+    step read "its compute is slower", +0.6 ms of CPU burnt against +80 ms). On a GPU
+    job slower kernels burn no CPU of the rank either, so nothing is said there."""
+    if cause != "compute" or np.isfinite(frame.sm_clock_mhz).any():
+        return False
+    measured = any(math.isfinite(subject_mean.get(name, math.nan) - reference_mean.get(name, math.nan))
+                   for name in ("thread_cpu", "other_cpu"))
+    return measured and not work_grew(subject_mean, reference_mean, excess_ms)
+
+
 def dating_series(frame: StepFrame, cause: str, rows: list[int], cols: np.ndarray, excess_ms: float,
                   peers: list[int] | None = None, before: np.ndarray | None = None) -> np.ndarray | None:
     """The (R, S) series whose jump dates a label of `cause` on `rows`, for every

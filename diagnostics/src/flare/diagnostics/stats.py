@@ -64,6 +64,12 @@ class ChangePoint:
     # regime change puts nearly all of them there; a burst of noise does not.
     consistency: float = 1.0
 
+    def on_new_side(self, values: np.ndarray) -> np.ndarray:
+        """Which of `values` lie on the later level's side of the midpoint between the
+        two levels (NaN on neither): what says a change holds."""
+        middle = (self.before + self.after) / 2
+        return values > middle if self.after >= self.before else values < middle
+
 
 def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
     """The single best mean-shift split of `series` (Greyhound-style, robust medians).
@@ -95,13 +101,11 @@ def change_point(series: np.ndarray, min_segment: int) -> ChangePoint | None:
     # quiet series does not turn a trivial wobble into a large score.
     noise = max(mad(values[:k]), 0.02 * abs(before), 1e-9)
     shift = after / before - 1 if before > 0 else 0.0
-    middle = (before + after) / 2
-    if after >= before:
-        on_side = np.concatenate([values[:k] <= middle, values[k:] > middle])
-    else:
-        on_side = np.concatenate([values[:k] >= middle, values[k:] < middle])
-    return ChangePoint(index=int(index_of[k]), before=before, after=after, shift=shift,
-                       score=abs(after - before) / noise, consistency=float(on_side.mean()))
+    point = ChangePoint(index=int(index_of[k]), before=before, after=after, shift=shift,
+                        score=abs(after - before) / noise)
+    # (no NaN is left here: a point not on the new side before k is on the old one)
+    on_side = np.concatenate([~point.on_new_side(values[:k]), point.on_new_side(values[k:])])
+    return dataclasses.replace(point, consistency=float(on_side.mean()))
 
 
 def runs(mask: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:

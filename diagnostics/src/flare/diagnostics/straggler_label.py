@@ -17,6 +17,7 @@ from flare.diagnostics.causes import (
     host_starved,
     means,
     medians,
+    waits_without_work,
     work_grew,
 )
 from flare.diagnostics.model import Anomaly, DiagnosisConfig
@@ -79,10 +80,7 @@ def label(frame: frames.StepFrame, config: DiagnosisConfig, book: ledgers.Ledger
     confidence = density * (0.5 + 0.5 * persist_factor) * (1.0 if why.cause != "unknown" else 0.8)
     others = len(frame.ranks) - len(rows)
     cause_text = describe_cause(why.cause, other_cpu_delta)
-    if (why.cause == "compute" and burnt and not work_grew(my_means, their_means, why.excess_ms)
-            and not np.isfinite(frame.sm_clock_mhz).any()):
-        # a CPU-only rank slower without burning more CPU: its own code waits (a new
-        # user's time.sleep read "its compute is slower", cpu_burnt_delta_ms 0.6 of +80)
+    if waits_without_work(frame, why.cause, my_means, their_means, why.excess_ms):
         cause_text += " without burning more CPU: it waits (a sleep, blocking I/O or a lock)"
     if len(rows) > 1:
         cause_text = cause_text.replace("its ", "their ").replace("it pauses", "they pause")

@@ -23,6 +23,7 @@ from flare.diagnostics.causes import (
     host_starved,
     means,
     medians,
+    waits_without_work,
     work_grew,
 )
 from flare.diagnostics.model import Anomaly, DiagnosisConfig, JobData
@@ -168,9 +169,7 @@ def _settled(point: ChangePoint, series: np.ndarray, persist: int) -> ChangePoin
     and dates the onset early (step 38 for a fault from 40, seen in live following).
     Labels written live are never rewritten, so a slowdown waits until it has lasted
     `persist` steps."""
-    values = series[point.index:]
-    middle = (point.before + point.after) / 2
-    new_side = values > middle if point.after >= point.before else values < middle
+    new_side = point.on_new_side(series[point.index:])
     if not new_side.any():
         return None
     first = int(np.argmax(new_side))
@@ -234,13 +233,9 @@ def _cause_onset(frame: frames.StepFrame, rows: list[int], warm: np.ndarray,
 
 def _waiting_text(frame: frames.StepFrame, cause: str, mean_now: dict[str, float],
                   mean_past: dict[str, float], slowdown_ms: float) -> str:
-    """Compute time that grew on a CPU-only job while the ranks burnt no more CPU, and no
-    busy host behind it (causes.cpu_only_idle): the step waits in the job's own code."""
-    if cause != "compute" or not math.isfinite(mean_now.get("thread_cpu", math.nan)):
-        return ""
-    if np.isfinite(frame.sm_clock_mhz).any():  # a GPU's slower kernels burn no CPU either
-        return ""
-    if work_grew(mean_now, mean_past, slowdown_ms):
+    """Compute that grew while the ranks burnt no more CPU, and no busy host behind it
+    (causes.cpu_only_idle): the step waits in the job's own code."""
+    if not waits_without_work(frame, cause, mean_now, mean_past, slowdown_ms):
         return ""
     return ", burning no more CPU: the step waits (a sleep, blocking I/O or a lock in its code)"
 
@@ -277,11 +272,7 @@ def _own_change(series: np.ndarray, persist: int, config: DiagnosisConfig) -> Ch
     point = change_point(series, persist)
     if not significant(point, config):
         return None
-    later = series[point.index:]
-    later = later[np.isfinite(later)]
-    middle = (point.before + point.after) / 2
-    held = later > middle if point.after >= point.before else later < middle
-    return point if int(held.sum()) >= persist else None
+    return point if int(point.on_new_side(series[point.index:]).sum()) >= persist else None
 
 
 def _from_ranks(frame: frames.StepFrame, config: DiagnosisConfig, warm: np.ndarray,
