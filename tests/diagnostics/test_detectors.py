@@ -514,6 +514,22 @@ def test_a_slow_rank_hidden_behind_a_slower_one_is_named_too(seed):
     assert [(a.kind, a.ranks) for a in alone] == [("straggler", [2])], [a.summary for a in alone]
 
 
+def test_a_straggler_must_last_min_persist_s_of_the_jobs_time_unless_the_pass_is_live():
+    # The same ten last slow steps of a 40-step job: a host's hiccup in a job of 5-ms
+    # steps (0.1 s in all; a healthy 2-rank job was labelled so), a straggler in one of
+    # 100-ms steps (1.3 s). A live pass keeps the short one: it may be the start of a
+    # lasting straggler, which held back would read as stalls first.
+    def found(base_ms, live=False):
+        faults = (Fault("compute", 0, 30, extra_ms=base_ms * 0.3),)
+        table = job_spans("j", 2, 40, faults, base_ms=base_ms, comm_ms=base_ms / 8)
+        return [(a.ranks, a.first_step)
+                for a in straggler.detect(_job(table), DiagnosisConfig(live=live))]
+
+    assert found(5.0) == []
+    assert found(5.0, live=True) == [([0], 30)]
+    assert found(100.0) == [([0], 30)]
+
+
 def test_one_victim_of_a_hang_waits_for_it():
     # "rank 0 wait for it in broadcast" read a new user's 2-rank hang report
     text = hang._victims_text([0], {("broadcast", "0", 5): [0]})

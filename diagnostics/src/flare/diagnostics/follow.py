@@ -29,6 +29,7 @@ collector_client.py's; this module is the loop that drives them.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
@@ -66,7 +67,7 @@ class FollowService:
         self.backend_spec = backend_spec
         self.backend = open_backend(backend_spec, **(backend_opts or {}))
         self.job = job
-        self.config = config or DiagnosisConfig()
+        self.config = dataclasses.replace(config or DiagnosisConfig(), live=True)
         self.otlp_endpoint = otlp_endpoint
         self.out = out or sys.stdout
         self.max_steps = max_steps

@@ -197,10 +197,15 @@ class DiagnosisConfig:
     # the step each rank was in is cut short or stretched by it (frame.warm_mask). Set by
     # `flare run`, and read back from the job's `flare.run.stop` span (pipeline.diagnose).
     stopped_by_user: bool = False
+    # Added: a pass over a job still running (`flare run`'s live alerts, `flare diagnose
+    # --follow`), whose last steps may be the start of something lasting: a straggler
+    # is then not held to `min_persist_s` (detectors/straggler.py `_a_hiccup`).
+    live: bool = False
     # Labels must persist this many steps (ByteRobust-style persistence) to be reported.
     min_persist_steps: int = 5
     # Added: ...and a slowdown (fail-slow, collective-slow) this many seconds of the job's
-    # time as well. A host's hiccups — a checkpoint's write-back, another process
+    # time as well, and a straggler's runs together outside live passes (`live`). A
+    # host's hiccups — a checkpoint's write-back, another process
     # starting, an evaluation's first batches — last a fraction of a second, which is
     # five steps and more of a job with 15-ms steps (healthy jobs labelled over their
     # last 6-25 steps, 0.12-0.38 s; injected faults lasted 1.6 s and more).

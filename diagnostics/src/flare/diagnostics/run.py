@@ -530,7 +530,7 @@ class LiveMonitor:
             # only the steps every rank has sent: a late rank's missing steps would
             # otherwise read as its peers' problem (CompleteSteps)
             diagnosis = pipeline.diagnose(CompleteSteps.of(backend.job_data(self.job)),
-                                          DiagnosisConfig(), warn=lambda _line: None)
+                                          DiagnosisConfig(live=True), warn=lambda _line: None)
         except BackendError:
             return []  # the collector is mid-flush; the next pass will see it
         finally:
