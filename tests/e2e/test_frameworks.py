@@ -159,7 +159,7 @@ def test_a_loop_whose_optimizer_flare_does_not_know_says_what_is_unaccounted(sto
     each rank says once what it could not find, no hang is reported, and the report says
     the whole step is unaccounted for."""
     run = harness.FlareRun(store, "unknown_optimizer", harness.torchrun(
-        harness.TRAIN_DDP, "--steps", 600, "--hidden", 256, "--optimizer", "manual",
+        harness.TRAIN_DDP, "--steps", 300, "--hidden", 256, "--optimizer", "manual",
         "--fault", "compute", "--fault-rank", "0,1", "--fault-from", 0, "--fault-ms", 15, nproc=2),
         env={"FLARE_HANG_TIMEOUT_S": "3", "FLARE_HEARTBEAT_S": "1"})
     report = run.finish()
