@@ -178,6 +178,29 @@ def test_bad_backends_are_one_line(spec, message):
     with pytest.raises(BackendError) as caught:
         open_backend(spec.format(port=port))
     assert message.format(port=port) in str(caught.value)
+
+
+def test_an_unreachable_server_is_one_line_with_the_sockets_reason():
+    """docs/backends.md: an unreachable server is one line. clickhouse-connect logged
+    "Unexpected Http Driver Exception" above it, and the line was urllib3's pool text
+    cut at 300 characters."""
+    pytest.importorskip("clickhouse_connect")
+    port = _closed_port()
+    result = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "jobs", "--backend",
+                             f"clickhouse+http://127.0.0.1:{port}/otel"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr == (f"flare: error: cannot reach ClickHouse at http://127.0.0.1:{port}: "
+                             "Connection refused\n")
+
+
+def test_a_file_named_as_a_chdb_directory_is_not_said_to_be_missing(tmp_path):
+    store_file = tmp_path / "store.duckdb"
+    store_file.write_bytes(b"x")
+    with pytest.raises(BackendError) as caught:
+        open_backend(f"chdb:{store_file}")
+    assert str(caught.value) == (f"chDB needs a directory and {store_file} is not one "
+                                 "(a Flare store file is read with --store PATH)")
     assert "\n" not in str(caught.value)
 
 

@@ -121,6 +121,20 @@ def test_cli_port_in_use_is_exit_1_without_traceback(tmp_path):
     assert "cannot listen for OTLP/HTTP" in result.stderr.strip().splitlines()[-1]
 
 
+def test_cli_unreadable_certificate_or_token_is_a_configuration_error(tmp_path, capsys):
+    """docs/collector.md: a certificate, key or token file that cannot be read is exit 2
+    (it said 1, with a taken port's)."""
+    for section in ({"tls": {"cert_file": str(tmp_path / "no.pem"), "key_file": str(tmp_path / "no.key")}},
+                    {"auth": {"bearer_token_file": str(tmp_path / "no-token")}}):
+        doc = _embedded(tmp_path)
+        doc["receivers"]["otlp"]["protocols"]["http"].update(section)
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        assert main(["--config", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("flare collector: error: cannot read ")
+
+
 def test_bearer_token_file_guards_the_http_receiver(tmp_path):
     """`auth.bearer_token_file` (the token is the file's text, trailing newline dropped)."""
     import urllib.error

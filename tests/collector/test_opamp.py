@@ -129,6 +129,26 @@ def test_an_agent_that_disconnects_is_gone_and_its_request_dropped(collector):
     assert _agents(collector)[0]["state"] == "alive"
 
 
+def test_a_capture_without_a_job_names_what_is_missing():
+    from flare.collector.opamp import OpampServer
+    from flare.collector.telemetry import Counters
+
+    server = OpampServer(Counters())
+    with pytest.raises(ValueError) as none:
+        server.request_capture(None, [1], 5)
+    assert str(none.value) == ("no job has live agents: no rank of a running job is connected "
+                               "to this collector's control channel")
+    for job in ("job-x", "job-y"):
+        message = opamp_pb2.AgentToServer(instance_uid=bytes(range(16)) if job == "job-x" else bytes(16))
+        attr = message.agent_description.identifying_attributes
+        attr.add(key="flare.job.id").value.string_value = job
+        attr.add(key="flare.rank").value.int_value = 0
+        assert server.handle(message.SerializeToString(), KEY)[0] == 200
+    with pytest.raises(ValueError) as two:
+        server.request_capture(None, [0], 5)
+    assert str(two.value) == "2 jobs have live agents (job-x, job-y); name one with --job"
+
+
 def test_an_agent_not_heard_from_is_marked_gone_and_its_request_dropped():
     from flare.collector.opamp import OpampServer
     from flare.collector.telemetry import Counters

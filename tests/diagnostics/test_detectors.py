@@ -535,3 +535,13 @@ def test_one_victim_of_a_hang_waits_for_it():
     text = hang._victims_text([0], {("broadcast", "0", 5): [0]})
     assert text == "rank 0 waits for it in broadcast (process group 0, seq 5)"
     assert hang._victims_text([0, 1], {}) == "ranks 0, 1 wait for it"
+
+
+def test_an_error_message_cut_for_a_summary_is_cut_at_a_word_and_says_so():
+    # (a rank_missing summary read "…Connection reset by )", cut mid-word)
+    message = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:52731: " \
+              "Connection reset by peer while waiting for the next message of the all_reduce"
+    clipped = error._clip(message, 120)
+    assert clipped.endswith(" …") and len(clipped) <= 122
+    assert message.startswith(clipped[:-2]) and message[len(clipped) - 2] == " "
+    assert error._clip("one\nline", 120) == "one line"

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from flare.diagnostics.output import DEFAULT_STORE, UserError, emit
+from flare.diagnostics.output import DEFAULT_STORE, UserError, check_output, emit
 
 if TYPE_CHECKING:  # each command imports what it uses: import-kineto needs no diagnosis
     from flare.diagnostics.backends import Backend
@@ -339,6 +339,14 @@ def capture_command(args: argparse.Namespace) -> int:
     return 0 if result["asked"] else EXIT_FAILURE
 
 
+def _open_output(path: str):
+    """--follow's -o FILE, opened for its lines; a failure is the one-line error."""
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}") from None
+
+
 def diagnose_command(args: argparse.Namespace) -> int:
     from flare.diagnostics import pipeline
     from flare.diagnostics.backends import BackendError
@@ -356,6 +364,8 @@ def diagnose_command(args: argparse.Namespace) -> int:
     if args.otlp_endpoint and not (args.write_back or args.follow):
         raise UserError("--otlp-endpoint is where --write-back or --follow send anomaly spans; "
                         "add one of them")
+    if args.output:  # before the diagnosis (and before --follow truncates it)
+        check_output(args.output)
     spec = backend_spec(args)
     backend = open_user_backend(spec)
     try:
@@ -387,7 +397,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
             if not args.output:
                 return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, sys.stdout,
                                    collector=args.collector)
-            with open(args.output, "w", encoding="utf-8") as out:
+            with _open_output(args.output) as out:
                 return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, out,
                                    collector=args.collector)
         job = pick_job(backend, args.job)
@@ -424,6 +434,11 @@ def diagnose_command(args: argparse.Namespace) -> int:
 def import_kineto_command(args: argparse.Namespace) -> int:
     from flare.importers import kineto
 
+    if args.job is not None and not args.job.strip():
+        # (seen: `--job ""` imported under the directory's name, `--job " "` as a job
+        # `flare jobs` lists with a blank name; `flare run` refuses both)
+        raise UserError(f"--job {args.job!r} is empty: name the job, or leave --job out "
+                        "for the directory's name")
     try:
         limits = kineto.Limits(max_bytes=kineto.parse_size(args.max_file_size),
                                max_string=kineto.parse_size(args.max_string))

@@ -19,6 +19,36 @@ class UserError(Exception):
     """A problem the user can fix; printed as one line."""
 
 
+def _is_duckdb_file(path: str) -> bool:
+    """A DuckDB database file: its magic `DUCK` follows the 8-byte checksum. Only a
+    regular file is read (`-o /dev/stdout` into a pipe, or a FIFO, would block)."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(12)[8:12] == b"DUCK"
+    except OSError:
+        return False
+
+
+def check_output(path: str, store: str | None = None) -> None:
+    """-o FILE can take a report: not a directory, in a directory that exists and can be
+    written (and so can the file, if it exists), not `store`, and not a DuckDB file
+    (seen: `-o` naming the store replaced every job it held with the report). Checked
+    before the diagnosis (before the job, under `flare run`, whose store may not exist
+    yet), and again just before writing."""
+    if os.path.isdir(path):
+        raise UserError(f"cannot write {path}: it is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UserError(f"cannot write {path}: no directory {directory}")
+    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
+        raise UserError(f"cannot write {path}: permission denied")
+    if (store is not None and os.path.abspath(path) == os.path.abspath(store)) or _is_duckdb_file(path):
+        raise UserError(f"will not write the report over {path}: it is a DuckDB store "
+                        "(every job in it would be lost); name another file with -o")
+
+
 def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | None) -> None:
     if fmt == "json":
         text = json.dumps(diagnosis.to_json(), indent=2) + "\n"
@@ -32,6 +62,7 @@ def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | N
         colour = output is None and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         text = report_text.render(diagnosis, colour=colour)
     if output:
+        check_output(output)
         try:
             with open(output, "w", encoding="utf-8") as handle:
                 handle.write(text)

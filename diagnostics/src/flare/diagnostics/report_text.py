@@ -168,10 +168,13 @@ def _time_table(rows: list[dict]) -> list[str]:
         said.append("time the other ranks waited, by culprit")
     if any(r["kind"] == "phase" for r in rows):
         said.append("time every rank spent, by framework phase")
+    # as wide as the widest cause (seen: "hang (software)" pushed its row's figures
+    # one column right of the heading's)
+    width = max(13, *(len(str(r["cause"])) for r in rows))
     out = ["", f"Where the time went ({'; '.join(said)}):",
-           f"    {'WHO':<36} {'CAUSE':<13} {'SECONDS':>8} {'SHARE':>6}"]
+           f"    {'WHO':<36} {'CAUSE':<{width}} {'SECONDS':>8} {'SHARE':>6}"]
     for row in rows:
-        out.append(f"    {row['who'][:36]:<36} {row['cause']:<13} {row['seconds']:>8.2f} "
+        out.append(f"    {row['who'][:36]:<36} {row['cause']:<{width}} {row['seconds']:>8.2f} "
                    f"{row['share']:>6.1%}")
     return out
 

@@ -28,7 +28,7 @@ from flare.diagnostics import pipeline, report_text, writeback
 from flare.diagnostics.backends import BackendError
 from flare.diagnostics.hotspots import CaptureRequests
 from flare.diagnostics.model import DiagnosisConfig
-from flare.diagnostics.output import DEFAULT_STORE, UserError, emit
+from flare.diagnostics.output import DEFAULT_STORE, UserError, check_output, emit
 from flare.instrumentation import opamp_agent
 from flare.wire import semconv as sc
 
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
                         "for a generated name")
     _check_command(command[0])
     if args.output:  # found out before the job runs, not after it (the report is lost)
-        _check_writable(args.output)
+        check_output(args.output, store=args.store)
     _check_store_directory(args.store)
     _check_existing_store(args.store, args.job)
     job = args.job or f"run-{datetime.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
@@ -227,18 +227,6 @@ def _check_store_directory(path: str) -> None:
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise UserError(f"the directory {directory} of store {path} {what}")
-
-
-def _check_writable(path: str) -> None:
-    """-o FILE can be written: its directory exists and is writable (and so is the
-    file, if it exists). Nothing is created before the report is."""
-    if os.path.isdir(path):
-        raise UserError(f"cannot write {path}: it is a directory")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UserError(f"cannot write {path}: no directory {directory}")
-    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
-        raise UserError(f"cannot write {path}: permission denied")
 
 
 def _check_existing_store(store_path: str, job: str | None) -> None:

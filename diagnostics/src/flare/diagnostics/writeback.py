@@ -217,8 +217,14 @@ def _send_grpc(parsed, request: trace_service_pb2.ExportTraceServiceRequest, tim
     try:
         trace_service_pb2_grpc.TraceServiceStub(channel).Export(request, timeout=timeout_s)
     except grpc.RpcError as exc:
+        # (seen: `--otlp-endpoint http://collector:4318`, the OTLP/HTTP port, read
+        # "cannot send anomalies to collector:4318: unavailable", which named neither
+        # the protocol tried nor the URL that speaks OTLP/HTTP)
         raise WritebackError(
-            f"cannot send anomalies to {target}: {exc.code().name.lower()}"  # type: ignore[attr-defined]
+            f"cannot send anomalies over OTLP/gRPC to {target}: "
+            f"{exc.code().name.lower()}"  # type: ignore[attr-defined]
+            f" (for an OTLP/HTTP receiver give its …/v1/traces URL, e.g. "
+            f"{'https' if parsed.scheme == 'https' else 'http'}://{target}/v1/traces)"
         ) from None
     finally:
         channel.close()

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [f"OTLP/gRPC {collector.grpc_endpoint}" if collector.grpc_endpoint else "",
              f"OTLP/HTTP {collector.http_endpoint}" if collector.http_endpoint else "",
              f"store {collector.store_path}" if collector.store_path else "",
-             f"metrics http://{collector.metrics_endpoint}/metrics" if collector.metrics_endpoint else "",
-             f"query http://{collector.query_endpoint}" if collector.query_endpoint else ""]
+             f"metrics {collector.metrics_url}" if collector.metrics_url else "",
+             f"query {collector.query_url}" if collector.query_url else ""]
     logging.getLogger("flare.collector").info("ready: %s", ", ".join(p for p in parts if p))
     while not stop.wait(1.0):
         pass

@@ -379,9 +379,12 @@ class OpampServer:
             self._expire(now, 0.0)
             if job is None:
                 jobs = sorted({a.job for a in self._agents.values() if a.job and not a.gone})
+                if not jobs:  # (it said "0 jobs have live agents (none); name one")
+                    raise ValueError("no job has live agents: no rank of a running job is connected "
+                                     "to this collector's control channel")
                 if len(jobs) != 1:
-                    raise ValueError(f"{len(jobs)} jobs have live agents ({', '.join(jobs[:20]) or 'none'}); "
-                                     "name one")
+                    raise ValueError(f"{len(jobs)} jobs have live agents ({', '.join(jobs[:20])}); "
+                                     "name one with --job")
                 job = jobs[0]
             # the id is not guessable: a status naming its hash comes from the agent it was sent to
             request_id = f"capture-{next(self._ids)}-{secrets.token_hex(6)}"

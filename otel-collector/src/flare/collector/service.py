@@ -223,6 +223,22 @@ class Collector:
         ext = self._extensions.get("flare_query")
         return ext.endpoint if ext else None
 
+    def _url(self, name: str, path: str) -> str | None:
+        ext = self._extensions.get(name)
+        if ext is None:
+            return None
+        return f"{'https' if ext.options.tls else 'http'}://{ext.endpoint}{path}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus page's URL: https where the extension has `tls` (the start
+        line said http:// for the `secure` configuration's TLS-only endpoint)."""
+        return self._url("flare_metrics", "/metrics")
+
+    @property
+    def query_url(self) -> str | None:
+        return self._url("flare_query", "")
+
     @property
     def store_path(self) -> str | None:
         for exporter_id, (etype, options) in self.config.exporters.items():

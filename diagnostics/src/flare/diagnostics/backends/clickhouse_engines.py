@@ -4,6 +4,7 @@ the engine's errors into one-line `BackendError`s; the SQL is `clickhouse.py`'s.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -13,6 +14,10 @@ from typing import Any
 
 from flare.diagnostics.backends.base import BackendError
 from flare.wire import semconv as sc
+
+# clickhouse-connect logs "Unexpected Http Driver Exception" before raising, which
+# Python's last-resort handler printed as a second line above Flare's one-line error.
+logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
 
 
 class Chdb:
@@ -24,6 +29,9 @@ class Chdb:
 
     def __init__(self, path: str) -> None:
         if not Path(path).is_dir():
+            if Path(path).exists():  # (seen: a DuckDB store named here read "does not exist")
+                raise BackendError(f"chDB needs a directory and {path} is not one "
+                                   "(a Flare store file is read with --store PATH)")
             raise BackendError(f"chDB directory {path} does not exist")
         try:
             from chdb import session
@@ -158,7 +166,7 @@ class Http:
         try:
             self._client = clickhouse_connect.get_client(**options)
         except ClickHouseError as exc:
-            raise BackendError(f"cannot reach {self.where}: {first_line(exc)}") from None
+            raise BackendError(f"cannot reach {self.where}: {_os_reason(exc) or first_line(exc)}") from None
 
     def arrow(self, sql: str, params: dict[str, Any]):
         try:
@@ -168,6 +176,19 @@ class Http:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _os_reason(exc: BaseException) -> str | None:
+    """The socket's own reason under a driver's wrapping ("Connection refused", not
+    urllib3's 300 characters of pool, URL and query id)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def first_line(exc: BaseException) -> str:

@@ -90,7 +90,7 @@ def _vanished(job: JobData, errors: list[dict]) -> Anomaly | None:
                 + ": killed by a signal (SIGKILL, the OOM killer) or crashed below Python; "
                 f"rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} then "
                 f"failed, losing {'their' if len(victims) > 1 else 'its'} connection to it "
-                f"({errors[0]['type']}: {errors[0]['message'][:120]})",
+                f"({errors[0]['type']}: {_clip(errors[0]['message'], 120)})",
         evidence={
             "last_reported_step": last_steps,
             "quiet_before_first_error_s": round((first_error_ns - quiet[-1][0]) / 1e9, 3),
@@ -125,3 +125,13 @@ def _describe(row: dict) -> dict:
         "consequence": signal is not None or bool(_CONSEQUENCE.search(text)),
         "trace_id": row.get("trace_id"),
     }
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text` on one line, cut at a word's end within `limit` characters and marked as
+    cut (a summary read "…Connection reset by )", cut mid-word with no sign of it)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0] if " " in text[limit // 2:limit] else text[:limit]
+    return cut.rstrip() + " …"
