@@ -142,6 +142,15 @@ def test_kernel_slow_against_peers_and_against_peak(tmp_path):
     assert found2[0].evidence["kernels"][0]["peak_tflops"] == 989.0
 
 
+def test_kernel_slow_needs_two_peers_to_name_the_slower_rank(tmp_path):
+    # Two ranks: which one is odd is not in the kernels (rank 1 of a real 128-rank job's
+    # two-rank profile was "slower than its peers" on one data-dependent sort kernel).
+    job = _Job("pair")
+    _training(job, slow_rank=1, slow_factor=1.6, ranks=2)
+    found = kernel_slow.detect(job.save(tmp_path / "s.duckdb").job_data("pair"), DiagnosisConfig())
+    assert [a.evidence["reference"] for a in found] == ["peak"]
+
+
 def _steps(job: _Job, ranks=4, steps=12, throttled_rank=None, from_step=4, culprit=True):
     for step in range(steps):
         for rank in range(ranks):

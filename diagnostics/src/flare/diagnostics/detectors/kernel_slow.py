@@ -2,7 +2,7 @@
 
 Two references, as in the paper:
 - peers: per (kernel name, shapes) the median duration on each rank; a rank whose
-  median is `PEER_FACTOR` × the peers' median is slow there (a slow GPU, clocks, a bad
+  median is `PEER_FACTOR` × the peers' median (`MIN_PEERS` of them at least) is slow there (a slow GPU, clocks, a bad
   node) — cause `hardware`;
 - peak: GEMM/attention kernels whose achieved TFLOPS stay below `PEAK_FRACTION` of the
   datasheet peak for the GPU model and dtype (`kernel_taxonomy.peak_tflops`) while
@@ -28,6 +28,10 @@ PEER_FACTOR = 1.3
 PEAK_FRACTION = 0.10
 MIN_SAMPLES = 3
 MIN_TIME_SHARE = 0.01
+# A kernel is compared where at least this many peers ran it: against one peer either
+# rank may be the odd one (two ranks of a real 128-rank job's profile read "rank 1 runs
+# 1 kernel(s) slower than its peers", a radix sort whose time follows its data, 2.5x).
+MIN_PEERS = 2
 
 
 def detect(job: JobData, config: DiagnosisConfig) -> list[Anomaly]:
@@ -83,7 +87,7 @@ def _peer_slow(table: Table, groups: list[dict[str, Any]], totals: dict[int, flo
     slow: dict[int, list[dict]] = {}
     compared: dict[int, int] = {}
     for key, entries in by_key.items():
-        if len(entries) < 2:
+        if len(entries) < 1 + MIN_PEERS:
             continue
         for entry in entries:
             rank = int(entry["rank"])
