@@ -261,6 +261,7 @@ def test_exposure_without_tls_or_token_needs_the_explicit_flag(tmp_path):
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "0.0.0.0" in done.stderr and "--insecure-expose" in done.stderr
     assert not Path(tmp_path / "s.duckdb").exists()  # refused before anything was made
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no WAL
     proc = subprocess.Popen([*command, "--insecure-expose"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         lines = []

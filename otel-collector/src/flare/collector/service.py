@@ -262,15 +262,17 @@ class Collector:
             raise RuntimeError("collector already started")
         self._started = True
         cfg = self.config
-        marker_key = "collector.wal.committed_lsn"
-        if self.wal is not None:
-            marker_key = f"collector.wal.{self.wal.load_identity()}.committed_lsn"
-        self.worker = Worker(
-            self.queue, self.pipelines, self.exporters, self.wal, marker_key,
-            self.counters, cfg.flush_interval_s,
-        )
         try:
+            # first: a start refused for exposure creates no write-ahead log directory
+            # (seen: `<store>.ingest-wal/` left behind by every refused start)
             self._check_exposure()
+            marker_key = "collector.wal.committed_lsn"
+            if self.wal is not None:
+                marker_key = f"collector.wal.{self.wal.load_identity()}.committed_lsn"
+            self.worker = Worker(
+                self.queue, self.pipelines, self.exporters, self.wal, marker_key,
+                self.counters, cfg.flush_interval_s,
+            )
             self._recover()
             self.worker.start()
             self._start_receivers()
