@@ -14,6 +14,7 @@ from flare.diagnostics import fleet
 from flare.diagnostics.backends import open_backend
 from flare.diagnostics.synthetic import Fault, job_spans
 from flare.exporters import store as flare_store
+from flare.wire import semconv as sc
 
 BAD_HOST = "gpu-node-07"
 # job → (the slow rank, the hosts of ranks 0-3): the bad host runs a different rank in
@@ -105,6 +106,45 @@ def _with_command(table: pa.Table, command: str | None) -> pa.Table:
             resource["process.command"] = command
         resources.append(json.dumps(resource))
     return table.set_column(table.column_names.index("resource"), "resource", pa.array(resources))
+
+
+def test_baseline_auto_passes_over_an_earlier_run_with_labels(tmp_path):
+    """A run whose labels `flare run` wrote back is no baseline while a clean one of the
+    same script is there (seen: a 60 % communication regression read "No anomalies found"
+    against the run before it, a gc straggler); with only labelled runs, the latest is
+    picked and the report says it carries labels."""
+    path = tmp_path / "store.duckdb"
+
+    def run(con, job, at_s, faults=(), labelled=False):
+        table = _with_command(job_spans(job, 4, 60, faults, start_ns=1_700_000_000_000_000_000 + at_s * 10**9),
+                              "train.py")
+        if labelled:  # one of its spans as the written-back label
+            names = table.column("name").to_pylist()
+            names[0] = sc.SPAN_ANOMALY
+            table = table.set_column(table.column_names.index("name"), "name", pa.array(names))
+        flare_store.insert_spans(con, table)
+
+    with flare_store.writer(path) as con:
+        run(con, "healthy", 0)
+        run(con, "gc", 1000, (Fault("gc", 1, 10),), labelled=True)
+        run(con, "slower", 2000, (Fault("communication", 0, 0),))
+    passed_over: list[str] = []
+    assert fleet.auto_baseline(open_backend(f"store:{path}"), "slower", passed_over)[0] == "healthy"
+    assert passed_over == ["gc"]
+    done = subprocess.run([sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store", str(path),
+                           "--job", "slower", "--baseline-job", "auto"],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0 and "Compared with job healthy" in done.stdout, done.stdout + done.stderr
+    assert "Passed over for their labels: gc." in done.stdout
+    only = tmp_path / "only.duckdb"
+    with flare_store.writer(only) as con:
+        run(con, "gc", 1000, (Fault("gc", 1, 10),), labelled=True)
+        run(con, "next", 2000)
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "flare.diagnostics.cli", "diagnose", "--store", str(only), "--job", "next",
+         "--baseline-job", "auto", "--format", "json"], capture_output=True, text=True, timeout=180,
+        check=True).stdout)
+    assert report["baseline"]["job"] == "gc" and report["baseline"]["labelled"] is True
 
 
 def test_baseline_auto_picks_the_latest_earlier_run_of_the_same_script(tmp_path):

@@ -379,7 +379,8 @@ def diagnose_command(args: argparse.Namespace) -> int:
             from flare.diagnostics import fleet
 
             try:
-                name, found = fleet.auto_baseline(backend, pick_job(backend, args.job))
+                passed_over: list[str] = []
+                name, found = fleet.auto_baseline(backend, pick_job(backend, args.job), passed_over)
             except BackendError as exc:
                 raise UserError(str(exc)) from None
             if name is None:
@@ -388,6 +389,10 @@ def diagnose_command(args: argparse.Namespace) -> int:
             else:
                 config.baseline = backend.job_data(name)
                 baseline = {"job": name, "picked": "auto", "signature": found}
+                if name in passed_over:  # every candidate carries labels: said in the report
+                    baseline["labelled"] = True
+                elif passed_over:
+                    baseline["passed_over"] = passed_over
         elif args.baseline_job:
             config.baseline = backend.job_data(pick_job(backend, args.baseline_job, "baseline job"))
             baseline = {"job": config.baseline.job, "picked": "given"}

@@ -132,27 +132,50 @@ def signature(job: JobData) -> dict[str, Any] | None:
     return None
 
 
-def auto_baseline(backend: Any, job: str) -> tuple[str | None, dict[str, Any] | None]:
-    """The most recent job that ended before `job` began, with the same signature:
-    (its name or None, `job`'s signature or None)."""
+def auto_baseline(backend: Any, job: str,
+                  passed_over: list[str] | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """The most recent job that ended before `job` began, with the same signature and no
+    label written back into it (`flare run` writes its labels into the job's spans): a
+    faulty earlier run is no baseline (seen: a job with a 60 % communication regression
+    against its healthy predecessor read "No anomalies found" against the run in
+    between, itself a gc straggler). When every such job carries labels, the most recent
+    of them. (its name or None, `job`'s signature or None); `passed_over` receives the
+    names of labelled jobs skipped, most recent first, and the one picked when all are."""
     target = backend.job_data(job)
     wanted = signature(target)
     starts = [r["first_start_ns"] for r in target.rank_activity([sc.SPAN_STEP]).to_pylist()
               if r.get("first_start_ns") is not None]
     if wanted is None or not starts:
         return None, wanted
-    best, best_end = None, None
+    candidates: list[tuple[int, str, JobData]] = []
     for other in backend.jobs():
         if other == job:
             continue
         data = backend.job_data(other)
         ends = [r["last_end_ns"] for r in data.rank_activity([sc.SPAN_STEP]).to_pylist()
                 if r.get("last_end_ns") is not None]
-        if not ends or max(ends) >= min(starts) or (best_end is not None and max(ends) <= best_end):
-            continue
-        if signature(data) == wanted:
-            best, best_end = other, max(ends)
-    return best, wanted
+        if ends and max(ends) < min(starts) and signature(data) == wanted:
+            candidates.append((max(ends), other, data))
+    candidates.sort(key=lambda c: c[0], reverse=True)
+    skipped = passed_over if passed_over is not None else []
+    for _, name, data in candidates:
+        if not _labelled(data):
+            return name, wanted
+        skipped.append(name)
+    return (candidates[0][1] if candidates else None), wanted
+
+
+def _labelled(job: JobData) -> bool:
+    """Whether labels were written back into the job (`flare.anomaly` spans); a backend
+    that cannot say reads as unlabelled."""
+    from flare.exporters import store as flare_store
+
+    try:
+        return job.spans([sc.SPAN_ANOMALY], columns=["start_ns"], limit=1).num_rows > 0
+    except Exception as exc:
+        if flare_store.is_interrupt(exc):
+            raise KeyboardInterrupt from exc
+        return False
 
 
 def describe_signature(found: dict[str, Any] | None) -> str:

@@ -55,7 +55,11 @@ def render(diagnosis: Diagnosis, colour: bool = False, width: int = 100) -> str:
         picked = diagnosis.baseline
         lines.append(f"Compared with job {picked['job']}" + (
             f", picked as the most recent earlier job with the same signature "
-            f"({describe_signature(picked.get('signature'))})" if picked.get("picked") == "auto" else "") + ".")
+            f"({describe_signature(picked.get('signature'))})" if picked.get("picked") == "auto" else "") + "."
+            + (f" Passed over for their labels: {', '.join(picked['passed_over'])}."
+               if picked.get("passed_over") else "")
+            + (" It carries labels of its own, as every earlier such job does: a faulty run is a poor "
+               "baseline." if picked.get("labelled") else ""))
     unseen = diagnosis.steps_unseen
     if unseen:
         lines.append(f"Steps unseen: ranks {_ranks(unseen['ranks'])} trained for "
