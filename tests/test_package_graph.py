@@ -177,3 +177,21 @@ def test_a_source_distribution_carries_what_its_c_is_built_from(tmp_path):
                 needed += [str(p.relative_to(REPO / folder)) for p in (REPO / folder / directory).glob("*.h")]
             missing = [name for name in needed if name not in shipped]
             assert not missing, f"{folder}'s sdist lacks {missing}"
+
+
+# The size a module and a class may grow to before they are split along their seams
+# (issue #30's targets: one job per module).
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
+
+
+def test_no_module_or_class_outgrows_its_limit():
+    too_big = []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            too_big.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_big.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_big, too_big

@@ -223,21 +223,13 @@ class Collector:
         ext = self._extensions.get("flare_query")
         return ext.endpoint if ext else None
 
-    def _url(self, name: str, path: str) -> str | None:
-        ext = self._extensions.get(name)
-        if ext is None:
-            return None
-        return f"{'https' if ext.options.tls else 'http'}://{ext.endpoint}{path}"
-
     @property
     def metrics_url(self) -> str | None:
-        """The Prometheus page's URL: https where the extension has `tls` (the start
-        line said http:// for the `secure` configuration's TLS-only endpoint)."""
-        return self._url("flare_metrics", "/metrics")
+        return _extension_url(self._extensions.get("flare_metrics"), "/metrics")
 
     @property
     def query_url(self) -> str | None:
-        return self._url("flare_query", "")
+        return _extension_url(self._extensions.get("flare_query"), "")
 
     @property
     def store_path(self) -> str | None:
@@ -449,3 +441,11 @@ def _component_metrics(prefix: str, component: Any, labels: dict[str, str]) -> l
         log.debug("metrics() of %s failed: %s", labels, exc)
         return []
     return [(prefix + name, labels, float(value)) for name, value in values.items()]
+
+
+def _extension_url(ext: HttpExtension | None, path: str) -> str | None:
+    """An HTTP extension's URL: https where it has `tls` (the start line said http:// for
+    the `secure` configuration's TLS-only metrics and query endpoints)."""
+    if ext is None:
+        return None
+    return f"{'https' if ext.options.tls else 'http'}://{ext.endpoint}{path}"
