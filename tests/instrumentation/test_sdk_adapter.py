@@ -18,9 +18,11 @@ from flare.wire import sdk_adapter, semconv
 @pytest.fixture
 def untested_sdk(monkeypatch):
     sdk_adapter.internals_ok.cache_clear()
+    sdk_adapter.sdk_span_encoders.cache_clear()
     monkeypatch.setattr(sdk_adapter, "sdk_version", lambda: (1, 99))
     yield
     sdk_adapter.internals_ok.cache_clear()
+    sdk_adapter.sdk_span_encoders.cache_clear()
 
 
 def test_the_tested_range_is_the_compat_checks():
@@ -121,3 +123,29 @@ def test_an_untested_sdk_keeps_its_otlp_exporters_as_they_are(untested_sdk):
     assert sdk_adapter.http_export_parts(exporter) is None
     assert sdk_adapter.send_grpc_bytes(exporter, lambda channel: "stub") is False
     assert exporter._stub is None
+
+
+def test_the_public_span_encoders_write_what_the_internal_ones_write():
+    """The fallback of an untested SDK (`public_span_encoders`, over `encode_spans`)
+    against the SDK's internal encoders, on the writer's probe spans."""
+    from flare.instrumentation import otlp_encoding
+
+    internal = sdk_adapter.sdk_span_encoders()
+    assert internal[2].__name__ == "_encode_span"  # (this SDK is a tested one)
+    public = sdk_adapter.public_span_encoders()
+    for span in otlp_encoding.probe_spans():
+        for encode_private, encode_public, value in zip(
+                internal, public, (span.resource, span.instrumentation_scope, span), strict=True):
+            assert encode_public(value).SerializeToString() == encode_private(value).SerializeToString()
+
+
+def test_an_untested_sdk_encodes_requests_through_the_public_encoders(untested_sdk):
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from flare.instrumentation import otlp_encoding
+
+    assert sdk_adapter.sdk_span_encoders()[2].__name__ == "encode_span"
+    spans = otlp_encoding.probe_spans()
+    written = ExportTraceServiceRequest.FromString(otlp_encoding.encode_request(spans, fast=False))
+    assert written == encode_spans(spans)

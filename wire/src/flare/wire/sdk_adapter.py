@@ -220,16 +220,52 @@ def metric_exporters(meter_provider) -> list:
 # ---------------------------------------------------------------- OTLP exporters
 
 
+@functools.cache
 def sdk_span_encoders():
     """The SDK's own OTLP encoders: (resource, instrumentation scope, span), each
-    object → protobuf message."""
-    from opentelemetry.exporter.otlp.proto.common._internal import (
-        _encode_instrumentation_scope,
-        _encode_resource,
-    )
-    from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import _encode_span
+    object → protobuf message. Its internal ones on a tested SDK; elsewhere the same
+    three read out of the public `encode_spans` of one span (`public_span_encoders`)."""
+    if internals_ok():
+        try:
+            from opentelemetry.exporter.otlp.proto.common._internal import (
+                _encode_instrumentation_scope,
+                _encode_resource,
+            )
+            from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import (
+                _encode_span,
+            )
+        except ImportError:
+            pass
+        else:
+            return _encode_resource, _encode_instrumentation_scope, _encode_span
+    return public_span_encoders()
 
-    return _encode_resource, _encode_instrumentation_scope, _encode_span
+
+def public_span_encoders():
+    """(resource, scope, span) encoders over the SDK's public `encode_spans`: each
+    encodes a request of one span and takes its part (a stand-in span carries a
+    resource or a scope alone). A request per call: slower, the same messages."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
+
+    context = SpanContext(trace_id=1, span_id=1, is_remote=False)
+
+    def part(span):
+        return encode_spans([span]).resource_spans[0]
+
+    def encode_resource(resource):
+        return part(ReadableSpan(name="", context=context, resource=resource)).resource
+
+    def encode_scope(scope):
+        return part(ReadableSpan(name="", context=context, resource=Resource({}),
+                                 instrumentation_scope=scope)).scope_spans[0].scope
+
+    def encode_span(span):
+        return part(span).scope_spans[0].spans[0]
+
+    return encode_resource, encode_scope, encode_span
 
 
 def http_transport_classes():
