@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from flare.diagnostics.output import DEFAULT_STORE, UserError, check_output, emit
+from flare.diagnostics.output import DEFAULT_STORE, UserError, check_output, emit, open_report
 
 if TYPE_CHECKING:  # each command imports what it uses: import-kineto needs no diagnosis
     from flare.diagnostics.backends import Backend
@@ -339,14 +339,6 @@ def capture_command(args: argparse.Namespace) -> int:
     return 0 if result["asked"] else EXIT_FAILURE
 
 
-def _open_output(path: str):
-    """--follow's -o FILE, opened for its lines; a failure is the one-line error."""
-    try:
-        return open(path, "w", encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror}") from None
-
-
 def diagnose_command(args: argparse.Namespace) -> int:
     from flare.diagnostics import pipeline
     from flare.diagnostics.backends import BackendError
@@ -402,7 +394,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
             if not args.output:
                 return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, sys.stdout,
                                    collector=args.collector)
-            with _open_output(args.output) as out:
+            with open_report(args.output) as out:
                 return follow.main(spec, args.job, config, args.interval, args.otlp_endpoint, out,
                                    collector=args.collector)
         job = pick_job(backend, args.job)

@@ -141,6 +141,8 @@ def auto_baseline(backend: Any, job: str,
     between, itself a gc straggler). When every such job carries labels, the most recent
     of them. (its name or None, `job`'s signature or None); `passed_over` receives the
     names of labelled jobs skipped, most recent first, and the one picked when all are."""
+    from flare.diagnostics.pipeline import has_span
+
     target = backend.job_data(job)
     wanted = signature(target)
     starts = [r["first_start_ns"] for r in target.rank_activity([sc.SPAN_STEP]).to_pylist()
@@ -159,23 +161,10 @@ def auto_baseline(backend: Any, job: str,
     candidates.sort(key=lambda c: c[0], reverse=True)
     skipped = passed_over if passed_over is not None else []
     for _, name, data in candidates:
-        if not _labelled(data):
+        if not has_span(data, sc.SPAN_ANOMALY):  # no label written back into it
             return name, wanted
         skipped.append(name)
     return (candidates[0][1] if candidates else None), wanted
-
-
-def _labelled(job: JobData) -> bool:
-    """Whether labels were written back into the job (`flare.anomaly` spans); a backend
-    that cannot say reads as unlabelled."""
-    from flare.exporters import store as flare_store
-
-    try:
-        return job.spans([sc.SPAN_ANOMALY], columns=["start_ns"], limit=1).num_rows > 0
-    except Exception as exc:
-        if flare_store.is_interrupt(exc):
-            raise KeyboardInterrupt from exc
-        return False
 
 
 def describe_signature(found: dict[str, Any] | None) -> str:

@@ -49,6 +49,16 @@ def check_output(path: str, store: str | None = None) -> None:
                         "(every job in it would be lost); name another file with -o")
 
 
+def open_report(path: str):
+    """-o FILE checked (`check_output`) and opened for writing; a failure is the
+    one-line error."""
+    check_output(path)
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror}") from None
+
+
 def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | None) -> None:
     if fmt == "json":
         text = json.dumps(diagnosis.to_json(), indent=2) + "\n"
@@ -62,12 +72,11 @@ def emit(diagnosis, job_data, config: DiagnosisConfig, fmt: str, output: str | N
         colour = output is None and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         text = report_text.render(diagnosis, colour=colour)
     if output:
-        check_output(output)
-        try:
-            with open(output, "w", encoding="utf-8") as handle:
+        with open_report(output) as handle:
+            try:
                 handle.write(text)
-        except OSError as exc:
-            raise UserError(f"cannot write {output}: {exc.strerror}") from None
+            except OSError as exc:
+                raise UserError(f"cannot write {output}: {exc.strerror}") from None
         if fmt != "text":
             print(f"flare: wrote {fmt} report to {output}", file=sys.stderr)
     else:

@@ -135,9 +135,15 @@ def diagnose(
 
 def _stopped_by_user(job: JobData) -> bool:
     """Whether `flare run` recorded that its user stopped the job (run._record_stop)."""
+    return has_span(job, sc.SPAN_RUN_STOP)
+
+
+def has_span(job: JobData, name: str) -> bool:
+    """Whether the job holds a span named `name` (one Flare itself writes: a stop, a
+    written-back label); a backend that cannot say reads as no."""
     try:
-        return job.spans([sc.SPAN_RUN_STOP], columns=["start_ns"], limit=1).num_rows > 0
-    except Exception as exc:  # a backend that cannot say: read as a job that ended itself
+        return job.spans([name], columns=["start_ns"], limit=1).num_rows > 0
+    except Exception as exc:
         if flare_store.is_interrupt(exc):
             raise KeyboardInterrupt from exc
         return False
